@@ -1,0 +1,37 @@
+# The two commands a newcomer runs: `make serve` and `make test`. Both set everything up.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: serve test test-fast lint format system-deps clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	# torch first and pinned: 2.13.0 is the CPU build on disk, a range would pull CUDA builds.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+system-deps:
+	bash deploy/system-deps.sh
+
+serve: $(STAMP) system-deps
+	$(VENV)/bin/halfmoon serve $(ARGS)
+
+test: $(STAMP) system-deps
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: $(STAMP) system-deps
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,60 @@
+"""The engine's one attention entry point: KV write, then prefill and decode attention."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from halfmoon.kernels import ops
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Where a step's tokens go and what they attend to.
+
+    The batch is ordered prefill runs first (`num_prefill_tokens` of them, ragged by
+    `prefill_cu_seqlens_q`), then one token per decoding sequence.
+    """
+
+    slot_mapping: torch.Tensor
+    num_prefill_tokens: int
+    prefill_cu_seqlens_q: torch.Tensor
+    prefill_block_tables: torch.Tensor
+    prefill_prefix_lens: torch.Tensor
+    decode_block_tables: torch.Tensor
+    decode_seq_lens: torch.Tensor
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Store this step's K/V in the pages, then attend: `[T, q_heads, D]` in, the same shape out."""
+    ops.store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+    split = meta.num_prefill_tokens
+    parts = []
+    if split > 0:
+        parts.append(
+            ops.prefill_attention(
+                query[:split],
+                k_cache,
+                v_cache,
+                meta.prefill_cu_seqlens_q,
+                meta.prefill_block_tables,
+                meta.prefill_prefix_lens,
+                scale,
+            )
+        )
+    if split < query.shape[0]:
+        parts.append(
+            ops.paged_decode_attention(
+                query[split:], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale
+            )
+        )
+    return parts[0] if len(parts) == 1 else torch.cat(parts)

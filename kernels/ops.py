@@ -1,0 +1,61 @@
+"""The one dispatch point: every kernel the engine calls goes through here.
+
+CUDA tensors run the Triton kernels, everything else the torch references.
+`HALFMOON_KERNELS=torch|triton` forces one backend (tests run Triton on CPU with
+`TRITON_INTERPRET=1`).
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+import torch
+
+from halfmoon.kernels import reference
+
+BACKEND_ENV = "HALFMOON_KERNELS"
+
+
+def backend_for(tensor: torch.Tensor) -> ModuleType:
+    """The module whose kernels serve `tensor`'s device (or the one forced by the environment)."""
+    forced = os.environ.get(BACKEND_ENV, "auto")
+    if forced == "torch" or (forced == "auto" and tensor.device.type != "cuda"):
+        return reference
+    if forced not in ("auto", "triton"):
+        raise ValueError(f"{BACKEND_ENV}={forced!r}: expected 'auto', 'torch' or 'triton'")
+    from halfmoon.kernels import triton_kernels
+
+    return triton_kernels
+
+
+def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
+    backend_for(key).store_kv(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale):
+    return backend_for(query).paged_decode_attention(
+        query, k_cache, v_cache, block_tables, seq_lens, scale
+    )
+
+
+def prefill_attention(query, k_cache, v_cache, cu_seqlens_q, block_tables, prefix_lens, scale):
+    return backend_for(query).prefill_attention(
+        query, k_cache, v_cache, cu_seqlens_q, block_tables, prefix_lens, scale
+    )
+
+
+def gather_pages(cache, page_ids):
+    return backend_for(cache).gather_pages(cache, page_ids)
+
+
+def scatter_pages(cache, page_ids, buffer) -> None:
+    backend_for(cache).scatter_pages(cache, page_ids, buffer)
+
+
+def rms_norm(x, weight, eps, residual=None):
+    return backend_for(x).rms_norm(x, weight, eps, residual)
+
+
+def rotary_embedding(positions, query, key, cos_sin_cache) -> None:
+    backend_for(query).rotary_embedding(positions, query, key, cos_sin_cache)

@@ -1,0 +1,83 @@
+"""Session-wide fixtures: one local Ray instance and one real redis-server per test session."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Triton kernels run under the interpreter on machines without CUDA; set before triton loads.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def ray_session() -> Iterator[None]:
+    """A local Ray instance shared by every test of the session."""
+    import ray
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    yield
+    ray.shutdown()
+
+
+@dataclass
+class RedisServer:
+    """A real redis-server on a free loopback port; `stop()`/`start()` simulate an outage."""
+
+    port: int
+    workdir: str
+    process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            pytest.fail("redis-server is not installed; `make test` installs it")
+        self.process = subprocess.Popen(
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", self.workdir, "--maxmemory", "256mb",
+             "--maxmemory-policy", "allkeys-lru"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                    return
+            except OSError:
+                time.sleep(0.05)
+        pytest.fail(f"redis-server did not start on port {self.port}")
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.terminate()
+            self.process.wait(timeout=10)
+            self.process = None
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    """A real redis-server for the session, flushed by `redis_url` before each test that uses it."""
+    server = RedisServer(port=free_port(), workdir=tempfile.mkdtemp(prefix="halfmoon-redis-"))
+    server.start()
+    yield server
+    server.stop()
