@@ -54,7 +54,12 @@ def paged_attention(
     if split < query.shape[0]:
         parts.append(
             ops.paged_decode_attention(
-                query[split:], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale
+                query[split:],
+                k_cache,
+                v_cache,
+                meta.decode_block_tables,
+                meta.decode_seq_lens,
+                scale,
             )
         )
     return parts[0] if len(parts) == 1 else torch.cat(parts)

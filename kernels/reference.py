@@ -17,7 +17,7 @@ def store_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Write rows `key[i]`, `value[i]` ([N, kv_heads, head_dim]) to slot `slot_mapping[i]`; -1 skips."""
+    """Write rows `key[i]`, `value[i]` ([N, kv_heads, D]) to slot `slot_mapping[i]`; -1 skips."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     k_cache.view(-1, *k_cache.shape[2:])[slots] = key[keep].to(k_cache.dtype)
@@ -32,7 +32,7 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """One query token per sequence ([S, q_heads, head_dim]) over its first `seq_lens[s]` cached tokens."""
+    """One query per sequence ([S, q_heads, D]) over its first `seq_lens[s]` cached tokens."""
     num_seqs, num_q_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -86,7 +86,7 @@ def prefill_attention(
 
 
 def gather_pages(cache: torch.Tensor, page_ids: torch.Tensor) -> torch.Tensor:
-    """Pack the listed pages of one layer's cache into one contiguous `[n, block_size, H, D]` buffer."""
+    """Pack the listed pages of one layer's cache into one contiguous `[n, block, H, D]` buffer."""
     return cache[page_ids.long()].contiguous()
 
 

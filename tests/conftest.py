@@ -52,9 +52,23 @@ class RedisServer:
         if binary is None:
             pytest.fail("redis-server is not installed; `make test` installs it")
         self.process = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", self.workdir, "--maxmemory", "256mb",
-             "--maxmemory-policy", "allkeys-lru"],
+            [
+                binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                self.workdir,
+                "--maxmemory",
+                "256mb",
+                "--maxmemory-policy",
+                "allkeys-lru",
+            ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
@@ -81,3 +95,19 @@ def redis_server() -> Iterator[RedisServer]:
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """The default tiny Llama checkpoint, generated once per session."""
+    from halfmoon.engine.init_model import init_model
+
+    return init_model(tmp_path_factory.mktemp("models") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_llm(tiny_model_dir):
+    """One offline engine over the tiny model, shared by tests that only read from it."""
+    from halfmoon.engine import LLM
+
+    return LLM(str(tiny_model_dir), num_pages=256, max_num_batched_tokens=256)

@@ -1,0 +1,39 @@
+"""Engine configuration: one validated dataclass, every default written here once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from halfmoon.engine.errors import InvalidRequestError
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """How big the KV pool and the per-step batch are, and where the model runs."""
+
+    model: str
+    block_size: int = 16
+    num_pages: int | None = None
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+    kv_cache_bytes: int = 2 << 30
+    dtype: str = "auto"
+    device: str = "auto"
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise InvalidRequestError(name, value, "must be an integer >= 1")
+        if self.num_pages is not None and (
+            not isinstance(self.num_pages, int) or self.num_pages < 2
+        ):
+            raise InvalidRequestError(
+                "num_pages", self.num_pages, "must be None or an integer >= 2"
+            )
+        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise InvalidRequestError(
+                "dtype", self.dtype, "one of auto, float32, float16, bfloat16"
+            )

@@ -1,0 +1,111 @@
+"""The default model: a tiny Llama-architecture checkpoint made deterministically on first use."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from halfmoon.engine.errors import ModelLoadError
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+SPECIAL_TOKENS = ["<s>", "</s>", "<pad>", "<|system|>", "<|user|>", "<|assistant|>"]
+
+
+@dataclass(slots=True)
+class TinyModelShape:
+    """Sizes of a generated checkpoint; the defaults are the ~1M-parameter serving default."""
+
+    hidden_size: int = 128
+    intermediate_size: int = 352
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 4096
+
+
+BENCH_SHAPE = TinyModelShape(
+    hidden_size=512,
+    intermediate_size=1792,
+    num_hidden_layers=12,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=4096,
+)
+
+
+def default_model_dir() -> Path:
+    """`$HALFMOON_CACHE/tiny-llama`, by default `~/.cache/halfmoon/tiny-llama`."""
+    cache = (
+        os.environ.get("HALFMOON_CACHE")
+        or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "halfmoon"
+    )
+    return Path(cache) / "tiny-llama"
+
+
+def ensure_model(model_dir: str | Path | None = None, shape: TinyModelShape | None = None) -> Path:
+    """Return `model_dir` (default: the cached tiny model), creating the checkpoint if absent."""
+    path = Path(model_dir) if model_dir else default_model_dir()
+    if not (path / "config.json").is_file():
+        init_model(path, shape or TinyModelShape())
+    return path
+
+
+def build_tokenizer():
+    """A byte-level tokenizer: 256 byte tokens plus the special tokens, no merges."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
+    for symbol in sorted(alphabet):
+        vocab[symbol] = len(vocab)
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    core.add_special_tokens(SPECIAL_TOKENS)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def init_model(model_dir: str | Path, shape: TinyModelShape | None = None, seed: int = 0) -> Path:
+    """Write a Llama checkpoint with seeded random weights and the byte-level tokenizer."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = Path(model_dir)
+    if path.exists() and any(path.iterdir()):
+        raise ModelLoadError(f"{path} exists and is not empty; choose a new directory")
+    tokenizer = build_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+        **asdict(shape or TinyModelShape()),
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    try:
+        if path.exists():
+            path.rmdir()
+        os.replace(staging, path)
+    except OSError:
+        # Another process created it first; theirs is as good as ours.
+        shutil.rmtree(staging, ignore_errors=True)
+        if not (path / "config.json").is_file():
+            raise
+    return path

@@ -1,0 +1,248 @@
+"""The step-level engine the workers drive: add requests, step, abort, stats."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from halfmoon.engine.config import EngineConfig
+from halfmoon.engine.detokenizer import append_text, flush_text
+from halfmoon.engine.errors import InvalidRequestError, ModelLoadError, RequestNotFoundError
+from halfmoon.engine.model_config import load_model_config
+from halfmoon.engine.model_runner import ModelRunner
+from halfmoon.engine.page_pool import PagePool
+from halfmoon.engine.sampler import sample
+from halfmoon.engine.sampling_params import SamplingParams
+from halfmoon.engine.scheduler import Scheduler
+from halfmoon.engine.sequence import Sequence, TokenLogprobs
+from halfmoon.engine.tokenizer import Prompt, load_tokenizer, tokenize_prompt
+from halfmoon.kvstore.keys import model_root_key
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step added to one request; the last one has `finished=True`."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Counters and gauges for metrics and load reports."""
+
+    num_running: int
+    num_waiting: int
+    num_pages: int
+    num_used_pages: int
+    num_preemptions: int
+    num_prompt_tokens_computed: int
+    num_cached_prompt_tokens: int
+    num_generated_tokens: int
+    num_steps: int
+
+
+class LLMEngine:
+    """Continuous-batching engine over a paged KV cache with automatic prefix caching."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        model_dir = Path(config.model)
+        if not model_dir.is_dir():
+            raise ModelLoadError(
+                f"model directory {config.model!r} does not exist: pass a Hugging Face checkpoint "
+                "directory, or run `halfmoon init-model DIR` to create the default tiny model"
+            )
+        self.model_config = cfg = load_model_config(model_dir)
+        self.device = _pick_device(config.device)
+        self.dtype = _pick_dtype(config.dtype, model_dir, self.device)
+        self.tokenizer = load_tokenizer(model_dir)
+        page_bytes = 2 * cfg.num_layers * config.block_size * cfg.num_kv_heads * cfg.head_dim
+        page_bytes *= self.dtype.itemsize
+        max_len = min(cfg.max_model_len, config.max_model_len or cfg.max_model_len)
+        pages_per_seq = -(-max_len // config.block_size)
+        self.num_pages = config.num_pages or max(
+            pages_per_seq + 1,
+            min(config.max_num_seqs * pages_per_seq, config.kv_cache_bytes // page_bytes),
+        )
+        self.max_model_len = min(max_len, self.num_pages * config.block_size)
+        cfg.max_model_len = self.max_model_len
+        self.root_key = model_root_key(
+            str(model_dir.resolve()),
+            str(self.dtype),
+            cfg.num_layers,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            config.block_size,
+        )
+        self.pool = PagePool(
+            self.num_pages, config.block_size, self.root_key, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(self.pool, config.max_num_batched_tokens, config.max_num_seqs)
+        self.runner = ModelRunner(
+            model_dir, cfg, self.num_pages, config.block_size, self.dtype, self.device
+        )
+        self.eos_token_ids = set(cfg.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.requests: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+        self.num_prompt_tokens_computed = 0
+        self.num_generated_tokens = 0
+        self.num_steps = 0
+
+    def add_request(
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+    ) -> str:
+        """Validate and queue a request; returns its id. Raises `InvalidRequestError`."""
+        params = params or SamplingParams()
+        params.validate()
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise InvalidRequestError(
+                "request_id", request_id, "must be unique among live requests"
+            )
+        token_ids = tokenize_prompt(self.tokenizer, prompt, self.model_config.vocab_size)
+        if len(token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                "prompt",
+                f"<{len(token_ids)} tokens>",
+                f"must be shorter than the context length of {self.max_model_len} tokens",
+            )
+        seq = Sequence(request_id, token_ids, len(token_ids), params, time.monotonic())
+        if params.seed is not None:
+            seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now and free its pages."""
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            raise RequestNotFoundError(request_id)
+        self.scheduler.finish(seq, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; return what each request that progressed produced."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        self.num_steps += 1
+        for item in batch:
+            if item.seq.num_computed_tokens < item.seq.num_prompt_tokens:
+                self.num_prompt_tokens_computed += min(
+                    item.num_new_tokens, item.seq.num_prompt_tokens - item.seq.num_computed_tokens
+                )
+        logits, sampled = self.runner.run(batch)
+        for item in batch:
+            item.seq.num_computed_tokens += item.num_new_tokens
+            self.pool.cache_full_blocks(item.seq)
+        if not sampled:
+            return []
+        result = sample(logits, sampled)
+        outputs = []
+        for seq, token_id, logprobs in zip(sampled, result.token_ids, result.logprobs, strict=True):
+            outputs.append(self._append_token(seq, token_id, logprobs))
+        return outputs
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_pages=self.num_pages,
+            num_used_pages=self.pool.num_used_pages,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_prompt_tokens_computed=self.num_prompt_tokens_computed,
+            num_cached_prompt_tokens=self.scheduler.num_cached_prompt_tokens,
+            num_generated_tokens=self.num_generated_tokens,
+            num_steps=self.num_steps,
+        )
+
+    def _append_token(
+        self, seq: Sequence, token_id: int, logprobs: TokenLogprobs | None
+    ) -> RequestOutput:
+        seq.token_ids.append(token_id)
+        self.num_generated_tokens += 1
+        if logprobs is not None:
+            seq.logprobs.append(logprobs)
+        params = seq.params
+        stop_token = token_id in params.stop_token_ids or (
+            not params.ignore_eos and token_id in self.eos_token_ids
+        )
+        reason = "stop" if stop_token else None
+        if not stop_token:
+            added = append_text(self.tokenizer, seq)
+            if params.stop and (cut := _find_stop(seq.text, added, params.stop)) is not None:
+                seq.text = seq.text[:cut]
+                reason = "stop"
+        if reason is None and (
+            seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_model_len
+        ):
+            reason = "length"
+            flush_text(self.tokenizer, seq)
+        new_text = _emit_text(seq, finished=reason is not None)
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            del self.requests[seq.request_id]
+        return RequestOutput(
+            seq.request_id,
+            [token_id],
+            new_text,
+            reason is not None,
+            reason,
+            seq.num_prompt_tokens,
+            seq.num_cached_tokens,
+            [logprobs] if logprobs else [],
+        )
+
+
+def _emit_text(seq: Sequence, finished: bool) -> str:
+    """Text ready to stream; a tail that could still grow into a stop string is held back."""
+    hold = 0 if finished or not seq.params.stop else max(len(s) for s in seq.params.stop) - 1
+    end = max(seq.num_emitted_chars, len(seq.text) - hold)
+    text = seq.text[seq.num_emitted_chars : end]
+    seq.num_emitted_chars = end
+    return text
+
+
+def _find_stop(text: str, new_text: str, stops: list[str]) -> int | None:
+    """Index in `text` where the earliest stop string that the new text completed starts."""
+    window = len(new_text) + max(len(s) for s in stops) - 1
+    start = max(0, len(text) - window)
+    hits = [i for s in stops if (i := text.find(s, start)) != -1]
+    return min(hits) if hits else None
+
+
+def _pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _pick_dtype(name: str, model_dir: Path, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type == "cpu":
+        return torch.float32
+    import json
+
+    stored = json.loads((model_dir / "config.json").read_text())
+    stored_name = stored.get("dtype") or stored.get("torch_dtype") or "bfloat16"
+    return getattr(torch, stored_name) if stored_name != "float32" else torch.bfloat16

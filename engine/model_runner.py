@@ -1,0 +1,100 @@
+"""Turns a scheduled batch into one forward pass over the paged KV cache."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import torch
+
+from halfmoon.engine.loader import load_weights
+from halfmoon.engine.model import CausalLM
+from halfmoon.engine.model_config import ModelConfig
+from halfmoon.engine.rope import cos_sin_cache
+from halfmoon.engine.scheduler import ScheduledSeq
+from halfmoon.engine.sequence import Sequence
+from halfmoon.kernels.attention import AttentionMetadata
+
+
+class ModelRunner:
+    """Owns the model weights and the KV pages; runs one step's forward pass."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        cfg: ModelConfig,
+        num_pages: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.cfg, self.block_size, self.device = cfg, block_size, device
+        with torch.device("meta"):
+            model = CausalLM(cfg)
+        model = model.to_empty(device=device).to(dtype)
+        if cfg.tie_word_embeddings:
+            model.lm_head.weight = model.embed_tokens.weight
+        load_weights(model, model_dir)
+        self.model = model.eval()
+        self.cos_sin = cos_sin_cache(
+            cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_model_len
+        ).to(device)
+        shape = (num_pages, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_caches = [
+            (
+                torch.zeros(shape, dtype=dtype, device=device),
+                torch.zeros(shape, dtype=dtype, device=device),
+            )
+            for _ in range(cfg.num_layers)
+        ]
+
+    @torch.inference_mode()
+    def run(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, list[Sequence]]:
+        """Forward `batch`; return the logits of every sequence whose known tokens are now all
+        computed (it samples next), and those sequences."""
+        batch = sorted(batch, key=lambda item: item.num_new_tokens == 1)  # prefill runs first
+        token_ids, positions, meta, sample_rows, sampled = self._prepare(batch)
+        hidden = self.model(token_ids, positions, self.cos_sin, self.kv_caches, meta)
+        return self.model.logits(hidden[sample_rows]), [batch[i].seq for i in sampled]
+
+    def _prepare(self, batch: list[ScheduledSeq]):
+        device, bs = self.device, self.block_size
+        counts = [item.num_new_tokens for item in batch]
+        starts = [item.seq.num_computed_tokens for item in batch]
+        tokens = list(
+            itertools.chain.from_iterable(
+                item.seq.token_ids[s : s + n]
+                for item, s, n in zip(batch, starts, counts, strict=True)
+            )
+        )
+        width = max(len(item.seq.block_table) for item in batch)
+        tables = torch.tensor(
+            [item.seq.block_table + [0] * (width - len(item.seq.block_table)) for item in batch],
+            dtype=torch.int32,
+        )
+        counts_t = torch.tensor(counts)
+        row_of_token = torch.repeat_interleave(torch.arange(len(batch)), counts_t)
+        ends = torch.cumsum(counts_t, 0)
+        offsets = torch.arange(len(tokens)) - (ends - counts_t)[row_of_token]
+        positions = torch.tensor(starts)[row_of_token] + offsets
+        slots = tables[row_of_token, positions // bs].long() * bs + positions % bs
+        num_prefill = sum(1 for n in counts if n > 1)
+        prefill_tokens = int(ends[num_prefill - 1]) if num_prefill else 0
+        meta = AttentionMetadata(
+            slot_mapping=slots.to(device),
+            num_prefill_tokens=prefill_tokens,
+            prefill_cu_seqlens_q=torch.cat(
+                (torch.zeros(1, dtype=torch.int64), ends[:num_prefill])
+            ).to(device),
+            prefill_block_tables=tables[:num_prefill].to(device),
+            prefill_prefix_lens=torch.tensor(starts[:num_prefill]).to(device),
+            decode_block_tables=tables[num_prefill:].to(device),
+            decode_seq_lens=(torch.tensor(starts[num_prefill:]) + 1).to(device),
+        )
+        sampled = [
+            i
+            for i, (item, s, n) in enumerate(zip(batch, starts, counts, strict=True))
+            if s + n == len(item.seq)
+        ]
+        sample_rows = (ends[sampled] - 1).to(device)
+        return torch.tensor(tokens, device=device), positions.to(device), meta, sample_rows, sampled

@@ -1,0 +1,110 @@
+"""Paged KV bookkeeping: reference-counted pages and the automatic prefix cache.
+
+A page whose block is full is registered under its block key. When its last reader lets
+go it stays cached, on an LRU list, until a new allocation needs it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+
+from halfmoon.engine.sequence import Sequence
+from halfmoon.kvstore.keys import block_key, block_keys
+
+
+class PagePool:
+    """Allocates pages to sequences and finds cached prefixes by block key."""
+
+    def __init__(
+        self, num_pages: int, block_size: int, root_key: bytes, enable_caching: bool = True
+    ) -> None:
+        self.num_pages = num_pages
+        self.enable_caching = enable_caching
+        self.block_size = block_size
+        self.root_key = root_key
+        self.ref_counts = [0] * num_pages
+        self.free_pages: deque[int] = deque(range(num_pages))
+        self.cached_free: OrderedDict[int, None] = OrderedDict()
+        self.key_to_page: dict[bytes, int] = {}
+        self.page_to_key: dict[int, bytes] = {}
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self.free_pages) + len(self.cached_free)
+
+    @property
+    def num_used_pages(self) -> int:
+        return self.num_pages - self.num_free_pages
+
+    def pages_needed(self, seq: Sequence, num_tokens: int) -> int:
+        return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
+
+    def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
+        return self.pages_needed(seq, num_tokens) <= self.num_free_pages
+
+    def grow(self, seq: Sequence, num_tokens: int) -> None:
+        """Give `seq` enough pages to hold `num_tokens` tokens."""
+        for _ in range(self.pages_needed(seq, num_tokens)):
+            seq.block_table.append(self._allocate())
+
+    def attach_cached_prefix(self, seq: Sequence) -> int:
+        """Point `seq` at the cached pages of its longest cached prefix; returns tokens reused.
+
+        At least one token is left to compute, so the step that finishes the prompt has logits.
+        """
+        if not self.enable_caching:
+            seq.num_computed_tokens = 0
+            return 0
+        keys = block_keys(self.root_key, seq.token_ids, self.block_size)
+        pages: list[int] = []
+        for key in keys[: (len(seq) - 1) // self.block_size]:
+            page = self.key_to_page.get(key)
+            if page is None:
+                break
+            pages.append(page)
+        for page in pages:
+            self._acquire(page)
+        seq.block_table = pages
+        seq.block_keys = keys[: len(pages)]
+        seq.num_computed_tokens = len(pages) * self.block_size
+        return seq.num_computed_tokens
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register every block of `seq` that became full and computed since the last call."""
+        if not self.enable_caching:
+            return
+        bs = self.block_size
+        parent = seq.block_keys[-1] if seq.block_keys else self.root_key
+        for index in range(len(seq.block_keys), seq.num_computed_tokens // bs):
+            parent = block_key(parent, seq.token_ids[index * bs : (index + 1) * bs])
+            seq.block_keys.append(parent)
+            page = seq.block_table[index]
+            if parent not in self.key_to_page and page not in self.page_to_key:
+                self.key_to_page[parent] = page
+                self.page_to_key[page] = parent
+
+    def release(self, seq: Sequence) -> None:
+        """Drop `seq`'s hold on its pages; the tail goes first so prefixes are evicted last."""
+        for page in reversed(seq.block_table):
+            self.ref_counts[page] -= 1
+            if self.ref_counts[page] == 0:
+                if page in self.page_to_key:
+                    self.cached_free[page] = None
+                else:
+                    self.free_pages.append(page)
+        seq.block_table = []
+        seq.block_keys = []
+
+    def _acquire(self, page: int) -> None:
+        if self.ref_counts[page] == 0:
+            self.cached_free.pop(page, None)
+        self.ref_counts[page] += 1
+
+    def _allocate(self) -> int:
+        if self.free_pages:
+            page = self.free_pages.popleft()
+        else:
+            page, _ = self.cached_free.popitem(last=False)
+            del self.key_to_page[self.page_to_key.pop(page)]
+        self.ref_counts[page] = 1
+        return page

@@ -1,0 +1,84 @@
+"""Batched token sampling on the logits' device: greedy, temperature, top-k, top-p, min-p."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from halfmoon.engine.sequence import Sequence, TokenLogprobs
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+    """One token per row of `logits` ([N, vocab], fp32), by each row's sequence's parameters."""
+    params = [seq.params for seq in seqs]
+    greedy_ids = logits.argmax(dim=-1)
+    if all(p.greedy for p in params):
+        token_ids = greedy_ids
+    else:
+        token_ids = _sample_random(logits, seqs, greedy_ids)
+    ids = token_ids.tolist()
+    return SamplerOutput(ids, _logprobs(logits, seqs, ids))
+
+
+def _sample_random(logits: torch.Tensor, seqs: list[Sequence], greedy_ids: torch.Tensor):
+    device = logits.device
+    temps = torch.tensor([s.params.temperature for s in seqs], device=device)
+    greedy = temps == 0
+    scaled = logits / torch.where(greedy, 1.0, temps)[:, None]
+    vocab = logits.shape[-1]
+    top_k = torch.tensor(
+        [s.params.top_k if s.params.top_k > 0 else vocab for s in seqs], device=device
+    )
+    top_p = torch.tensor([s.params.top_p for s in seqs], device=device)
+    if bool((top_k < vocab).any() or (top_p < 1).any()):
+        scaled = _top_k_top_p(scaled, top_k, top_p)
+    probs = torch.softmax(scaled, dim=-1)
+    min_p = torch.tensor([s.params.min_p for s in seqs], device=device)
+    if bool((min_p > 0).any()):
+        floor = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < floor, 0.0)
+    # argmax(p / E) with E ~ Exp(1) draws from p (the exponential race).
+    noise = torch.empty_like(probs).exponential_()
+    for row, seq in enumerate(seqs):
+        if seq.generator is not None:
+            noise[row].exponential_(generator=seq.generator)
+    sampled = (probs / noise).argmax(dim=-1)
+    return torch.where(greedy, greedy_ids, sampled)
+
+
+def _top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    ordered, order = scaled.sort(dim=-1, descending=True)
+    ranks = torch.arange(scaled.shape[-1], device=scaled.device)[None, :]
+    drop = ranks >= top_k[:, None]
+    probs = torch.softmax(ordered.masked_fill(drop, float("-inf")), dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop |= mass_before >= top_p[:, None]
+    ordered = ordered.masked_fill(drop, float("-inf"))
+    return torch.empty_like(scaled).scatter_(-1, order, ordered)
+
+
+def _logprobs(logits: torch.Tensor, seqs: list[Sequence], ids: list[int]):
+    wanted = [s.params.logprobs for s in seqs]
+    if all(n is None for n in wanted):
+        return [None] * len(seqs)
+    logp = torch.log_softmax(logits, dim=-1)
+    most = max(n or 0 for n in wanted)
+    top_values, top_ids = logp.topk(most, dim=-1) if most else (None, None)
+    chosen = logp.gather(-1, torch.tensor(ids, device=logits.device)[:, None])[:, 0].tolist()
+    out: list[TokenLogprobs | None] = []
+    for row, n in enumerate(wanted):
+        if n is None:
+            out.append(None)
+            continue
+        top = []
+        if n:
+            top = list(zip(top_ids[row, :n].tolist(), top_values[row, :n].tolist(), strict=True))
+        out.append(TokenLogprobs(ids[row], chosen[row], top))
+    return out

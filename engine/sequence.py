@@ -1,0 +1,63 @@
+"""One request's tokens and progress through the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from halfmoon.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """Log-probability of the sampled token and the `top` most likely tokens at one position."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """Prompt plus generated tokens, the pages holding their KV, and how far compute has got."""
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    arrival_s: float
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    block_keys: list[bytes] = field(default_factory=list)
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
+    text: str = ""
+    num_emitted_chars: int = 0
+    prefix_offset: int = 0
+    read_offset: int = 0
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

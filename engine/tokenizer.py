@@ -1,0 +1,62 @@
+"""Prompts to token ids: text, token-id lists and chat messages."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Union
+
+from halfmoon.engine.errors import InvalidRequestError, ModelLoadError
+
+Prompt = Union[str, list[int], list[dict]]  # noqa: UP007 - a runtime alias
+
+
+def load_tokenizer(model_dir: Path):
+    """The checkpoint's tokenizer, through `transformers.AutoTokenizer`."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError) as error:
+        raise ModelLoadError(f"cannot load a tokenizer from {model_dir}: {error}") from error
+
+
+def tokenize_prompt(tokenizer, prompt: Prompt, vocab_size: int) -> list[int]:
+    """Token ids of a prompt; chat messages go through the model's chat template."""
+    if isinstance(prompt, str):
+        token_ids = tokenizer.encode(prompt) if prompt else []
+    elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+        token_ids = _apply_chat_template(tokenizer, prompt)
+    elif isinstance(prompt, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompt
+    ):
+        token_ids = list(prompt)
+        bad = [t for t in token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                "prompt_token_ids", bad[:5], f"ids must be in [0, {vocab_size})"
+            )
+    else:
+        raise InvalidRequestError(
+            "prompt",
+            type(prompt).__name__,
+            "a string, a list of token ids or a list of chat messages",
+        )
+    if not token_ids:
+        raise InvalidRequestError("prompt", prompt, "must not be empty")
+    return token_ids
+
+
+def _apply_chat_template(tokenizer, messages: list[dict]) -> list[int]:
+    for i, message in enumerate(messages):
+        if not isinstance(message.get("role"), str) or not isinstance(message.get("content"), str):
+            raise InvalidRequestError(
+                f"messages[{i}]", message, "each message needs a string 'role' and 'content'"
+            )
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequestError(
+            "messages", "<chat>", "this model has no chat template; send text"
+        )
+    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(encoded, dict) or hasattr(encoded, "input_ids"):
+        encoded = encoded["input_ids"]
+    return list(encoded)

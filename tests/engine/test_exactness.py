@@ -1,0 +1,76 @@
+"""Greedy output and logits of our engine equal transformers' for every architecture."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from halfmoon.engine import LLM, SamplingParams
+
+PROMPT_LENGTHS = [1, 7, 16, 17, 45, 128, 250, 300]
+NEW_TOKENS = 12
+
+
+def _prompts(vocab_size: int) -> list[list[int]]:
+    rng = random.Random(7)
+    return [[rng.randrange(6, vocab_size) for _ in range(n)] for n in PROMPT_LENGTHS]
+
+
+def _reference(model_dir, prompts):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # like ignore_eos: never stop early
+    tokens, logits = [], []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            logits.append(model(ids).logits[0, -1])
+            out = model.generate(
+                ids,
+                do_sample=False,
+                max_new_tokens=NEW_TOKENS,
+                attention_mask=torch.ones_like(ids),
+                pad_token_id=2,
+            )
+            tokens.append(out[0, len(prompt) :].tolist())
+    return tokens, logits
+
+
+def _capture_first_logits(llm: LLM) -> dict[str, torch.Tensor]:
+    runner = llm.engine.runner
+    captured: dict[str, torch.Tensor] = {}
+    original = runner.run
+
+    def run(batch):
+        logits, seqs = original(batch)
+        for row, seq in enumerate(seqs):
+            if seq.num_output_tokens == 0 and seq.request_id not in captured:
+                captured[seq.request_id] = logits[row].clone()
+        return logits, seqs
+
+    runner.run = run
+    return captured
+
+
+@pytest.mark.parametrize(
+    "arch", ["llama", "llama3-rope", "mistral", "qwen2", "qwen3", "llama-sharded"]
+)
+def test_greedy_tokens_and_logits_match_transformers_with_chunking_and_preemption(
+    checkpoints, arch
+):
+    model_dir = checkpoints[arch]
+    llm = LLM(
+        str(model_dir), block_size=16, num_pages=24, max_num_batched_tokens=96, max_num_seqs=8
+    )
+    prompts = _prompts(llm.engine.model_config.vocab_size)
+    captured = _capture_first_logits(llm)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    outputs = llm.generate(prompts, params)
+    expected_tokens, expected_logits = _reference(model_dir, prompts)
+    assert [o.token_ids for o in outputs] == expected_tokens
+    assert llm.engine.stats().num_preemptions > 0, "the page pool should be small enough to preempt"
+    for out, ref in zip(outputs, expected_logits, strict=True):
+        torch.testing.assert_close(captured[out.request_id], ref, atol=1e-4, rtol=0)

@@ -1,0 +1,43 @@
+"""Automatic prefix caching: shared prefixes are computed once and change nothing."""
+
+from __future__ import annotations
+
+from halfmoon.engine import LLM, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+def test_shared_prefix_computes_only_uncached_tokens(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), num_pages=64, block_size=16)
+    prefix = list(range(10, 10 + 70))  # 4 full blocks and 6 tokens
+    first = llm.generate([prefix + [200, 201]], GREEDY)[0]
+    before = llm.engine.stats().num_prompt_tokens_computed
+    second = llm.generate([prefix + [202, 203, 204]], GREEDY)[0]
+    computed = llm.engine.stats().num_prompt_tokens_computed - before
+    assert first.num_cached_tokens == 0
+    assert second.num_cached_tokens == 64
+    assert computed == 73 - 64
+    uncached = LLM(str(tiny_model_dir), num_pages=64, enable_prefix_caching=False)
+    assert second.token_ids == uncached.generate([prefix + [202, 203, 204]], GREEDY)[0].token_ids
+
+
+def test_fully_cached_prompt_still_computes_its_last_block(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), num_pages=64, block_size=16)
+    prompt = list(range(20, 52))  # exactly two blocks
+    first = llm.generate([prompt], GREEDY)[0]
+    again = llm.generate([prompt], GREEDY)[0]
+    assert again.num_cached_tokens == 16
+    assert again.token_ids == first.token_ids
+
+
+def test_finished_pages_stay_cached_until_evicted_lru(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), num_pages=8, block_size=16, max_num_seqs=1)
+    old = list(range(30, 30 + 33))
+    llm.generate([old], SamplingParams(max_tokens=1, temperature=0.0))
+    pool = llm.engine.pool
+    assert pool.num_used_pages == 0 and len(pool.key_to_page) == 2
+    llm.generate(
+        [list(range(100, 100 + 7 * 16 + 1))], SamplingParams(max_tokens=1, temperature=0.0)
+    )
+    again = llm.generate([old], SamplingParams(max_tokens=1, temperature=0.0))[0]
+    assert again.num_cached_tokens == 0, "the old prefix was the least recently used and evicted"
