@@ -1,9 +1,10 @@
-"""The `halfmoon` command line."""
+"""The `halfmoon` command line: serve, generate, status, init-model, bench, simulate."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import sys
 
 BENCHMARKS = {
@@ -12,6 +13,121 @@ BENCHMARKS = {
     "kvstore": "halfmoon.kvstore.bench",
     "router": "halfmoon.router.bench",
 }
+# Commands whose own parser lives in their module; everything after the name is theirs.
+FORWARDED = {"simulate": "halfmoon.router.simulate"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="halfmoon",
+        description="halfmoon: a Mooncake-style disaggregated LLM serving cluster.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_init_model(commands)
+    _add_generate(commands)
+    bench = commands.add_parser(
+        "bench", help="run a benchmark: " + ", ".join(sorted(BENCHMARKS)),
+        description="Benchmarks; `halfmoon bench TARGET --help` lists a target's options.",
+    )
+    bench.add_argument("target", choices=sorted(BENCHMARKS))
+    commands.add_parser("simulate", help="simulate the router on a trace (`simulate --help`)")
+    return parser
+
+
+def _add_init_model(commands) -> None:
+    cmd = commands.add_parser(
+        "init-model",
+        help="write the tiny default Llama checkpoint to DIR",
+        description="Write a tiny Llama-architecture checkpoint (byte-level tokenizer, seeded "
+        "random weights, chat template) loadable by transformers and halfmoon.",
+    )
+    cmd.add_argument("dir", help="new directory to write the checkpoint into")
+    cmd.add_argument("--shape", choices=["tiny", "bench"], default="tiny",
+                     help="tiny (~1M params, the serving default) or bench (~50M params)")
+    cmd.add_argument("--seed", type=int, default=0, help="weight seed (0)")
+    cmd.set_defaults(run=_run_init_model)
+
+
+def _add_generate(commands) -> None:
+    cmd = commands.add_parser(
+        "generate",
+        help="generate text for one prompt (from a server, or --local)",
+        description="Stream the completion of PROMPT. With --local the engine runs in this "
+        "process; otherwise the request goes to a running `halfmoon serve`.",
+    )
+    cmd.add_argument("prompt")
+    cmd.add_argument("--local", action="store_true", help="run the engine in this process")
+    cmd.add_argument("--model", help="checkpoint directory for --local (default: tiny model)")
+    cmd.add_argument("--server", default="127.0.0.1:50051", help="server host:port")
+    cmd.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (64)")
+    cmd.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    cmd.add_argument("--top-p", type=float, default=1.0)
+    cmd.add_argument("--top-k", type=int, default=-1)
+    cmd.add_argument("--seed", type=int, default=None)
+    cmd.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    cmd.add_argument("--ignore-eos", action="store_true")
+    cmd.add_argument("--json", action="store_true",
+                     help="print one JSON object (token_ids, text, finish_reason, usage)")
+    cmd.set_defaults(run=_run_generate)
+
+
+def _run_init_model(args) -> int:
+    from halfmoon.engine.init_model import BENCH_SHAPE, TinyModelShape, init_model
+
+    shape = BENCH_SHAPE if args.shape == "bench" else TinyModelShape()
+    path = init_model(args.dir, shape, seed=args.seed)
+    print(f"wrote a {args.shape} Llama checkpoint to {path}")
+    return 0
+
+
+def sampling_from_args(args):
+    from halfmoon.engine import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
+    )
+
+
+def _run_generate(args) -> int:
+    if not args.local:
+        from halfmoon.cluster.generate_remote import generate_remote
+
+        return generate_remote(args)
+    from halfmoon.engine import EngineConfig, LLMEngine
+    from halfmoon.engine.init_model import ensure_model
+
+    params = sampling_from_args(args)
+    model = args.model or str(ensure_model())
+    engine = LLMEngine(EngineConfig(model=model))
+    engine.add_request(args.prompt, params, request_id="cli")
+    token_ids, text, last = [], "", None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            token_ids += out.new_token_ids
+            text += out.new_text
+            last = out
+            if not args.json:
+                print(out.new_text, end="", flush=True)
+    if args.json:
+        print(json.dumps(completion_json(token_ids, text, last)))
+    else:
+        print()
+    return 0
+
+
+def completion_json(token_ids: list[int], text: str, last) -> dict:
+    """The shape `generate --json` prints, the same locally and from a server."""
+    return {
+        "token_ids": token_ids,
+        "text": text,
+        "finish_reason": last.finish_reason,
+        "usage": {
+            "prompt_tokens": last.num_prompt_tokens,
+            "completion_tokens": len(token_ids),
+            "cached_tokens": last.num_cached_tokens,
+        },
+    }
 
 
 def _forward(module_name: str, argv: list[str]) -> int:
@@ -21,19 +137,18 @@ def _forward(module_name: str, argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(
-        prog="halfmoon", description="halfmoon: a disaggregated LLM serving cluster."
-    )
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    bench = commands.add_parser("bench", help="run a benchmark (engine, kernels, kvstore, router)")
-    bench.add_argument("target", choices=sorted(BENCHMARKS))
-    commands.add_parser("simulate", help="simulate the router on a trace (see `simulate --help`)")
     if argv[:1] == ["bench"] and len(argv) >= 2 and argv[1] in BENCHMARKS:
         return _forward(BENCHMARKS[argv[1]], argv[2:])
-    if argv[:1] == ["simulate"]:
-        return _forward("halfmoon.router.simulate", argv[1:])
-    parser.parse_args(argv)
-    return 0
+    if argv[:1] and argv[0] in FORWARDED:
+        return _forward(FORWARDED[argv[0]], argv[1:])
+    args = build_parser().parse_args(argv)
+    from halfmoon.engine.errors import HalfmoonError
+
+    try:
+        return args.run(args)
+    except HalfmoonError as error:
+        print(f"halfmoon {args.command}: error: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

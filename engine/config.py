@@ -21,6 +21,7 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "auto"
     enable_prefix_caching: bool = True
+    prefill_chunk_size: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
@@ -32,6 +33,15 @@ class EngineConfig:
         ):
             raise InvalidRequestError(
                 "num_pages", self.num_pages, "must be None or an integer >= 2"
+            )
+        chunk = self.prefill_chunk_size
+        if chunk is not None and (
+            not isinstance(chunk, int) or chunk < 1 or chunk % self.block_size
+        ):
+            raise InvalidRequestError(
+                "prefill_chunk_size",
+                chunk,
+                f"must be None or a multiple of block_size={self.block_size}",
             )
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise InvalidRequestError(

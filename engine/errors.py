@@ -22,3 +22,12 @@ class ModelLoadError(HalfmoonError):
 
 class RequestNotFoundError(HalfmoonError, KeyError):
     """No request with this id is known to the engine."""
+
+
+class OutOfPagesError(HalfmoonError):
+    """Not enough free KV pages to hold a request right now; retry elsewhere or later."""
+
+    def __init__(self, needed: int, free: int) -> None:
+        super().__init__(f"needs {needed} free KV pages, {free} are free")
+        self.needed = needed
+        self.free = free

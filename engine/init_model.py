@@ -32,7 +32,7 @@ class TinyModelShape:
 BENCH_SHAPE = TinyModelShape(
     hidden_size=512,
     intermediate_size=1792,
-    num_hidden_layers=12,
+    num_hidden_layers=14,
     num_attention_heads=8,
     num_key_value_heads=4,
     max_position_embeddings=4096,

@@ -12,14 +12,20 @@ import torch
 
 from halfmoon.engine.config import EngineConfig
 from halfmoon.engine.detokenizer import append_text, flush_text
-from halfmoon.engine.errors import InvalidRequestError, ModelLoadError, RequestNotFoundError
+from halfmoon.engine.errors import (
+    InvalidRequestError,
+    ModelLoadError,
+    OutOfPagesError,
+    RequestNotFoundError,
+)
+from halfmoon.engine.hooks import KVHooks
 from halfmoon.engine.model_config import load_model_config
 from halfmoon.engine.model_runner import ModelRunner
 from halfmoon.engine.page_pool import PagePool
 from halfmoon.engine.sampler import sample
 from halfmoon.engine.sampling_params import SamplingParams
 from halfmoon.engine.scheduler import Scheduler
-from halfmoon.engine.sequence import Sequence, TokenLogprobs
+from halfmoon.engine.sequence import Sequence, SequenceStatus, TokenLogprobs
 from halfmoon.engine.tokenizer import Prompt, load_tokenizer, tokenize_prompt
 from halfmoon.kvstore.keys import model_root_key
 
@@ -58,8 +64,9 @@ class EngineStats:
 class LLMEngine:
     """Continuous-batching engine over a paged KV cache with automatic prefix caching."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, hooks: KVHooks | None = None) -> None:
         self.config = config
+        self.hooks = hooks
         model_dir = Path(config.model)
         if not model_dir.is_dir():
             raise ModelLoadError(
@@ -91,7 +98,13 @@ class LLMEngine:
         self.pool = PagePool(
             self.num_pages, config.block_size, self.root_key, config.enable_prefix_caching
         )
-        self.scheduler = Scheduler(self.pool, config.max_num_batched_tokens, config.max_num_seqs)
+        self.scheduler = Scheduler(
+            self.pool,
+            config.max_num_batched_tokens,
+            config.max_num_seqs,
+            config.prefill_chunk_size,
+            hooks,
+        )
         self.runner = ModelRunner(
             model_dir, cfg, self.num_pages, config.block_size, self.dtype, self.device
         )
@@ -99,6 +112,7 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.requests: dict[str, Sequence] = {}
+        self.reserved: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.num_prompt_tokens_computed = 0
         self.num_generated_tokens = 0
@@ -108,6 +122,38 @@ class LLMEngine:
         self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
     ) -> str:
         """Validate and queue a request; returns its id. Raises `InvalidRequestError`."""
+        seq = self._new_sequence(prompt, params, request_id)
+        self.requests[seq.request_id] = seq
+        self.scheduler.add(seq)
+        return seq.request_id
+
+    def reserve(self, prompt: Prompt, params: SamplingParams, request_id: str) -> list[int]:
+        """Hold pages for a prompt whose KV will be written from outside (disaggregated decode).
+
+        Returns the pages, in block order. Raises `OutOfPagesError` when they are not free.
+        """
+        seq = self._new_sequence(prompt, params, request_id)
+        if not self.pool.can_grow(seq, len(seq)):
+            raise OutOfPagesError(self.pool.pages_needed(seq, len(seq)), self.pool.num_free_pages)
+        self.pool.grow(seq, len(seq))
+        self.requests[request_id] = seq
+        self.reserved[request_id] = seq
+        return list(seq.block_table)
+
+    def join(self, request_id: str, first_token_id: int) -> RequestOutput:
+        """A reserved prompt's KV is all in its pages: start decoding after `first_token_id`."""
+        seq = self.reserved.pop(request_id, None)
+        if seq is None:
+            raise RequestNotFoundError(request_id)
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        seq.status = SequenceStatus.RUNNING
+        self.pool.cache_full_blocks(seq)
+        self.scheduler.running.append(seq)
+        return self._append_token(seq, first_token_id, None)
+
+    def _new_sequence(
+        self, prompt: Prompt, params: SamplingParams | None, request_id: str | None
+    ) -> Sequence:
         params = params or SamplingParams()
         params.validate()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -125,15 +171,14 @@ class LLMEngine:
         seq = Sequence(request_id, token_ids, len(token_ids), params, time.monotonic())
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        self.requests[request_id] = seq
-        self.scheduler.add(seq)
-        return request_id
+        return seq
 
     def abort(self, request_id: str) -> None:
         """Stop a request now and free its pages."""
         seq = self.requests.pop(request_id, None)
         if seq is None:
             raise RequestNotFoundError(request_id)
+        self.reserved.pop(request_id, None)
         self.scheduler.finish(seq, "abort")
 
     def has_unfinished_requests(self) -> bool:
@@ -150,7 +195,7 @@ class LLMEngine:
                 self.num_prompt_tokens_computed += min(
                     item.num_new_tokens, item.seq.num_prompt_tokens - item.seq.num_computed_tokens
                 )
-        logits, sampled = self.runner.run(batch)
+        logits, sampled = self.runner.run(batch, self.hooks)
         for item in batch:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.pool.cache_full_blocks(item.seq)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -95,10 +97,16 @@ class CausalLM(nn.Module):
         cos_sin: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
+        before_layer: Callable[[int], None] | None = None,
+        after_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         x, residual = self.embed_tokens(token_ids), None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            if before_layer is not None:
+                before_layer(index)
             x, residual = layer(x, residual, positions, cos_sin, kv_cache, meta)
+            if after_layer is not None:
+                after_layer(index)
         return self.norm(x, residual)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

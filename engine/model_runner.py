@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import itertools
+import time
 from pathlib import Path
 
 import torch
 
+from halfmoon.engine.hooks import KVHooks
 from halfmoon.engine.loader import load_weights
 from halfmoon.engine.model import CausalLM
 from halfmoon.engine.model_config import ModelConfig
@@ -29,6 +31,7 @@ class ModelRunner:
         device: torch.device,
     ) -> None:
         self.cfg, self.block_size, self.device = cfg, block_size, device
+        self.forward_s = 0.0  # time inside the model's forward passes, for overhead figures
         with torch.device("meta"):
             model = CausalLM(cfg)
         model = model.to_empty(device=device).to(dtype)
@@ -49,13 +52,22 @@ class ModelRunner:
         ]
 
     @torch.inference_mode()
-    def run(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, list[Sequence]]:
+    def run(
+        self, batch: list[ScheduledSeq], hooks: KVHooks | None = None
+    ) -> tuple[torch.Tensor, list[Sequence]]:
         """Forward `batch`; return the logits of every sequence whose known tokens are now all
         computed (it samples next), and those sequences."""
         batch = sorted(batch, key=lambda item: item.num_new_tokens == 1)  # prefill runs first
         token_ids, positions, meta, sample_rows, sampled = self._prepare(batch)
-        hidden = self.model(token_ids, positions, self.cos_sin, self.kv_caches, meta)
-        return self.model.logits(hidden[sample_rows]), [batch[i].seq for i in sampled]
+        started = time.perf_counter()
+        before = after = None
+        if hooks is not None:
+            before = lambda layer: hooks.before_layer(layer, batch)  # noqa: E731
+            after = lambda layer: hooks.after_layer(layer, batch)  # noqa: E731
+        hidden = self.model(token_ids, positions, self.cos_sin, self.kv_caches, meta, before, after)
+        logits = self.model.logits(hidden[sample_rows])
+        self.forward_s += time.perf_counter() - started
+        return logits, [batch[i].seq for i in sampled]
 
     def _prepare(self, batch: list[ScheduledSeq]):
         device, bs = self.device, self.block_size

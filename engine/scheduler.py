@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from halfmoon.engine.hooks import KVHooks
 from halfmoon.engine.page_pool import PagePool
 from halfmoon.engine.sequence import Sequence, SequenceStatus
 
@@ -18,10 +19,19 @@ class ScheduledSeq:
 class Scheduler:
     """FCFS with a per-step token budget, chunked prefill and preemption by recompute."""
 
-    def __init__(self, pool: PagePool, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+    def __init__(
+        self,
+        pool: PagePool,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        chunk_size: int | None = None,
+        hooks: KVHooks | None = None,
+    ) -> None:
         self.pool = pool
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
+        self.chunk_size = chunk_size
+        self.hooks = hooks
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -41,7 +51,7 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status is not SequenceStatus.RUNNING or budget == 0:
                 continue
-            num_new = min(len(seq) - seq.num_computed_tokens, budget)
+            num_new = self._chunk(seq, budget)
             if not self._make_room(seq, seq.num_computed_tokens + num_new):
                 preempted = True
                 continue
@@ -51,22 +61,42 @@ class Scheduler:
             if len(self.running) >= self.max_num_seqs:
                 break
             seq = self.waiting[0]
-            cached = self.pool.attach_cached_prefix(seq)
-            num_new = min(len(seq) - seq.num_computed_tokens, budget)
+            self.pool.attach_cached_prefix(seq)
+            first_external = len(seq.block_table)
+            num_external = self._external_prefix_blocks(seq)
+            seq.num_computed_tokens += num_external * self.pool.block_size
+            num_new = self._chunk(seq, budget)
             if not self.pool.can_grow(seq, seq.num_computed_tokens + num_new):
                 self.pool.release(seq)
                 seq.num_computed_tokens = 0
                 break
             self.pool.grow(seq, seq.num_computed_tokens + num_new)
             self.waiting.popleft()
+            if num_external:
+                pages = seq.block_table[first_external : first_external + num_external]
+                self.hooks.load_prefix(seq, first_external, pages)
             if seq.num_output_tokens == 0:
-                seq.num_cached_tokens = cached
-                self.num_cached_prompt_tokens += cached
+                seq.num_cached_tokens = seq.num_computed_tokens
+                self.num_cached_prompt_tokens += seq.num_computed_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.append(ScheduledSeq(seq, num_new))
             budget -= num_new
         return batch
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """Tokens `seq` computes this step; with `chunk_size`, chunks end on its multiples."""
+        num_new = min(len(seq) - seq.num_computed_tokens, budget)
+        if self.chunk_size:
+            num_new = min(num_new, self.chunk_size - seq.num_computed_tokens % self.chunk_size)
+        return num_new
+
+    def _external_prefix_blocks(self, seq: Sequence) -> int:
+        first = len(seq.block_table)
+        most = (len(seq) - 1) // self.pool.block_size - first
+        if self.hooks is None or most <= 0:
+            return 0
+        return min(most, self.hooks.external_prefix_blocks(seq, first, most))
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Mark `seq` finished and release its pages (full blocks stay cached)."""

@@ -44,8 +44,8 @@ def _capture_first_logits(llm: LLM) -> dict[str, torch.Tensor]:
     captured: dict[str, torch.Tensor] = {}
     original = runner.run
 
-    def run(batch):
-        logits, seqs = original(batch)
+    def run(batch, hooks=None):
+        logits, seqs = original(batch, hooks)
         for row, seq in enumerate(seqs):
             if seq.num_output_tokens == 0 and seq.request_id not in captured:
                 captured[seq.request_id] = logits[row].clone()

@@ -1,0 +1,169 @@
+"""`halfmoon bench engine`: our engine against transformers on the same 64 requests."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from halfmoon.engine.init_model import BENCH_SHAPE, default_model_dir, ensure_model
+
+
+@dataclass(slots=True)
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+def make_workload(num_requests: int, vocab_size: int, seed: int, scale: float) -> Workload:
+    """Prompts of 32-512 tokens, outputs of 16-128 tokens, both times `scale`."""
+    rng = random.Random(seed)
+    prompt_lens = [max(4, int(rng.randint(32, 512) * scale)) for _ in range(num_requests)]
+    output_lens = [max(2, int(rng.randint(16, 128) * scale)) for _ in range(num_requests)]
+    prompts = [[rng.randrange(6, vocab_size) for _ in range(n)] for n in prompt_lens]
+    return Workload(prompts, output_lens)
+
+
+def run_ours(model_dir: Path, work: Workload, batch_size: int) -> tuple[float, float]:
+    """(wall seconds, seconds inside model forward passes) for our engine."""
+    from halfmoon.engine import LLM, SamplingParams
+
+    llm = LLM(str(model_dir), max_num_seqs=batch_size, max_num_batched_tokens=2048)
+    params = [
+        SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in work.output_lens
+    ]
+    llm.generate([work.prompts[0][:8]], SamplingParams(max_tokens=2))  # warm up
+    llm.engine.runner.forward_s = 0.0
+    started = time.perf_counter()
+    outputs = llm.generate(work.prompts, params)
+    wall = time.perf_counter() - started
+    assert sum(len(o.token_ids) for o in outputs) == work.num_output_tokens
+    return wall, llm.engine.runner.forward_s
+
+
+def _hf_model(model_dir: Path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def run_hf_static(model_dir: Path, work: Workload, batch_size: int) -> float:
+    """Wall seconds for `generate` over static, left-padded batches of `batch_size` requests."""
+    model = _hf_model(model_dir)
+    started = time.perf_counter()
+    with torch.no_grad():
+        for start in range(0, len(work.prompts), batch_size):
+            prompts = work.prompts[start : start + batch_size]
+            width = max(len(p) for p in prompts)
+            ids = torch.tensor([[2] * (width - len(p)) + p for p in prompts])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+            new = max(work.output_lens[start : start + batch_size])
+            model.generate(
+                ids, attention_mask=mask, do_sample=False, max_new_tokens=new, pad_token_id=2
+            )
+    return time.perf_counter() - started
+
+
+def run_hf_continuous(model_dir: Path, work: Workload, batch_size: int) -> float | None:
+    """Wall seconds for transformers' own continuous batching, or None where it is missing."""
+    model = _hf_model(model_dir)
+    if not hasattr(model, "init_continuous_batching"):
+        return None
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(do_sample=False, max_new_tokens=max(work.output_lens), pad_token_id=2)
+    config.max_batch_tokens = 2048
+    manager = model.init_continuous_batching(generation_config=config)
+    manager.start()
+    started = time.perf_counter()
+    try:
+        ids = [
+            manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=n)
+            for i, (prompt, n) in enumerate(zip(work.prompts, work.output_lens, strict=True))
+        ]
+        pending = set(ids)
+        while pending:
+            result = manager.get_result(timeout=600)
+            if result is not None and result.is_finished():
+                pending.discard(result.request_id)
+    finally:
+        wall = time.perf_counter() - started
+        manager.stop(block=True)
+    return wall
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="halfmoon bench engine",
+        description="Output tokens/s of our engine vs transformers generate (static batches) and "
+        "transformers continuous batching, on the same requests, one process, one thread.",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--requests", type=int, default=64, help="number of requests (64)")
+    parser.add_argument("--batch-size", type=int, default=16, help="max batch size for all (16)")
+    parser.add_argument("--scale", type=float, default=1.0, help="shrink lengths for a quick run")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--skip-hf-cb", action="store_true", help="skip transformers CB")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    model_dir = ensure_model(default_model_dir().with_name("bench-50m"), BENCH_SHAPE)
+    from halfmoon.engine.init_model import build_tokenizer
+
+    work = make_workload(args.requests, len(build_tokenizer()), args.seed, args.scale)
+    log = sys.stderr
+    print(
+        f"model {model_dir} ({_num_params(model_dir) / 1e6:.1f}M params), {args.requests} "
+        f"requests, {work.num_output_tokens} output tokens, batch {args.batch_size}, "
+        f"{args.threads} thread(s), device cpu",
+        file=log,
+    )
+    ours_s, forward_s = run_ours(model_dir, work, args.batch_size)
+    print(f"ours: {ours_s:.1f}s", file=log)
+    static_s = run_hf_static(model_dir, work, args.batch_size)
+    print(f"hf static: {static_s:.1f}s", file=log)
+    cb_s = None if args.skip_hf_cb else run_hf_continuous(model_dir, work, args.batch_size)
+    print(f"hf continuous batching: {cb_s if cb_s is None else round(cb_s, 1)}s", file=log)
+    tokens = work.num_output_tokens
+    result = {
+        "device": "cpu",
+        "threads": args.threads,
+        "requests": args.requests,
+        "output_tokens": tokens,
+        "ours_tok_s": tokens / ours_s,
+        "hf_static_tok_s": tokens / static_s,
+        "hf_cb_tok_s": tokens / cb_s if cb_s else None,
+        "ratio_vs_hf_static": static_s / ours_s,
+        "ratio_vs_hf_cb": cb_s / ours_s if cb_s else None,
+        "overhead_ratio": ours_s / forward_s,
+    }
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for key, value in result.items():
+            print(f"{key:>20}: {value:.3f}" if isinstance(value, float) else f"{key:>20}: {value}")
+    return 0
+
+
+def _num_params(model_dir: Path) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    for file in model_dir.glob("*.safetensors"):
+        with safe_open(str(file), framework="pt") as shard:
+            for key in shard.keys():  # noqa: SIM118 - safe_open is not a mapping
+                total += math.prod(shard.get_slice(key).get_shape())
+    return total

@@ -1,0 +1,143 @@
+"""Prefill attention in Triton: ragged runs of new tokens over a paged prefix, causal within."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from halfmoon.kernels.triton_paged import (
+    LOG2_E,
+    check_cache,
+    dot_precision,
+    head_dim_block,
+    load_kv_tile,
+    online_softmax_step,
+)
+
+BLOCK_M = 64
+BLOCK_N = 64
+
+
+@triton.jit
+def _find_query_block(cu_seqlens_ptr, num_seqs, BLOCK_S: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The run (`num_seqs` when past the last) and the query block of it that this program owns."""
+    pid = tl.program_id(0)
+    runs = tl.arange(0, BLOCK_S)
+    run_mask = runs < num_seqs
+    starts = tl.load(cu_seqlens_ptr + runs, mask=run_mask, other=0)
+    lens = tl.load(cu_seqlens_ptr + runs + 1, mask=run_mask, other=0) - starts
+    num_blocks = (lens + BLOCK_M - 1) // BLOCK_M
+    seq = tl.sum((tl.cumsum(num_blocks, 0) <= pid).to(tl.int32), 0)
+    q_block = pid - tl.sum(tl.where(runs < seq, num_blocks, 0), 0)
+    q_start = tl.sum(tl.where(runs == seq, starts, 0), 0)
+    q_len = tl.sum(tl.where(runs == seq, lens, 0), 0)
+    return seq, q_block, q_start, q_len
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    cu_seqlens_ptr,
+    block_tables_ptr,
+    prefix_lens_ptr,
+    out_ptr,
+    scale_log2,
+    stride_qt,
+    stride_qh,
+    stride_cp,
+    stride_co,
+    stride_ch,
+    stride_bt,
+    num_seqs,
+    num_q_heads,
+    block_size,
+    group,
+    head_dim,
+    BLOCK_S: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq, q_block, q_start, q_len = _find_query_block(cu_seqlens_ptr, num_seqs, BLOCK_S, BLOCK_M)
+    if seq < num_seqs:
+        head = tl.program_id(1)
+        kv_head = head // group
+        prefix = tl.load(prefix_lens_ptr + seq)
+        rows = q_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        dims = tl.arange(0, BLOCK_D)
+        dim_mask = dims < head_dim
+        io_mask = (rows < q_len)[:, None] & dim_mask[None, :]
+        tokens = (q_start + rows).to(tl.int64)
+        q_ptrs = q_ptr + tokens[:, None] * stride_qt + head * stride_qh + dims[None, :]
+        q = tl.load(q_ptrs, mask=io_mask, other=0.0).to(k_cache_ptr.dtype.element_ty)
+        positions = prefix + rows
+        table_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+        # Keys before this block's first query are visible to every row: no causal mask there.
+        visible_end = (prefix + q_block * BLOCK_M) // BLOCK_N * BLOCK_N
+        kv_end = prefix + tl.minimum((q_block + 1) * BLOCK_M, q_len)
+        for tile_start in range(0, visible_end, BLOCK_N):
+            kv_tokens = tile_start + tl.arange(0, BLOCK_N)
+            kv_mask = kv_tokens < visible_end
+            key, value = load_kv_tile(
+                k_cache_ptr, v_cache_ptr, table_row_ptr, kv_tokens, kv_mask, dims, dim_mask,
+                kv_head, block_size, stride_cp, stride_co, stride_ch,
+            )  # fmt: skip
+            acc, row_max, row_sum = online_softmax_step(
+                q, key, value, acc, row_max, row_sum, kv_mask[None, :], scale_log2,
+                APPLY_MASK=False, DOT_PRECISION=DOT_PRECISION,
+            )  # fmt: skip
+        for tile_start in range(visible_end, kv_end, BLOCK_N):
+            kv_tokens = tile_start + tl.arange(0, BLOCK_N)
+            kv_mask = kv_tokens < kv_end
+            key, value = load_kv_tile(
+                k_cache_ptr, v_cache_ptr, table_row_ptr, kv_tokens, kv_mask, dims, dim_mask,
+                kv_head, block_size, stride_cp, stride_co, stride_ch,
+            )  # fmt: skip
+            causal = kv_mask[None, :] & (kv_tokens[None, :] <= positions[:, None])
+            acc, row_max, row_sum = online_softmax_step(
+                q, key, value, acc, row_max, row_sum, causal, scale_log2,
+                APPLY_MASK=True, DOT_PRECISION=DOT_PRECISION,
+            )  # fmt: skip
+        out = acc / row_sum[:, None]
+        out_ptrs = out_ptr + tokens[:, None] * (num_q_heads * head_dim) + head * head_dim
+        tl.store(out_ptrs + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+def prefill_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    block_tables: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Ragged runs of new tokens; run s attends fully to its `prefix_lens[s]` cached tokens and
+    causally to itself. The new tokens' K/V must already be in the pages (see `store_kv`)."""
+    check_cache(k_cache, v_cache, query)
+    if query.stride(2) != 1:
+        query = query.contiguous()
+    num_tokens, num_q_heads, head_dim = query.shape
+    num_seqs = prefix_lens.shape[0]
+    out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=query.dtype, device=query.device)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    block_tables = block_tables.contiguous()
+    # Runs are found on the device; this bounds the query blocks without a host sync.
+    grid = (triton.cdiv(num_tokens, BLOCK_M) + num_seqs - 1, num_q_heads)
+    _prefill_kernel[grid](
+        query, k_cache, v_cache, cu_seqlens_q, block_tables, prefix_lens, out,
+        scale * LOG2_E, query.stride(0), query.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        num_seqs, num_q_heads, k_cache.shape[1], num_q_heads // k_cache.shape[2], head_dim,
+        BLOCK_S=triton.next_power_of_2(num_seqs), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        BLOCK_D=head_dim_block(head_dim), DOT_PRECISION=dot_precision(k_cache.dtype),
+    )  # fmt: skip
+    return out
