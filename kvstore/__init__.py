@@ -1,0 +1,30 @@
+"""Distributed tiered KV store: block keys, tiers, store node, prefix index, wire codec.
+
+Only light modules are re-exported here so the router and simulator import no torch;
+workers import `halfmoon.kvstore.store` (KvStore) and `halfmoon.kvstore.store_node`.
+"""
+
+from halfmoon.kvstore.errors import (
+    CorruptRecord,
+    KvStoreError,
+    LayerTimeout,
+    LayoutMismatch,
+    StoreFull,
+)
+from halfmoon.kvstore.eviction import LruEviction
+from halfmoon.kvstore.index import BlockEvent, PrefixIndex
+from halfmoon.kvstore.keys import block_key, block_keys, model_root_key
+
+__all__ = [
+    "BlockEvent",
+    "CorruptRecord",
+    "KvStoreError",
+    "LayerTimeout",
+    "LayoutMismatch",
+    "LruEviction",
+    "PrefixIndex",
+    "StoreFull",
+    "block_key",
+    "block_keys",
+    "model_root_key",
+]

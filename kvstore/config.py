@@ -1,0 +1,34 @@
+"""Store configuration: one validated schema with every default written once."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class StoreConfig(BaseModel):
+    """Capacity, eviction, lease and Redis settings of one store node."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    host_capacity_bytes: int = Field(1 << 30, gt=0)
+    high_watermark: float = Field(0.95, gt=0, le=1)
+    low_watermark: float = Field(0.85, gt=0, le=1)
+    lease_ttl_s: float = Field(30.0, gt=0)
+    pending_ttl_s: float = Field(60.0, gt=0)
+    get_timeout_s: float = Field(30.0, gt=0)
+    redis_url: str | None = None
+    redis_ttl_s: int = Field(3600, gt=0)
+    redis_prefix: str = "hm:kv:"
+    redis_timeout_s: float = Field(1.0, gt=0)
+    redis_retry_interval_s: float = Field(1.0, ge=0)
+    demote_to_redis: bool = True
+    max_demotion_backlog_bytes: int = Field(256 << 20, ge=0)
+
+    @model_validator(mode="after")
+    def _watermarks_ordered(self) -> StoreConfig:
+        if self.low_watermark > self.high_watermark:
+            raise ValueError(
+                f"low_watermark {self.low_watermark} must not exceed "
+                f"high_watermark {self.high_watermark}"
+            )
+        return self

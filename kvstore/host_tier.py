@@ -1,0 +1,247 @@
+"""Host tier: a fixed arena of block slots with LRU eviction, watermarks and leases."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from halfmoon.kvstore.errors import StoreFull
+from halfmoon.kvstore.eviction import LruEviction
+from halfmoon.kvstore.layout import KvLayout, LayerKV
+from halfmoon.kvstore.leases import LeaseTable
+
+
+@dataclass(slots=True)
+class EvictedBlock:
+    """A block leaving the host tier; `data` holds every layer's K and V if it was complete."""
+
+    key: bytes
+    data: torch.Tensor | None
+
+
+@dataclass(slots=True)
+class WriteResult:
+    """Blocks that became complete (every layer present) and blocks evicted by one write."""
+
+    completed: list[bytes] = field(default_factory=list)
+    evicted: list[EvictedBlock] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class HostUsage:
+    """Occupancy of the host tier."""
+
+    capacity_blocks: int
+    used_blocks: int
+    complete_blocks: int
+    leased_blocks: int
+    used_bytes: int
+    capacity_bytes: int
+
+
+class HostTier:
+    """Block slots of `layout.block_bytes` each, preallocated in one uint8 tensor.
+
+    A slot is taken when a block's first layer is put and stays leased ("pending") until
+    its last layer arrives or `pending_ttl_s` passes, so a half-written block is not evicted
+    under its producer.
+    """
+
+    def __init__(
+        self,
+        layout: KvLayout,
+        capacity_bytes: int,
+        high_watermark: float = 0.95,
+        low_watermark: float = 0.85,
+        pending_ttl_s: float = 60.0,
+        keep_evicted_data: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        num_slots = capacity_bytes // layout.block_bytes
+        if num_slots < 1:
+            raise ValueError(
+                f"host capacity of {capacity_bytes} bytes holds no block of "
+                f"{layout.block_bytes} bytes; raise host_capacity_bytes"
+            )
+        self.layout = layout
+        self.num_slots = num_slots
+        self.high_slots = max(1, int(high_watermark * num_slots))
+        self.low_slots = min(self.high_slots, int(low_watermark * num_slots))
+        self.pending_ttl_s = pending_ttl_s
+        self.keep_evicted_data = keep_evicted_data
+        self.num_evictions = 0
+        self._arena = torch.empty((num_slots, layout.block_bytes), dtype=torch.uint8)
+        shape = (num_slots, layout.num_layers, 2, *layout.page_shape)
+        self._pages = self._arena.view(layout.dtype).view(shape)
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._slots: dict[bytes, int] = {}
+        self._present = np.zeros((num_slots, layout.num_layers), dtype=bool)
+        self._num_present = np.zeros(num_slots, dtype=np.int32)
+        self._lru = LruEviction()
+        self._leases = LeaseTable(self._lru, clock)
+        self._pending: dict[bytes, int] = {}
+
+    def __contains__(self, key: object) -> bool:
+        """Whether every layer of block `key` is present."""
+        slot = self._slots.get(key)  # type: ignore[call-overload]
+        return slot is not None and self._num_present[slot] == self.layout.num_layers
+
+    def has_layer(self, key: bytes, layer: int) -> bool:
+        slot = self._slots.get(key)
+        return slot is not None and bool(self._present[slot, layer])
+
+    def missing(self, keys: Sequence[bytes], layer: int) -> list[int]:
+        """Indices into `keys` of blocks whose `layer` is not present."""
+        return [i for i, key in enumerate(keys) if not self.has_layer(key, layer)]
+
+    def leading_complete(self, keys: Sequence[bytes]) -> int:
+        """How many leading blocks of `keys` are present with every layer."""
+        count = 0
+        for key in keys:
+            if key not in self:
+                break
+            count += 1
+        return count
+
+    def write_layer(self, keys: Sequence[bytes], layer: int, kv: LayerKV) -> WriteResult:
+        """Copy one layer of `keys` into their slots, taking and evicting slots as needed."""
+        self._check_layer(layer)
+        kv.check(self.layout, len(keys))
+        self._leases.expire()
+        result = WriteResult()
+        batch = list(dict.fromkeys(keys))
+        new_keys = [key for key in batch if key not in self._slots]
+        result.evicted = self._make_room(len(new_keys), [k for k in batch if k in self._slots])
+        for key in new_keys:
+            self._take_slot(key)
+        for slot, row, length in _runs([self._slots[key] for key in keys]):
+            # Slice copies run at memcpy speed; advanced-index assignment is several times slower.
+            self._pages[slot : slot + length, layer, 0].copy_(kv.k[row : row + length])
+            self._pages[slot : slot + length, layer, 1].copy_(kv.v[row : row + length])
+        for key in keys:
+            self._lru.add(key)
+            if self._mark_present(key, layer):
+                result.completed.append(key)
+        result.evicted += self._evict(len(self._slots) - self.low_slots, self.high_slots)
+        return result
+
+    def read_layer(self, keys: Sequence[bytes], layer: int) -> LayerKV:
+        """Copy one layer of `keys` out of their slots; every block must hold that layer."""
+        self._check_layer(layer)
+        absent = self.missing(keys, layer)
+        if absent:
+            raise KeyError(f"layer {layer} of {len(absent)} blocks is not in the host tier")
+        slots = self._slot_index(keys)
+        for key in keys:
+            self._lru.add(key)
+        k = self._pages[:, layer, 0].index_select(0, slots)
+        return LayerKV(k, self._pages[:, layer, 1].index_select(0, slots))
+
+    def lease(self, keys: Sequence[bytes], ttl_s: float) -> int:
+        """Lease the present blocks of `keys` for `ttl_s` seconds; return the lease id."""
+        self._leases.expire()
+        return self._leases.grant(keys, ttl_s)
+
+    def extend_lease(self, lease_id: int, keys: Sequence[bytes]) -> None:
+        """Add blocks that have since arrived to a live lease."""
+        self._leases.extend(lease_id, keys)
+
+    def release(self, lease_id: int) -> bool:
+        """Release a lease; False when it had already expired or been released."""
+        return self._leases.release(lease_id)
+
+    def expire_leases(self) -> int:
+        """Release every lease past its deadline; return how many expired."""
+        return self._leases.expire()
+
+    def evict(self, num_blocks: int) -> list[EvictedBlock]:
+        """Evict up to `num_blocks` unleased blocks, least recently used first."""
+        self._leases.expire()
+        return self._evict(num_blocks, 0)
+
+    def usage(self) -> HostUsage:
+        complete = int(np.count_nonzero(self._num_present == self.layout.num_layers))
+        return HostUsage(
+            capacity_blocks=self.num_slots,
+            used_blocks=len(self._slots),
+            complete_blocks=complete,
+            leased_blocks=self._lru.num_leased,
+            used_bytes=len(self._slots) * self.layout.block_bytes,
+            capacity_bytes=self.num_slots * self.layout.block_bytes,
+        )
+
+    def _check_layer(self, layer: int) -> None:
+        if not 0 <= layer < self.layout.num_layers:
+            raise ValueError(f"layer {layer} out of range 0..{self.layout.num_layers - 1}")
+
+    def _slot_index(self, keys: Sequence[bytes]) -> torch.Tensor:
+        return torch.tensor([self._slots[key] for key in keys], dtype=torch.long)
+
+    def _take_slot(self, key: bytes) -> None:
+        self._slots[key] = self._free.pop()
+        self._lru.add(key)
+        self._pending[key] = self._leases.grant([key], self.pending_ttl_s)
+
+    def _mark_present(self, key: bytes, layer: int) -> bool:
+        """Record `layer` of `key` as present; True when that completes the block."""
+        slot = self._slots[key]
+        if self._present[slot, layer]:
+            return False
+        self._present[slot, layer] = True
+        self._num_present[slot] += 1
+        if self._num_present[slot] < self.layout.num_layers:
+            return False
+        self._leases.release(self._pending.pop(key))
+        return True
+
+    def _make_room(self, num_new: int, keep: list[bytes]) -> list[EvictedBlock]:
+        """Free slots for `num_new` blocks without evicting the blocks in `keep`."""
+        shortfall = num_new - len(self._free)
+        if shortfall <= 0:
+            return []
+        lease_id = self._leases.grant(keep, 0.0)
+        try:
+            evictable = len(self._lru) - self._lru.num_leased
+            if evictable < shortfall:
+                raise StoreFull(num_new, evictable + len(self._free), self._lru.num_leased)
+            return self._evict(shortfall, 0)
+        finally:
+            self._leases.release(lease_id)
+
+    def _evict(self, num_blocks: int, above: int) -> list[EvictedBlock]:
+        """Evict up to `num_blocks` LRU blocks, but only while more than `above` slots are used."""
+        if len(self._slots) <= above:
+            return []
+        evicted: list[EvictedBlock] = []
+        for _ in range(num_blocks):
+            key = self._lru.pop_victim()
+            if key is None:
+                break
+            evicted.append(self._drop(key))
+        self.num_evictions += len(evicted)
+        return evicted
+
+    def _drop(self, key: bytes) -> EvictedBlock:
+        slot = self._slots.pop(key)
+        complete = self._num_present[slot] == self.layout.num_layers
+        data = self._arena[slot].clone() if complete and self.keep_evicted_data else None
+        self._present[slot] = False
+        self._num_present[slot] = 0
+        self._pending.pop(key, None)
+        self._free.append(slot)
+        return EvictedBlock(key, data)
+
+
+def _runs(slots: list[int]) -> list[tuple[int, int, int]]:
+    """Maximal runs of consecutive slots as (first slot, first row, length)."""
+    runs: list[tuple[int, int, int]] = []
+    start = 0
+    for row in range(1, len(slots) + 1):
+        if row == len(slots) or slots[row] != slots[row - 1] + 1:
+            runs.append((slots[start], start, row - start))
+            start = row
+    return runs

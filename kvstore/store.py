@@ -1,0 +1,231 @@
+"""One node's KV store: host tier plus optional Redis tier, layer-wise put/get, events, stats."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+from halfmoon.kvstore.config import StoreConfig
+from halfmoon.kvstore.errors import LayerTimeout
+from halfmoon.kvstore.host_tier import EvictedBlock, HostTier, WriteResult
+from halfmoon.kvstore.index import BlockEvent, EventKind
+from halfmoon.kvstore.layout import KvLayout, LayerKV
+from halfmoon.kvstore.redis_tier import RedisTier
+from halfmoon.kvstore.stats import StoreStats
+
+log = logging.getLogger(__name__)
+
+HOST = "host"
+REDIS = "redis"
+
+
+@dataclass(slots=True)
+class PrefixHit:
+    """Leading blocks of a request found in the host tier, then further ones in Redis."""
+
+    host_blocks: int
+    redis_blocks: int
+
+    @property
+    def num_blocks(self) -> int:
+        return self.host_blocks + self.redis_blocks
+
+
+class KvStore:
+    """Host tier + Redis tier behind `put_layer` / `get_layer`; use in-process or via StoreNode.
+
+    Not thread-safe: every method runs on one asyncio loop (the actor's, in serving).
+    """
+
+    def __init__(
+        self,
+        layout: KvLayout,
+        config: StoreConfig | None = None,
+        instance: str = "local",
+        on_event: Callable[[BlockEvent], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.layout = layout
+        self.config = config = config or StoreConfig()
+        self.instance = instance
+        self.redis = None
+        if config.redis_url:
+            self.redis = RedisTier(
+                config.redis_url, layout, config.redis_ttl_s, config.redis_prefix,
+                config.redis_timeout_s, config.redis_retry_interval_s, clock,
+            )  # fmt: skip
+        self.host = HostTier(
+            layout, config.host_capacity_bytes, config.high_watermark, config.low_watermark,
+            config.pending_ttl_s, self._demotes, clock,
+        )  # fmt: skip
+        self._on_event = on_event
+        self._events: list[BlockEvent] = []
+        self._ready: dict[int, asyncio.Condition] = {}
+        self._demotions: set[asyncio.Task[None]] = set()
+        self._backlog_bytes = 0
+        self._stats = StoreStats()
+
+    @property
+    def _demotes(self) -> bool:
+        return self.redis is not None and self.config.demote_to_redis
+
+    async def put_layer(self, keys: Sequence[bytes], layer: int, kv: LayerKV) -> None:
+        """Store one layer of `keys` (K/V `[len(keys), *page_shape]`) and wake its readers."""
+        start = time.perf_counter()
+        self._absorb(self.host.write_layer(keys, layer, kv))
+        self._stats.host.bytes_written += kv.nbytes
+        await self._notify(layer)
+        self._stats.put_latency.record(time.perf_counter() - start)
+
+    async def get_layer(
+        self, keys: Sequence[bytes], layer: int, timeout_s: float | None = None
+    ) -> LayerKV:
+        """One layer of `keys`; waits up to `timeout_s` for blocks not yet put, or LayerTimeout."""
+        start = time.perf_counter()
+        timeout_s = self.config.get_timeout_s if timeout_s is None else timeout_s
+        missing = self.host.missing(keys, layer)
+        self._stats.host.hits += len(keys) - len(missing)
+        self._stats.host.misses += len(missing)
+        if missing and self.redis is not None:
+            await self._promote([keys[i] for i in missing], layer)
+        lease_id = self.host.lease(keys, max(timeout_s, self.config.lease_ttl_s))
+        try:
+            await self._wait_for(keys, layer, lease_id, timeout_s)
+            kv = self.host.read_layer(keys, layer)
+        finally:
+            self.host.release(lease_id)
+        self._stats.host.bytes_read += kv.nbytes
+        self._stats.get_latency.record(time.perf_counter() - start)
+        return kv
+
+    def cached_prefix(self, keys: Sequence[bytes]) -> int:
+        """How many leading blocks of `keys` the host tier holds with every layer."""
+        return self.host.leading_complete(keys)
+
+    async def lookup(self, keys: Sequence[bytes]) -> PrefixHit:
+        """Leading blocks in the host tier, then how many of the next ones Redis holds."""
+        host_blocks = self.host.leading_complete(keys)
+        rest = list(keys[host_blocks:])
+        if not rest or self.redis is None:
+            return PrefixHit(host_blocks, 0)
+        first = await self.redis.exists(rest, 0)
+        last = await self.redis.exists(rest, self.layout.num_layers - 1)
+        both = [a and b for a, b in zip(first, last, strict=True)]
+        redis_blocks = both.index(False) if False in both else len(both)
+        return PrefixHit(host_blocks, redis_blocks)
+
+    def lease(self, keys: Sequence[bytes], ttl_s: float | None = None) -> int:
+        """Protect the host blocks of `keys` from eviction until released or `ttl_s` passes."""
+        return self.host.lease(keys, self.config.lease_ttl_s if ttl_s is None else ttl_s)
+
+    def release(self, lease_id: int) -> bool:
+        """Release a lease; False when it had already expired or been released."""
+        return self.host.release(lease_id)
+
+    def drain_events(self) -> list[BlockEvent]:
+        """Stored/evicted events since the last drain, oldest first."""
+        events, self._events = self._events, []
+        return events
+
+    async def flush(self) -> None:
+        """Wait for every demotion in flight to reach Redis (or fail)."""
+        while self._demotions:
+            await asyncio.gather(*self._demotions, return_exceptions=True)
+
+    def stats(self) -> StoreStats:
+        """A snapshot of tier contents, hits, misses, movement and latency."""
+        usage = self.host.usage()
+        host = self._stats.host
+        host.blocks, host.bytes_ = usage.complete_blocks, usage.used_bytes
+        host.capacity_bytes, host.leased_blocks = usage.capacity_bytes, usage.leased_blocks
+        host.evictions = self.host.num_evictions
+        if self.redis is not None:
+            self._stats.redis = replace(self.redis.stats)
+            self._stats.redis_available = self.redis.available
+        return copy.deepcopy(self._stats)
+
+    async def close(self) -> None:
+        await self.flush()
+        if self.redis is not None:
+            await self.redis.close()
+
+    async def _promote(self, keys: list[bytes], layer: int) -> None:
+        assert self.redis is not None
+        hits = await self.redis.get_layer(keys, layer)
+        if hits.corrupt_keys:
+            self._emit("evicted", REDIS, hits.corrupt_keys)
+        if hits.kv is None:
+            return
+        found = [keys[i] for i in hits.indices]
+        self._absorb(self.host.write_layer(found, layer, hits.kv))
+        self._stats.promotions += len(found)
+        await self._notify(layer)
+
+    async def _wait_for(
+        self, keys: Sequence[bytes], layer: int, lease_id: int, timeout_s: float
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        ready = self._ready.setdefault(layer, asyncio.Condition())
+        async with ready:
+            while missing := self.host.missing(keys, layer):
+                self.host.extend_lease(lease_id, keys)
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    raise LayerTimeout(layer, len(missing), len(keys), timeout_s)
+                try:
+                    await asyncio.wait_for(ready.wait(), remaining)
+                except TimeoutError:
+                    continue
+
+    async def _notify(self, layer: int) -> None:
+        ready = self._ready.get(layer)
+        if ready is not None:
+            async with ready:
+                ready.notify_all()
+
+    def _absorb(self, result: WriteResult) -> None:
+        if result.completed:
+            self._emit("stored", HOST, result.completed)
+        if result.evicted:
+            self._emit("evicted", HOST, [block.key for block in result.evicted])
+            self._demote([block for block in result.evicted if block.data is not None])
+
+    def _demote(self, blocks: list[EvictedBlock]) -> None:
+        if not blocks or not self._demotes:
+            return
+        nbytes = len(blocks) * self.layout.block_bytes
+        if self._backlog_bytes + nbytes > self.config.max_demotion_backlog_bytes:
+            self._stats.demotions_dropped += len(blocks)
+            return
+        self._backlog_bytes += nbytes
+        task = asyncio.get_running_loop().create_task(self._send_demotion(blocks, nbytes))
+        self._demotions.add(task)
+        task.add_done_callback(self._demotions.discard)
+
+    async def _send_demotion(self, blocks: list[EvictedBlock], nbytes: int) -> None:
+        assert self.redis is not None
+        try:
+            records = [
+                record
+                for block in blocks
+                for record in self.redis.encode_block(block.key, block.data)
+            ]
+            stored = await self.redis.put_records(records)
+        finally:
+            self._backlog_bytes -= nbytes
+        if stored:
+            self._stats.demotions += len(blocks)
+            self._emit("stored", REDIS, [block.key for block in blocks])
+        else:
+            self._stats.demotions_dropped += len(blocks)
+
+    def _emit(self, kind: EventKind, tier: str, keys: list[bytes]) -> None:
+        event = BlockEvent(kind, self.instance, tier, keys)
+        self._events.append(event)
+        if self._on_event is not None:
+            self._on_event(event)

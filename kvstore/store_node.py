@@ -1,0 +1,80 @@
+"""The per-node store as a Ray actor: a thin async wrapper over KvStore."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import ray
+import torch
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from halfmoon.kvstore.config import StoreConfig
+from halfmoon.kvstore.index import BlockEvent
+from halfmoon.kvstore.layout import KvLayout, LayerKV
+from halfmoon.kvstore.stats import StoreStats
+from halfmoon.kvstore.store import KvStore, PrefixHit
+
+
+class StoreNode:
+    """Every method mirrors KvStore; run it with `start_store_node` (one per Ray node)."""
+
+    def __init__(self, layout: KvLayout, config: StoreConfig, instance: str) -> None:
+        # Copies are memory-bound; extra intra-op threads only contend with the workers.
+        torch.set_num_threads(1)
+        self.store = KvStore(layout, config, instance)
+
+    async def put_layer(self, keys: Sequence[bytes], layer: int, kv: LayerKV) -> None:
+        await self.store.put_layer(keys, layer, kv)
+
+    async def get_layer(
+        self, keys: Sequence[bytes], layer: int, timeout_s: float | None = None
+    ) -> LayerKV:
+        return await self.store.get_layer(keys, layer, timeout_s)
+
+    async def lookup(self, keys: Sequence[bytes]) -> PrefixHit:
+        return await self.store.lookup(keys)
+
+    async def cached_prefix(self, keys: Sequence[bytes]) -> int:
+        return self.store.cached_prefix(keys)
+
+    async def lease(self, keys: Sequence[bytes], ttl_s: float | None = None) -> int:
+        return self.store.lease(keys, ttl_s)
+
+    async def release(self, lease_id: int) -> bool:
+        return self.store.release(lease_id)
+
+    async def drain_events(self) -> list[BlockEvent]:
+        return self.store.drain_events()
+
+    async def stats(self) -> StoreStats:
+        return self.store.stats()
+
+    async def flush(self) -> None:
+        await self.store.flush()
+
+    async def close(self) -> None:
+        await self.store.close()
+
+
+def store_node_name(node_id: str) -> str:
+    """The actor name of the store node on Ray node `node_id`."""
+    return f"halfmoon-kvstore-{node_id}"
+
+
+def start_store_node(
+    layout: KvLayout,
+    config: StoreConfig | None = None,
+    node_id: str | None = None,
+    name: str | None = None,
+) -> ray.actor.ActorHandle:
+    """Start (or find) the store node on `node_id` (default: this node), named after it."""
+    node_id = node_id or ray.get_runtime_context().get_node_id()
+    name = name or store_node_name(node_id)
+    actor = ray.remote(StoreNode).options(
+        name=name,
+        get_if_exists=True,
+        num_cpus=0,
+        max_concurrency=1000,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+    )
+    return actor.remote(layout, config or StoreConfig(), name)

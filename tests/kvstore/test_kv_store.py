@@ -1,0 +1,130 @@
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+from kv_helpers import LAYOUT, assert_same, make_keys, random_kv
+
+from halfmoon.kvstore.config import StoreConfig
+from halfmoon.kvstore.errors import LayerTimeout, StoreFull
+from halfmoon.kvstore.index import PrefixIndex
+from halfmoon.kvstore.layout import LayerKV
+from halfmoon.kvstore.store import KvStore
+
+pytestmark = pytest.mark.anyio
+
+
+def store(num_blocks: int = 8, redis_url: str | None = None, **config) -> KvStore:
+    settings = dict(host_capacity_bytes=num_blocks * LAYOUT.block_bytes, high_watermark=1.0,
+                    low_watermark=1.0, redis_url=redis_url, redis_retry_interval_s=0)  # fmt: skip
+    return KvStore(LAYOUT, StoreConfig(**(settings | config)), instance="node0")
+
+
+async def put_all_layers(kv_store: KvStore, keys: list[bytes], seed: int = 0) -> None:
+    for layer in range(LAYOUT.num_layers):
+        await kv_store.put_layer(keys, layer, random_kv(len(keys), seed + layer))
+
+
+async def test_put_then_get_every_layer_is_bit_exact() -> None:
+    kv_store, keys = store(), make_keys(3)
+    await put_all_layers(kv_store, keys, seed=7)
+    for layer in range(LAYOUT.num_layers):
+        assert_same(await kv_store.get_layer(keys, layer, timeout_s=0), random_kv(3, 7 + layer))
+    stats = kv_store.stats()
+    assert (stats.host.hits, stats.host.misses, stats.host.blocks) == (9, 0, 3)
+    assert stats.put_latency.count == 3 and stats.get_latency.count == 3
+
+
+async def test_get_layer_waits_for_a_later_put_layer() -> None:
+    kv_store, keys = store(), make_keys(2)
+    await kv_store.put_layer(keys[:1], 1, random_kv(1, 1))
+    getter = asyncio.create_task(kv_store.get_layer(keys, 1, timeout_s=30))
+    await kv_store.put_layer(keys, 0, random_kv(2, 0))
+    assert not getter.done()
+    await kv_store.put_layer(keys[1:], 1, random_kv(1, 2))
+    got = await getter
+    assert_same(LayerKV(got.k[:1], got.v[:1]), random_kv(1, 1))
+    assert_same(LayerKV(got.k[1:], got.v[1:]), random_kv(1, 2))
+
+
+async def test_get_layer_timeout_names_the_layer_and_releases_its_lease() -> None:
+    kv_store, keys = store(num_blocks=2), make_keys(2)
+    await put_all_layers(kv_store, keys[:1])
+    with pytest.raises(LayerTimeout, match="layer 2: 1 of 2 blocks were not put within"):
+        await kv_store.get_layer(keys, 2, timeout_s=0.05)
+    assert kv_store.stats().host.leased_blocks == 0
+    await put_all_layers(kv_store, make_keys(2))
+    assert kv_store.cached_prefix(keys) == 0
+
+
+async def test_timeout_zero_is_an_immediate_miss() -> None:
+    with pytest.raises(LayerTimeout, match="within 0.000 s"):
+        await store().get_layer(make_keys(1), 0, timeout_s=0)
+
+
+async def test_lease_protects_blocks_and_store_full_when_all_leased() -> None:
+    kv_store, keys = store(num_blocks=2), make_keys(2)
+    await put_all_layers(kv_store, keys)
+    lease_id = kv_store.lease(keys, ttl_s=60)
+    with pytest.raises(StoreFull):
+        await kv_store.put_layer(make_keys(1), 0, random_kv(1))
+    assert kv_store.release(lease_id)
+    await kv_store.put_layer(make_keys(1), 0, random_kv(1))
+    assert kv_store.cached_prefix(keys) == 0
+
+
+async def test_events_feed_a_prefix_index() -> None:
+    kv_store, index = store(num_blocks=3), PrefixIndex()
+    first, second = make_keys(2), make_keys(2)
+    await put_all_layers(kv_store, first)
+    await put_all_layers(kv_store, second)
+    for event in kv_store.drain_events():
+        index.apply(event)
+    assert index.longest_prefix(first) == {}
+    assert index.longest_prefix(second) == {("node0", "host"): 2}
+    assert kv_store.drain_events() == []
+
+
+async def test_eviction_demotes_to_redis_and_a_hit_promotes_back(redis_url: str) -> None:
+    kv_store, old, new = store(num_blocks=2, redis_url=redis_url), make_keys(2), make_keys(2)
+    await put_all_layers(kv_store, old, seed=3)
+    await put_all_layers(kv_store, new)
+    await kv_store.flush()
+    assert kv_store.cached_prefix(old) == 0
+    assert (await kv_store.lookup(old)).redis_blocks == 2
+    stats = kv_store.stats()
+    assert (stats.demotions, stats.host.evictions) == (2, 2)
+    for layer in range(LAYOUT.num_layers):
+        assert_same(await kv_store.get_layer(old, layer, timeout_s=0), random_kv(2, 3 + layer))
+    stats = kv_store.stats()
+    assert stats.promotions == 6 and stats.redis.hits == 6
+    assert kv_store.cached_prefix(old) == 2
+    kinds = {(e.kind, e.tier) for e in kv_store.drain_events()}
+    assert ("stored", "redis") in kinds and ("evicted", "host") in kinds
+    await kv_store.close()
+
+
+async def test_redis_killed_and_restarted_costs_hits_never_requests(
+    redis_server, redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    kv_store, keys = store(num_blocks=1, redis_url=redis_url), make_keys(4)
+    redis_server.stop()
+    try:
+        with caplog.at_level(logging.WARNING, logger="halfmoon.kvstore.redis_tier"):
+            await put_all_layers(kv_store, keys[:1])
+            await put_all_layers(kv_store, keys[1:2])
+            await kv_store.flush()
+            with pytest.raises(LayerTimeout):
+                await kv_store.get_layer(keys[:1], 0, timeout_s=0)
+        stats = kv_store.stats()
+        assert stats.demotions_dropped == 1 and not stats.redis_available
+        assert sum("unreachable" in r.message for r in caplog.records) == 1
+    finally:
+        redis_server.start()
+    await put_all_layers(kv_store, keys[2:3], seed=5)
+    await put_all_layers(kv_store, keys[3:4])
+    await kv_store.flush()
+    assert_same(await kv_store.get_layer(keys[2:3], 0, timeout_s=0), random_kv(1, 5))
+    assert kv_store.stats().redis_available
+    await kv_store.close()

@@ -1,0 +1,62 @@
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import ray
+from kv_helpers import LAYOUT, assert_same, make_keys, random_kv
+
+from halfmoon.kvstore.config import StoreConfig
+from halfmoon.kvstore.errors import LayerTimeout
+from halfmoon.kvstore.layout import LayerKV
+from halfmoon.kvstore.store_node import start_store_node
+
+
+@pytest.fixture
+def node(ray_session, redis_url: str):
+    config = StoreConfig(host_capacity_bytes=64 * LAYOUT.block_bytes, redis_url=redis_url)
+    actor = start_store_node(LAYOUT, config, name=f"kvstore-test-{uuid.uuid4().hex[:8]}")
+    yield actor
+    ray.get(actor.close.remote())
+    ray.kill(actor)
+
+
+# The actors take payloads as arguments: workers cannot import this test folder's helpers.
+@ray.remote(num_cpus=0)
+class Writer:
+    def put_all(self, node, keys: list[bytes], layers: list[LayerKV]) -> None:
+        for layer, kv in enumerate(layers):
+            ray.get(node.put_layer.remote(keys, layer, kv))
+
+
+@ray.remote(num_cpus=0)
+class Reader:
+    def get_all(self, node, keys: list[bytes], num_layers: int) -> list[LayerKV]:
+        return ray.get([node.get_layer.remote(keys, layer, 30.0) for layer in range(num_layers)])
+
+
+def test_round_trip_through_the_actor_is_bit_exact(node) -> None:
+    keys, kv = make_keys(4), random_kv(4, 9)
+    ray.get(node.put_layer.remote(keys, 0, kv))
+    assert_same(ray.get(node.get_layer.remote(keys, 0, 0.0)), kv)
+
+
+def test_timeout_crosses_the_actor_boundary_as_layer_timeout(node) -> None:
+    with pytest.raises(LayerTimeout, match="layer 1"):
+        ray.get(node.get_layer.remote(make_keys(1), 1, 0.01))
+
+
+def test_concurrent_writers_and_readers_on_the_same_keys(node) -> None:
+    keys = make_keys(6)
+    readers = [Reader.remote() for _ in range(3)]
+    reads = [reader.get_all.remote(node, keys, LAYOUT.num_layers) for reader in readers]
+    writers = [Writer.remote() for _ in range(3)]
+    layers = [random_kv(6, 100 + layer) for layer in range(LAYOUT.num_layers)]
+    ray.get([writer.put_all.remote(node, keys, layers) for writer in writers])
+    for layers in ray.get(reads):
+        for layer, kv in enumerate(layers):
+            assert_same(kv, random_kv(6, 100 + layer))
+    stats = ray.get(node.stats.remote())
+    assert stats.host.blocks == 6 and stats.host.leased_blocks == 0
+    for actor in readers + writers:
+        ray.kill(actor)
