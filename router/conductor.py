@@ -1,0 +1,266 @@
+"""The Conductor: the global router that places each request on a prefill and a decode instance."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from collections.abc import Hashable
+
+from halfmoon.kvstore.index import PrefixIndex
+from halfmoon.router.admission import admission_reason
+from halfmoon.router.bypass import bypass_placement
+from halfmoon.router.config import RouterConfig, check_slo
+from halfmoon.router.cost_model import CostModel
+from halfmoon.router.decision import Decision
+from halfmoon.router.errors import InvalidRequestError, RouterConfigError
+from halfmoon.router.online_fit import OnlineRefit
+from halfmoon.router.placement import Placement, PlacementContext
+from halfmoon.router.policies import make_policy
+from halfmoon.router.prediction_error import PredictionErrorLog, PredictionErrorStats
+from halfmoon.router.predictor import Predictor, summarize_hits
+from halfmoon.router.profile import Profile
+from halfmoon.router.request import RouteRequest
+from halfmoon.router.views import Admitted, DecodeView, PrefillView
+
+
+@dataclasses.dataclass(slots=True)
+class _InFlight:
+    decision: Decision
+    num_prompt_tokens: int
+    reserve_tokens: int
+    expected_output_tokens: int
+
+
+class Conductor:
+    """Routes requests by predicted TTFT and TBT; fed by instance reports and block events."""
+
+    def __init__(
+        self, config: RouterConfig, profile: Profile, index: PrefixIndex | None = None
+    ) -> None:
+        self.config = config
+        # The router refits its own copy, so the profile it was given stays as loaded.
+        cost = CostModel(profile.cost.prefill_coef, profile.cost.decode_coef)
+        self.profile = dataclasses.replace(profile, cost=cost)
+        self.index = index if index is not None else PrefixIndex()
+        self.predictor = Predictor(self.profile, config.block_size, config.fetch_margin_s)
+        self.refit = OnlineRefit(cost)
+        self.policy = make_policy(config.policy, config.seed)
+        self.prefill: dict[Hashable, PrefillView] = {}
+        self.decode: dict[Hashable, DecodeView] = {}
+        self.errors = PredictionErrorLog()
+        self._decisions: OrderedDict[str, Decision] = OrderedDict()
+        self._inflight: dict[str, _InFlight] = {}
+        self._output_tokens_sum = 0
+        self._output_tokens_count = 0
+
+    def add_prefill(self, instance: Hashable) -> PrefillView:
+        """Register a prefill instance."""
+        view = self.prefill[instance] = PrefillView(instance)
+        return view
+
+    def add_decode(self, instance: Hashable, capacity_tokens: int | None = None) -> DecodeView:
+        """Register a decode instance with `capacity_tokens` of KV (default: the profile's)."""
+        capacity = capacity_tokens or self.profile.decode_kv_capacity_tokens
+        view = self.decode[instance] = DecodeView(instance, capacity)
+        return view
+
+    def remove_instance(self, instance: Hashable) -> None:
+        """Forget an instance that died or left, and every block the index held for it."""
+        self.prefill.pop(instance, None)
+        self.decode.pop(instance, None)
+        self.index.drop_instance(instance)
+
+    @property
+    def mean_output_tokens(self) -> int:
+        """Mean output length of finished requests (the configured default before any)."""
+        if self._output_tokens_count == 0:
+            return self.config.default_output_tokens
+        return max(self._output_tokens_sum // self._output_tokens_count, 1)
+
+    def route(self, request: RouteRequest, now: float) -> Decision:
+        """Place `request` arriving at `now`, or reject it with the predicted figure and SLO."""
+        ttft_slo_s = self._slo("ttft_slo_s", request.ttft_slo_s, self.config.ttft_slo_s)
+        tbt_slo_s = self._slo("tbt_slo_s", request.tbt_slo_s, self.config.tbt_slo_s)
+        expected_output = request.expected_output_tokens or self.mean_output_tokens
+        decode_tokens = request.num_prompt_tokens + expected_output // 2
+        reserve = request.num_prompt_tokens + request.max_output_tokens
+        decision = Decision(request.request_id, self.policy.name)
+        decode_views = [v for v in self.decode.values() if v.free_kv_tokens >= reserve]
+        if not self.prefill or not decode_views:
+            decision.rejected = True
+            decision.reason = self._no_room_reason(reserve)
+            return self._remember(decision)
+        ctx = PlacementContext(
+            request,
+            now,
+            summarize_hits(self.index.longest_prefix(request.block_keys)),
+            list(self.prefill.values()),
+            decode_views,
+            self.predictor,
+            decode_tokens,
+            self._tbt_predictor(now, decode_tokens),
+        )
+        placement = self.policy.place(ctx)
+        if self.policy.name == "conductor" and self.config.bypass_max_tokens > 0:
+            stall_s = tbt_slo_s if tbt_slo_s is not None else self.config.bypass_max_stall_s
+            placement = (
+                bypass_placement(ctx, placement, self.config.bypass_max_tokens, stall_s)
+                or placement
+            )
+        self._fill(decision, placement)
+        decision.reason = admission_reason(
+            self.config.admission, placement, self.predictor, decode_tokens, ttft_slo_s, tbt_slo_s
+        )
+        decision.rejected = bool(decision.reason)
+        if not decision.rejected:
+            self._commit(decision, request, now, placement, decode_tokens, reserve, expected_output)
+        return self._remember(decision)
+
+    def explain(self, request_id: str) -> str:
+        """The candidates, their predictions and why one won, for a recent request."""
+        decision = self._decisions.get(request_id)
+        if decision is None:
+            raise KeyError(
+                f"no decision for request {request_id!r}; only the last "
+                f"{self.config.explain_capacity} are kept (RouterConfig.explain_capacity)"
+            )
+        return decision.explain()
+
+    def decision(self, request_id: str) -> Decision | None:
+        """The remembered decision for `request_id`, if still kept."""
+        return self._decisions.get(request_id)
+
+    def on_prefill_start(self, request_id: str, now: float) -> None:
+        """The prefill instance began the request's prefill."""
+        inflight = self._inflight.get(request_id)
+        if inflight is not None and not inflight.decision.bypass:
+            view = self.prefill.get(inflight.decision.prefill_instance)
+            if view is not None:
+                view.start(request_id, now)
+
+    def on_prefill_done(self, request_id: str, now: float) -> None:
+        """The prefill finished (its first token is out)."""
+        inflight = self._inflight.get(request_id)
+        if inflight is None:
+            return
+        decision = inflight.decision
+        view = self.prefill.get(decision.prefill_instance)
+        if view is not None and not decision.bypass:
+            view.finish(now)
+
+    def observe_prefill(self, num_prompt_tokens: int, cached_tokens: int, seconds: float) -> None:
+        """A measured prefill (compute seconds, cached tokens really reused), for the refit."""
+        self.refit.observe_prefill(num_prompt_tokens - cached_tokens, cached_tokens, seconds)
+
+    def observe_decode_step(self, batch_size: int, kv_tokens: int, seconds: float) -> None:
+        """A measured decode step time, for the online refit."""
+        self.refit.observe_decode_step(batch_size, kv_tokens, seconds)
+
+    def observe_ttft(self, request_id: str, actual_s: float) -> None:
+        """The measured TTFT of a routed request, recorded next to its prediction."""
+        inflight = self._inflight.get(request_id)
+        if inflight is not None:
+            self.errors.record(inflight.decision.predicted_ttft_s, actual_s)
+
+    def on_decode_join(self, request_id: str, now: float) -> None:
+        """The request's KV landed and it joined the decode batch."""
+        inflight = self._inflight.get(request_id)
+        if inflight is None:
+            return
+        view = self.decode.get(inflight.decision.decode_instance)
+        if view is not None:
+            view.join(request_id, now)
+
+    def report_decode(self, instance: Hashable, batch_size: int, kv_tokens: int) -> None:
+        """A decode worker's report of its running batch."""
+        self.decode[instance].report(batch_size, kv_tokens)
+
+    def report_prefill(
+        self, instance: Hashable, queued_ids: list[str], running_remaining_s: float, now: float
+    ) -> None:
+        """A prefill worker's report of its queue and the time left on its running prefill."""
+        self.prefill[instance].apply_report(queued_ids, running_remaining_s, now)
+
+    def on_finish(self, request_id: str, now: float, output_tokens: int) -> None:
+        """The request finished, was cancelled or hit its deadline: release its reservation."""
+        inflight = self._inflight.pop(request_id, None)
+        if inflight is None:
+            return
+        view = self.decode.get(inflight.decision.decode_instance)
+        if view is not None:
+            view.leave(request_id, inflight.reserve_tokens)
+        self._output_tokens_sum += output_tokens
+        self._output_tokens_count += 1
+
+    def prediction_error(self) -> PredictionErrorStats:
+        """How far predicted TTFT was from the observed TTFT."""
+        return self.errors.stats()
+
+    def _tbt_predictor(self, now: float, decode_tokens: int):
+        predictor = self.predictor
+        if self.config.admission == "prediction_early_rejection":
+            return lambda view, when_s: predictor.tbt_at(view, now, when_s, decode_tokens)
+        return lambda view, when_s: predictor.tbt_with_pending(view, decode_tokens)
+
+    def _fill(self, decision: Decision, placement: Placement) -> None:
+        plan = placement.plan
+        decision.prefill_instance = placement.prefill_instance
+        decision.decode_instance = placement.decode.instance
+        decision.predicted_ttft_s = placement.ttft_s
+        decision.predicted_queue_s = placement.queue_s
+        decision.predicted_tbt_s = placement.tbt_s
+        decision.cached_tokens = plan.cached_tokens
+        decision.local_cached_tokens = plan.local_cached_tokens
+        decision.fetch_from = plan.fetch_from
+        decision.fetch_tokens = plan.fetch_tokens
+        decision.bypass = placement.bypass
+        decision.candidates = placement.candidates
+
+    def _commit(
+        self,
+        decision: Decision,
+        request: RouteRequest,
+        now: float,
+        placement: Placement,
+        decode_tokens: int,
+        reserve: int,
+        expected_output: int,
+    ) -> None:
+        rid = request.request_id
+        if placement.bypass:
+            placement.decode.bypass_until_s = now + placement.ttft_s
+        else:
+            new_tokens = request.num_prompt_tokens - placement.plan.cached_tokens
+            self.prefill[placement.prefill_instance].enqueue(rid, placement.plan.work_s, new_tokens)
+        entry = Admitted(decode_tokens, now + placement.ttft_s, expected_output)
+        placement.decode.admit(rid, entry, reserve)
+        self._inflight[rid] = _InFlight(
+            decision, request.num_prompt_tokens, reserve, expected_output
+        )
+
+    def _remember(self, decision: Decision) -> Decision:
+        if self.config.explain_capacity > 0:
+            self._decisions[decision.request_id] = decision
+            self._decisions.move_to_end(decision.request_id)
+            while len(self._decisions) > self.config.explain_capacity:
+                self._decisions.popitem(last=False)
+        return decision
+
+    def _no_room_reason(self, reserve: int) -> str:
+        if not self.prefill:
+            return "no prefill instance is registered; add one with add_prefill()"
+        most = max((v.free_kv_tokens for v in self.decode.values()), default=0)
+        return (
+            f"no decode instance has {reserve} tokens of KV free (most free: {most}); "
+            "retry later or add decode instances"
+        )
+
+    @staticmethod
+    def _slo(name: str, override: float | None, default: float | None) -> float | None:
+        if override is None:
+            return default
+        try:
+            check_slo(name, override)
+        except RouterConfigError as exc:
+            raise InvalidRequestError(str(exc)) from exc
+        return override

@@ -1,0 +1,74 @@
+"""The router's settings, validated once at construction."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from halfmoon.router.errors import RouterConfigError
+
+POLICY_NAMES = ("random", "round_robin", "least_loaded", "cache_aware_local", "conductor")
+ADMISSION_MODES = ("none", "early_rejection", "prediction_early_rejection")
+
+
+def check_slo(name: str, value: float | None) -> None:
+    """Raise RouterConfigError unless `value` is None (no SLO) or a positive finite number."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise RouterConfigError(f"{name} = {value!r} must be a number of seconds or unset")
+    if not math.isfinite(value) or value <= 0:
+        raise RouterConfigError(
+            f"{name} = {value!r} can never be met; give a positive, finite number of seconds "
+            "or leave it unset for no SLO"
+        )
+
+
+@dataclass(slots=True)
+class RouterConfig:
+    """Policy, admission mode, SLOs and the knobs of cache-aware placement."""
+
+    policy: str = "conductor"
+    admission: str = "none"
+    ttft_slo_s: float | None = None
+    tbt_slo_s: float | None = None
+    block_size: int = 16
+    # Fetch a remote prefix only when it saves at least this much more than it costs to move.
+    fetch_margin_s: float = 0.01
+    # Prefill on the decode instance when at most this many tokens are uncached (0 turns it off).
+    bypass_max_tokens: int = 512
+    # Longest decode step a bypassed prefill may cause when no TBT SLO is set.
+    bypass_max_stall_s: float = 0.1
+    default_output_tokens: int = 256
+    explain_capacity: int = 4096
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICY_NAMES:
+            raise RouterConfigError(
+                f"unknown routing policy {self.policy!r}; choose one of {', '.join(POLICY_NAMES)}"
+            )
+        if self.admission not in ADMISSION_MODES:
+            raise RouterConfigError(
+                f"unknown admission mode {self.admission!r}; choose one of "
+                f"{', '.join(ADMISSION_MODES)}"
+            )
+        check_slo("ttft_slo_s", self.ttft_slo_s)
+        check_slo("tbt_slo_s", self.tbt_slo_s)
+        if self.admission != "none" and self.ttft_slo_s is None and self.tbt_slo_s is None:
+            raise RouterConfigError(
+                f"admission {self.admission!r} rejects against an SLO; set ttft_slo_s or tbt_slo_s"
+            )
+        if self.block_size <= 0:
+            raise RouterConfigError(
+                f"block_size = {self.block_size} must be a positive token count"
+            )
+        if self.bypass_max_tokens < 0 or self.explain_capacity < 0:
+            raise RouterConfigError(
+                "bypass_max_tokens and explain_capacity must be >= 0, got "
+                f"{self.bypass_max_tokens} and {self.explain_capacity}"
+            )
+        if self.default_output_tokens <= 0:
+            raise RouterConfigError(
+                f"default_output_tokens = {self.default_output_tokens} must be positive"
+            )

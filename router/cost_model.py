@@ -1,0 +1,125 @@
+"""Predicted step times: prefill as a small polynomial in new and cached tokens, decode as a
+linear function of batch size and KV tokens, both fitted by least squares."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from halfmoon.router.errors import ProfileError
+
+PREFILL_TERMS = ("const_s", "per_token_s", "per_token_sq_s", "per_token_cached_s")
+DECODE_TERMS = ("const_s", "per_seq_s", "per_kv_token_s")
+
+
+def prefill_features(new_tokens: float, cached_tokens: float) -> list[float]:
+    """Terms of the prefill polynomial: 1, n, n^2 (causal attention), n * cached."""
+    return [1.0, new_tokens, new_tokens * new_tokens, new_tokens * cached_tokens]
+
+
+def decode_features(batch_size: float, kv_tokens: float) -> list[float]:
+    """Terms of the decode step model: 1 (weights read), batch size, KV tokens read."""
+    return [1.0, batch_size, kv_tokens]
+
+
+def _least_squares(rows: list[list[float]], seconds: list[float], weights: Sequence[float] | None):
+    x = np.asarray(rows, dtype=np.float64)
+    y = np.asarray(seconds, dtype=np.float64)
+    if weights is not None:
+        w = np.sqrt(np.asarray(weights, dtype=np.float64))
+        x, y = x * w[:, None], y * w
+    # Scale columns so n^2 terms do not swamp the constant in the solve.
+    scale = np.abs(x).max(axis=0)
+    scale[scale == 0] = 1.0
+    coef, _, rank, _ = np.linalg.lstsq(x / scale, y, rcond=None)
+    if rank < x.shape[1]:
+        raise ProfileError(
+            f"samples span only {rank} of {x.shape[1]} terms; profile more distinct shapes"
+        )
+    return [float(c) for c in coef / scale]
+
+
+@dataclass(slots=True)
+class CostModel:
+    """Prefill and decode step times of one worker kind, in seconds."""
+
+    prefill_coef: tuple[float, float, float, float]
+    decode_coef: tuple[float, float, float]
+
+    def prefill_time(self, new_tokens: float, cached_tokens: float = 0.0) -> float:
+        """Seconds to prefill `new_tokens` on top of `cached_tokens` already held."""
+        a, b, c, d = self.prefill_coef
+        return a + new_tokens * (b + c * new_tokens + d * cached_tokens)
+
+    def decode_step_time(self, batch_size: float, kv_tokens: float) -> float:
+        """Seconds for one decode step of `batch_size` sequences reading `kv_tokens` of KV."""
+        a, b, c = self.decode_coef
+        return a + b * batch_size + c * kv_tokens
+
+    @classmethod
+    def fit(
+        cls,
+        prefill_samples: Iterable[tuple[float, float, float]],
+        decode_samples: Iterable[tuple[float, float, float]],
+    ) -> CostModel:
+        """Least-squares fit from (new, cached, seconds) and (batch, kv_tokens, seconds) samples."""
+        return cls(fit_prefill(list(prefill_samples)), fit_decode(list(decode_samples)))
+
+    def to_dict(self) -> dict[str, dict[str, float]]:
+        """The coefficients keyed by term name, as written in a profile."""
+        return {
+            "prefill": dict(zip(PREFILL_TERMS, self.prefill_coef, strict=True)),
+            "decode": dict(zip(DECODE_TERMS, self.decode_coef, strict=True)),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> CostModel:
+        """Build from a profile's `prefill` and `decode` sections."""
+        prefill = _terms(data, "prefill", PREFILL_TERMS)
+        decode = _terms(data, "decode", DECODE_TERMS)
+        return cls(
+            (prefill[0], prefill[1], prefill[2], prefill[3]), (decode[0], decode[1], decode[2])
+        )
+
+
+def fit_prefill(
+    samples: Sequence[tuple[float, float, float]], weights: Sequence[float] | None = None
+) -> tuple[float, float, float, float]:
+    """Prefill coefficients from (new_tokens, cached_tokens, seconds) samples."""
+    _need(samples, len(PREFILL_TERMS), "prefill")
+    rows = [prefill_features(n, c) for n, c, _ in samples]
+    a, b, c, d = _least_squares(rows, [s for *_, s in samples], weights)
+    return (a, b, c, d)
+
+
+def fit_decode(
+    samples: Sequence[tuple[float, float, float]], weights: Sequence[float] | None = None
+) -> tuple[float, float, float]:
+    """Decode coefficients from (batch_size, kv_tokens, seconds) samples."""
+    _need(samples, len(DECODE_TERMS), "decode")
+    rows = [decode_features(b, k) for b, k, _ in samples]
+    a, b, c = _least_squares(rows, [s for *_, s in samples], weights)
+    return (a, b, c)
+
+
+def _need(samples: Sequence, terms: int, what: str) -> None:
+    if len(samples) < terms:
+        raise ProfileError(
+            f"{len(samples)} {what} samples cannot fit {terms} terms; profile at least {terms} "
+            "distinct shapes"
+        )
+
+
+def _terms(data: dict, section: str, names: tuple[str, ...]) -> list[float]:
+    block = data.get(section)
+    if not isinstance(block, dict):
+        raise ProfileError(f"profile has no `{section}` section; add one with terms {names}")
+    missing = [name for name in names if name not in block]
+    if missing:
+        raise ProfileError(f"profile `{section}` lacks {missing}; every term of {names} is needed")
+    values = [float(block[name]) for name in names]
+    if not all(np.isfinite(values)):
+        raise ProfileError(f"profile `{section}` holds a non-finite coefficient: {values}")
+    return values

@@ -1,0 +1,42 @@
+"""Routing policies by name."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from halfmoon.router.config import POLICY_NAMES
+from halfmoon.router.errors import RouterConfigError
+from halfmoon.router.placement import Placement, PlacementContext
+from halfmoon.router.policies_basic import LeastLoadedPolicy, RandomPolicy, RoundRobinPolicy
+from halfmoon.router.policy_cache_local import CacheAwareLocalPolicy
+from halfmoon.router.policy_conductor import ConductorPolicy
+
+
+class Policy(Protocol):
+    """Chooses a prefill and a decode instance for one request."""
+
+    name: str
+
+    def place(self, ctx: PlacementContext) -> Placement: ...
+
+
+POLICIES = {
+    cls.name: cls
+    for cls in (
+        RandomPolicy,
+        RoundRobinPolicy,
+        LeastLoadedPolicy,
+        CacheAwareLocalPolicy,
+        ConductorPolicy,
+    )
+}
+
+
+def make_policy(name: str, seed: int = 0) -> Policy:
+    """The policy called `name`; an unknown name is a RouterConfigError listing the known ones."""
+    cls = POLICIES.get(name)
+    if cls is None:
+        raise RouterConfigError(
+            f"unknown routing policy {name!r}; choose one of {', '.join(POLICY_NAMES)}"
+        )
+    return cls(seed)

@@ -1,0 +1,91 @@
+"""A worker profile: its cost model plus the sizes and bandwidths that turn KV into seconds."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from halfmoon.router.cost_model import CostModel
+from halfmoon.router.errors import ProfileError
+
+PROFILE_DIR = Path(__file__).resolve().parent.parent / "deploy" / "profiles"
+DEFAULT_PROFILE = PROFILE_DIR / "llama70b-8xa800.yaml"
+
+
+@dataclass(slots=True)
+class Profile:
+    """Everything the router and the simulator know about one worker kind's speed and size."""
+
+    name: str
+    cost: CostModel
+    kv_bytes_per_token: int
+    num_layers: int
+    network_bytes_per_s: float
+    host_to_device_bytes_per_s: float
+    transfer_latency_s: float
+    decode_kv_capacity_tokens: int
+    cache_bytes_per_instance: float
+    assumptions: dict = field(default_factory=dict)
+
+    def transfer_time(self, num_tokens: int, remote: bool = True) -> float:
+        """Seconds to move the KV of `num_tokens` from another instance (or from local host)."""
+        if num_tokens <= 0:
+            return 0.0
+        bandwidth = self.network_bytes_per_s if remote else self.host_to_device_bytes_per_s
+        return self.transfer_latency_s + num_tokens * self.kv_bytes_per_token / bandwidth
+
+    def cache_blocks(self, block_size: int) -> int:
+        """How many `block_size`-token blocks of KV one instance's cache holds."""
+        return int(self.cache_bytes_per_instance // (self.kv_bytes_per_token * block_size))
+
+
+_FIELDS = (
+    "kv_bytes_per_token",
+    "num_layers",
+    "network_bytes_per_s",
+    "host_to_device_bytes_per_s",
+    "transfer_latency_s",
+    "decode_kv_capacity_tokens",
+    "cache_bytes_per_instance",
+)
+
+
+def load_profile(path: str | Path) -> Profile:
+    """Read a profile YAML; a missing or impossible field is a ProfileError naming it."""
+    path = Path(path)
+    if not path.is_file():
+        raise ProfileError(f"profile {path} does not exist; pick one from {PROFILE_DIR}")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ProfileError(f"profile {path} is not a YAML mapping")
+    values = {}
+    for name in _FIELDS:
+        if name not in data:
+            raise ProfileError(f"profile {path} lacks `{name}`")
+        value = float(data[name])
+        if not math.isfinite(value) or value < 0 or (value == 0 and name != "transfer_latency_s"):
+            raise ProfileError(f"profile {path}: `{name}` = {data[name]!r} must be positive")
+        values[name] = value
+    return Profile(
+        name=str(data.get("name", path.stem)),
+        cost=CostModel.from_dict(data),
+        kv_bytes_per_token=int(values["kv_bytes_per_token"]),
+        num_layers=int(values["num_layers"]),
+        network_bytes_per_s=values["network_bytes_per_s"],
+        host_to_device_bytes_per_s=values["host_to_device_bytes_per_s"],
+        transfer_latency_s=values["transfer_latency_s"],
+        decode_kv_capacity_tokens=int(values["decode_kv_capacity_tokens"]),
+        cache_bytes_per_instance=values["cache_bytes_per_instance"],
+        assumptions=dict(data.get("assumptions") or {}),
+    )
+
+
+def save_profile(profile: Profile, path: str | Path) -> None:
+    """Write `profile` as YAML that `load_profile` reads back unchanged."""
+    data = {"name": profile.name, "assumptions": profile.assumptions}
+    data.update({name: getattr(profile, name) for name in _FIELDS})
+    data.update(profile.cost.to_dict())
+    Path(path).write_text(yaml.safe_dump(data, sort_keys=False))

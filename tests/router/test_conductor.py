@@ -1,0 +1,71 @@
+import pytest
+from router_testkit import make_conductor, request
+
+from halfmoon.router.request import RouteRequest
+
+
+def test_explain_lists_candidates_and_the_winner():
+    conductor = make_conductor()
+    conductor.index.stored("p2", "host", range(5))
+    conductor.route(request("r"), 0.0)
+    text = conductor.explain("r")
+    assert "prefill=p2 decode=d0" in text
+    assert "5 local blocks" in text
+    assert text.count("prefill ") == 3
+
+
+def test_explain_keeps_only_the_last_decisions():
+    conductor = make_conductor(explain_capacity=2)
+    for rid in "abc":
+        conductor.route(request(rid), 0.0)
+    with pytest.raises(KeyError, match="explain_capacity"):
+        conductor.explain("a")
+    assert "request c" in conductor.explain("c")
+
+
+def test_prediction_error_is_recorded_from_observed_ttft():
+    conductor = make_conductor()
+    conductor.route(request("r"), 0.0)
+    conductor.observe_ttft("r", 0.15)
+    stats = conductor.prediction_error()
+    assert stats.count == 1
+    assert stats.mean_abs_s == pytest.approx(0.05)
+    assert stats.mean_rel == pytest.approx(0.05 / 0.15)
+
+
+def test_routing_counts_queued_work_until_the_prefill_finishes():
+    conductor = make_conductor(num_prefill=1)
+    conductor.route(request("a"), 0.0)
+    assert conductor.prefill["p0"].wait_s(0.0) == pytest.approx(0.1)
+    conductor.on_prefill_start("a", 0.0)
+    assert conductor.prefill["p0"].wait_s(0.05) == pytest.approx(0.05)
+    conductor.on_prefill_done("a", 0.1)
+    assert conductor.prefill["p0"].wait_s(0.1) == 0.0
+
+
+def test_finish_releases_the_decode_reservation():
+    conductor = make_conductor(num_decode=1)
+    conductor.route(request("a"), 0.0)
+    view = conductor.decode["d0"]
+    assert view.reserved_tokens == 100 + 100
+    conductor.on_decode_join("a", 0.1)
+    conductor.on_finish("a", 1.0, 100)
+    assert view.reserved_tokens == 0
+    assert view.admitted == {}
+
+
+def test_a_request_too_big_for_any_decode_instance_is_rejected():
+    conductor = make_conductor()
+    big = RouteRequest("big", [1], 10, max_output_tokens=2_000_000, arrival_s=0.0)
+    decision = conductor.route(big, 0.0)
+    assert decision.rejected
+    assert "no decode instance has 2000010 tokens of KV free" in decision.reason
+
+
+def test_removed_instance_is_no_longer_a_candidate_or_a_holder():
+    conductor = make_conductor()
+    conductor.index.stored("p1", "host", range(10))
+    conductor.remove_instance("p1")
+    decision = conductor.route(request("r"), 0.0)
+    assert decision.prefill_instance != "p1"
+    assert decision.cached_tokens == 0
