@@ -26,7 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_init_model(commands)
     _add_generate(commands)
     bench = commands.add_parser(
-        "bench", help="run a benchmark: " + ", ".join(sorted(BENCHMARKS)),
+        "bench",
+        help="run a benchmark: " + ", ".join(sorted(BENCHMARKS)),
         description="Benchmarks; `halfmoon bench TARGET --help` lists a target's options.",
     )
     bench.add_argument("target", choices=sorted(BENCHMARKS))
@@ -42,8 +43,12 @@ def _add_init_model(commands) -> None:
         "random weights, chat template) loadable by transformers and halfmoon.",
     )
     cmd.add_argument("dir", help="new directory to write the checkpoint into")
-    cmd.add_argument("--shape", choices=["tiny", "bench"], default="tiny",
-                     help="tiny (~1M params, the serving default) or bench (~50M params)")
+    cmd.add_argument(
+        "--shape",
+        choices=["tiny", "bench"],
+        default="tiny",
+        help="tiny (~1M params, the serving default) or bench (~50M params)",
+    )
     cmd.add_argument("--seed", type=int, default=0, help="weight seed (0)")
     cmd.set_defaults(run=_run_init_model)
 
@@ -66,8 +71,11 @@ def _add_generate(commands) -> None:
     cmd.add_argument("--seed", type=int, default=None)
     cmd.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     cmd.add_argument("--ignore-eos", action="store_true")
-    cmd.add_argument("--json", action="store_true",
-                     help="print one JSON object (token_ids, text, finish_reason, usage)")
+    cmd.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object (token_ids, text, finish_reason, usage)",
+    )
     cmd.set_defaults(run=_run_generate)
 
 
@@ -84,8 +92,13 @@ def sampling_from_args(args):
     from halfmoon.engine import SamplingParams
 
     return SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-        top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
     )
 
 

@@ -33,20 +33,22 @@ def paged_decode_attention(
     scale: float,
 ) -> torch.Tensor:
     """One query per sequence ([S, q_heads, D]) over its first `seq_lens[s]` cached tokens."""
-    num_seqs, num_q_heads, head_dim = query.shape
-    num_kv_heads = k_cache.shape[2]
-    group = num_q_heads // num_kv_heads
-    pages = block_tables.long().clamp(min=0)
-    keys = k_cache[pages].flatten(1, 2).permute(0, 2, 3, 1)  # [S, kv_heads, D, L]
-    values = v_cache[pages].flatten(1, 2).transpose(1, 2)  # [S, kv_heads, L, D]
-    q = query.view(num_seqs, num_kv_heads, group, head_dim).to(keys.dtype)
-    scores = torch.matmul(q.float(), keys.float()) * scale  # [S, kv_heads, group, L]
-    positions = torch.arange(keys.shape[-1], device=query.device)
-    invalid = positions[None, :] >= seq_lens[:, None].to(query.device)
-    scores.masked_fill_(invalid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, values.float())
-    return out.reshape(num_seqs, num_q_heads, head_dim).to(query.dtype)
+    # A loop of SDPA over each sequence's own pages beats one padded batched gather on CPU.
+    out = torch.empty_like(query)
+    block_size = k_cache.shape[1]
+    for s, seq_len in enumerate(seq_lens.tolist()):
+        pages = block_tables[s, : -(-seq_len // block_size)].long()
+        keys = k_cache[pages].flatten(0, 1)[:seq_len].transpose(0, 1)
+        values = v_cache[pages].flatten(0, 1)[:seq_len].transpose(0, 1)
+        attn = F.scaled_dot_product_attention(
+            query[s][:, None],
+            keys.to(query.dtype),
+            values.to(query.dtype),
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[s] = attn[:, 0]
+    return out
 
 
 def prefill_attention(

@@ -21,8 +21,9 @@ def test_init_model_is_loadable_by_transformers_with_a_chat_template(tmp_path):
     ids = tokenizer.encode("héllo")
     assert tokenizer.decode(ids) == "héllo"
     assert model(torch.tensor([ids])).logits.shape == (1, len(ids), len(tokenizer))
-    chat = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
-                                         add_generation_prompt=True)
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert chat == "<|user|>hi</s><|assistant|>"
 
 
@@ -37,9 +38,23 @@ def test_generate_local_json_matches_offline_engine(tiny_model_dir, tiny_llm):
     from halfmoon.engine import SamplingParams
 
     out = subprocess.run(
-        [sys.executable, "-m", "halfmoon.cluster.cli", "generate", "--local", "--model",
-         str(tiny_model_dir), "--max-tokens", "8", "--json", "Hello there"],
-        capture_output=True, text=True, check=True, env={**os.environ, "TQDM_DISABLE": "1"},
+        [
+            sys.executable,
+            "-m",
+            "halfmoon.cluster.cli",
+            "generate",
+            "--local",
+            "--model",
+            str(tiny_model_dir),
+            "--max-tokens",
+            "8",
+            "--json",
+            "Hello there",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "TQDM_DISABLE": "1"},
     )
     result = json.loads(out.stdout)
     expected = tiny_llm.generate(["Hello there"], SamplingParams(max_tokens=8, temperature=0.0))[0]
@@ -51,9 +66,20 @@ def test_generate_local_json_matches_offline_engine(tiny_model_dir, tiny_llm):
 
 def test_generate_bad_input_exits_2_with_the_field(tiny_model_dir):
     out = subprocess.run(
-        [sys.executable, "-m", "halfmoon.cluster.cli", "generate", "--local", "--model",
-         str(tiny_model_dir), "--top-p", "2", "x"],
-        capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "halfmoon.cluster.cli",
+            "generate",
+            "--local",
+            "--model",
+            str(tiny_model_dir),
+            "--top-p",
+            "2",
+            "x",
+        ],
+        capture_output=True,
+        text=True,
     )
     assert out.returncode == 2
     assert "top_p=2.0 is invalid" in out.stderr
