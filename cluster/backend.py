@@ -1,0 +1,80 @@
+"""What the gRPC frontend serves from: the cluster (router actor) or a single local engine.
+
+The servicer only talks to a `Backend`; errors raised here are mapped to gRPC status codes
+in one place (`cluster/grpc_errors.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from halfmoon.engine.errors import HalfmoonError
+from halfmoon.engine.sampling_params import SamplingParams
+from halfmoon.engine.sequence import TokenLogprobs
+from halfmoon.engine.tokenizer import Prompt
+
+
+class RejectedError(HalfmoonError):
+    """Rejected for load (predicted TTFT/TBT would break the SLO): RESOURCE_EXHAUSTED."""
+
+
+class NoWorkerError(HalfmoonError):
+    """No worker can take the request now (none alive, or none with room): UNAVAILABLE."""
+
+
+@dataclass(slots=True)
+class GenerateInput:
+    """One request as the frontend hands it to the backend."""
+
+    request_id: str
+    prompt: Prompt
+    params: SamplingParams
+    ttft_slo_s: float | None = None
+    tbt_slo_s: float | None = None
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass(slots=True)
+class TokenDelta:
+    """Tokens and text one step added; the last delta has `finish_reason` and `usage`."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class ModelInfo:
+    model: str
+    architecture: str
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+
+
+class Backend(Protocol):
+    """The serving side of the gRPC API."""
+
+    def generate(self, request: GenerateInput) -> AsyncIterator[TokenDelta]:
+        """Stream a request's deltas; closing the iterator early aborts the request."""
+        ...
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a request by id; False if no such request is in flight."""
+        ...
+
+    async def model_info(self) -> ModelInfo: ...
+
+    async def server_info(self) -> dict:
+        """Mode, workers and their load, store usage: a JSON-able dict."""
+        ...

@@ -1,0 +1,138 @@
+"""An `LLMEngine` stepped by a background thread, streamed to asyncio callers.
+
+The workers are async Ray actors: their event loop keeps serving calls (and moving KV)
+while this thread runs the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
+
+from halfmoon.engine.errors import HalfmoonError, RequestNotFoundError
+from halfmoon.engine.llm_engine import LLMEngine, RequestOutput
+from halfmoon.engine.sampling_params import SamplingParams
+from halfmoon.engine.tokenizer import Prompt
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class EngineFailure(HalfmoonError):
+    """The engine's step failed; the requests in flight were ended."""
+
+
+class AsyncEngine:
+    """Thread-safe front of an `LLMEngine`: add, reserve, join, abort, stream outputs."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="engine-step", daemon=True)
+        self._thread.start()
+
+    def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run `fn(engine)` between steps (for stats and other reads)."""
+        with self._lock:
+            return fn(self.engine)
+
+    def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str) -> None:
+        """Queue a request; its outputs go to `stream(request_id)`."""
+        with self._work:
+            self.engine.add_request(prompt, params, request_id)
+            self._open_stream(request_id)
+            self._work.notify()
+
+    def reserve(self, prompt: Prompt, params: SamplingParams, request_id: str) -> list[int]:
+        """Hold pages for a prompt whose KV arrives from outside; see `LLMEngine.reserve`."""
+        with self._lock:
+            pages = self.engine.reserve(prompt, params, request_id)
+            self._open_stream(request_id)
+            return pages
+
+    def join(self, request_id: str, first_token_id: int) -> None:
+        """Start decoding a reserved request; outputs (the first token's too) go to its stream."""
+        with self._work:
+            out = self.engine.join(request_id, first_token_id)
+            self._deliver(out)
+            self._work.notify()
+
+    def abort(self, request_id: str) -> bool:
+        """End a request wherever it is; its stream ends with finish reason `abort`."""
+        with self._lock:
+            seq = self.engine.requests.get(request_id)
+            if seq is None:
+                return False
+            self.engine.abort(request_id)
+            self._deliver(RequestOutput(request_id, [], "", True, "abort", seq.num_prompt_tokens,
+                                        seq.num_cached_tokens))
+            return True
+
+    async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request until it finishes; aborts it if the consumer goes away."""
+        entry = self._streams.get(request_id)
+        if entry is None:
+            raise RequestNotFoundError(request_id)
+        queue = entry[1]
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                if isinstance(out, BaseException):
+                    raise out
+                finished = out.finished
+                yield out
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    async def generate(
+        self, prompt: Prompt, params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        """Add a request and stream its outputs."""
+        self.add_request(prompt, params, request_id)
+        async for out in self.stream(request_id):
+            yield out
+
+    def shutdown(self) -> None:
+        with self._work:
+            self._stopped = True
+            self._work.notify()
+        self._thread.join(timeout=10)
+
+    def _open_stream(self, request_id: str) -> None:
+        self._streams[request_id] = (asyncio.get_running_loop(), asyncio.Queue())
+
+    def _deliver(self, item: RequestOutput | BaseException, request_id: str | None = None) -> None:
+        entry = self._streams.get(request_id or item.request_id)
+        if entry is not None:
+            loop, queue = entry
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+    def _loop(self) -> None:
+        while True:
+            with self._work:
+                while not self._stopped and not self.engine.has_unfinished_requests():
+                    self._work.wait()
+                if self._stopped:
+                    return
+                try:
+                    outputs = self.engine.step()
+                except Exception as error:  # noqa: BLE001 - a failed step must not kill serving
+                    log.exception("engine step failed; ending the requests in flight")
+                    self._fail_all(error)
+                    continue
+            for out in outputs:
+                self._deliver(out)
+
+    def _fail_all(self, error: Exception) -> None:
+        for request_id in list(self.engine.requests):
+            self.engine.abort(request_id)
+            self._deliver(EngineFailure(f"request {request_id} failed: {error}"), request_id)
