@@ -35,3 +35,7 @@ format: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+.PHONY: proto
+proto: $(STAMP)
+	$(PY) cluster/api/generate_stubs.py

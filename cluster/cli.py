@@ -23,8 +23,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="halfmoon: a Mooncake-style disaggregated LLM serving cluster.",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    _add_init_model(commands)
+    _add_serve(commands)
     _add_generate(commands)
+    _add_status(commands)
+    _add_init_model(commands)
     bench = commands.add_parser(
         "bench",
         help="run a benchmark: " + ", ".join(sorted(BENCHMARKS)),
@@ -33,6 +35,87 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("target", choices=sorted(BENCHMARKS))
     commands.add_parser("simulate", help="simulate the router on a trace (`simulate --help`)")
     return parser
+
+
+def _add_serve(commands) -> None:
+    cmd = commands.add_parser(
+        "serve",
+        help="start the cluster: router, prefill and decode pools, KV store, gRPC API",
+        description="Start halfmoon on Ray (in-process by default, or join a cluster with "
+        "--address auto) and serve the gRPC API until SIGINT/SIGTERM. Flags override the "
+        "config file; every default is in halfmoon.cluster.config (see deploy/configs/).",
+    )
+    cmd.add_argument("--config", help="YAML config (default: built-in defaults)")
+    cmd.add_argument("--model", help="checkpoint directory (default: the tiny generated model)")
+    cmd.add_argument("--prefill", type=int, help="prefill workers")
+    cmd.add_argument("--decode", type=int, help="decode workers")
+    cmd.add_argument("--mode", choices=["disaggregated", "colocated"])
+    cmd.add_argument(
+        "--policy",
+        help="router policy (random, round_robin, least_loaded, cache_aware_local, conductor)",
+    )
+    cmd.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    cmd.add_argument("--port", type=int, help="gRPC port (default 50051)")
+    cmd.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (default 9400)")
+    cmd.add_argument("--address", help="Ray address; `auto` joins a running cluster (ray up)")
+    cmd.set_defaults(run=_run_serve)
+
+
+def _add_status(commands) -> None:
+    cmd = commands.add_parser(
+        "status", help="show workers, their load and the KV store of a running server"
+    )
+    cmd.add_argument("--server", default="127.0.0.1:50051", help="server host:port")
+    cmd.add_argument("--json", action="store_true", help="print the raw JSON")
+    cmd.set_defaults(run=_run_status)
+
+
+SERVE_OVERRIDES = {
+    "model": "model",
+    "prefill": "prefill.replicas",
+    "decode": "decode.replicas",
+    "mode": "mode",
+    "policy": "router.policy",
+    "host": "server.host",
+    "port": "server.grpc_port",
+    "metrics_port": "server.metrics_port",
+    "address": "ray.address",
+}
+
+
+def _run_serve(args) -> int:
+    from halfmoon.cluster.config import load_config
+    from halfmoon.cluster.serve import serve
+
+    overrides = {
+        key: getattr(args, flag)
+        for flag, key in SERVE_OVERRIDES.items()
+        if getattr(args, flag) is not None
+    }
+    return serve(load_config(args.config, overrides))
+
+
+def _run_status(args) -> int:
+    from halfmoon.cluster.client import Client, ServerError
+
+    try:
+        info = Client(args.server).server_info()
+    except ServerError as error:
+        print(f"halfmoon status: {error}", file=sys.stderr)
+        return 1
+    data = info.details
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    print(
+        f"mode {data['mode']}  model {data['model']}  policy {data['policy']}  "
+        f"in flight {data['in_flight']}"
+    )
+    for name, load in sorted(data["workers"].items()):
+        print(f"  {name:<12} " + "  ".join(f"{k}={v}" for k, v in load.items()))
+    for name, tiers in data.get("stores", {}).items():
+        print(f"  store {name[-12:]}: " + json.dumps(tiers))
+    return 0
 
 
 def _add_init_model(commands) -> None:
@@ -155,11 +238,12 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] and argv[0] in FORWARDED:
         return _forward(FORWARDED[argv[0]], argv[1:])
     args = build_parser().parse_args(argv)
+    from halfmoon.cluster.config import ConfigError
     from halfmoon.engine.errors import HalfmoonError
 
     try:
         return args.run(args)
-    except HalfmoonError as error:
+    except (HalfmoonError, ConfigError) as error:
         print(f"halfmoon {args.command}: error: {error}", file=sys.stderr)
         return 2
 

@@ -7,6 +7,7 @@ while this thread runs the model.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -70,8 +71,11 @@ class AsyncEngine:
             if seq is None:
                 return False
             self.engine.abort(request_id)
-            self._deliver(RequestOutput(request_id, [], "", True, "abort", seq.num_prompt_tokens,
-                                        seq.num_cached_tokens))
+            self._deliver(
+                RequestOutput(
+                    request_id, [], "", True, "abort", seq.num_prompt_tokens, seq.num_cached_tokens
+                )
+            )
             return True
 
     async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
@@ -98,8 +102,9 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Add a request and stream its outputs."""
         self.add_request(prompt, params, request_id)
-        async for out in self.stream(request_id):
-            yield out
+        async with contextlib.aclosing(self.stream(request_id)) as outputs:
+            async for out in outputs:
+                yield out
 
     def shutdown(self) -> None:
         with self._work:

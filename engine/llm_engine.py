@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import time
@@ -19,6 +20,7 @@ from halfmoon.engine.errors import (
     RequestNotFoundError,
 )
 from halfmoon.engine.hooks import KVHooks
+from halfmoon.engine.loader import checkpoint_files
 from halfmoon.engine.model_config import load_model_config
 from halfmoon.engine.model_runner import ModelRunner
 from halfmoon.engine.page_pool import PagePool
@@ -88,7 +90,7 @@ class LLMEngine:
         self.max_model_len = min(max_len, self.num_pages * config.block_size)
         cfg.max_model_len = self.max_model_len
         self.root_key = model_root_key(
-            str(model_dir.resolve()),
+            _model_identity(model_dir),
             str(self.dtype),
             cfg.num_layers,
             cfg.num_kv_heads,
@@ -273,6 +275,15 @@ def _find_stop(text: str, new_text: str, stops: list[str]) -> int | None:
     start = max(0, len(text) - window)
     hits = [i for s in stops if (i := text.find(s, start)) != -1]
     return min(hits) if hits else None
+
+
+def _model_identity(model_dir: Path) -> str:
+    """Name plus a hash of the config and the first weight bytes: equal across nodes that
+    hold the same checkpoint, different for checkpoints that differ."""
+    digest = hashlib.sha256((model_dir / "config.json").read_bytes())
+    with checkpoint_files(model_dir)[0].open("rb") as weights:
+        digest.update(weights.read(1 << 16))
+    return f"{model_dir.resolve().name}@{digest.hexdigest()[:16]}"
 
 
 def _pick_device(name: str) -> torch.device:

@@ -27,6 +27,8 @@ class PagePool:
         self.cached_free: OrderedDict[int, None] = OrderedDict()
         self.key_to_page: dict[bytes, int] = {}
         self.page_to_key: dict[int, bytes] = {}
+        # (kind, key) of blocks entering and leaving the cache, for a cluster-wide index.
+        self.events: list[tuple[str, bytes]] | None = None
 
     @property
     def num_free_pages(self) -> int:
@@ -82,6 +84,8 @@ class PagePool:
             if parent not in self.key_to_page and page not in self.page_to_key:
                 self.key_to_page[parent] = page
                 self.page_to_key[page] = parent
+                if self.events is not None:
+                    self.events.append(("stored", parent))
 
     def release(self, seq: Sequence) -> None:
         """Drop `seq`'s hold on its pages; the tail goes first so prefixes are evicted last."""
@@ -105,6 +109,9 @@ class PagePool:
             page = self.free_pages.popleft()
         else:
             page, _ = self.cached_free.popitem(last=False)
-            del self.key_to_page[self.page_to_key.pop(page)]
+            key = self.page_to_key.pop(page)
+            del self.key_to_page[key]
+            if self.events is not None:
+                self.events.append(("evicted", key))
         self.ref_counts[page] = 1
         return page

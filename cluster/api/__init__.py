@@ -1,0 +1,1 @@
+"""The gRPC API: `halfmoon.proto` and its generated stubs (`make proto` regenerates them)."""

@@ -1,0 +1,361 @@
+"""The cluster's configuration: one validated schema loaded from YAML, every default written here
+once. `load_config` applies CLI overrides and turns validation errors into one ConfigError."""
+
+from __future__ import annotations
+
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from halfmoon.cluster.autoscaling_policy import (
+    TAG_PREFIX,
+    AutoscalingConfig,
+    DecodePlannerPolicy,
+    PrefillPlannerPolicy,
+    invalid,
+)
+from halfmoon.router.policies import POLICIES
+from halfmoon.router.profile import PROFILE_DIR
+
+MiB = 1 << 20
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message has one line per field: path, value, fix."""
+
+
+class Section(BaseModel):
+    """A config section: unknown keys are errors, values are read-only once loaded."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class EngineSection(Section):
+    """Per-worker engine sizing; `num_pages` None sizes the KV pool from memory."""
+
+    block_size: int = Field(16, ge=1)
+    num_pages: int | None = Field(None, ge=2)
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    max_num_seqs: int = Field(64, ge=1)
+    # Tokens per prefill chunk; each chunk's KV is published layer by layer.
+    prefill_chunk_size: int = Field(64, ge=1)
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+
+    @model_validator(mode="after")
+    def _chunk_fits(self) -> EngineSection:
+        chunk = self.prefill_chunk_size
+        if chunk % self.block_size:
+            raise invalid(
+                "prefill_chunk_size",
+                f"{chunk} must be a multiple of block_size = {self.block_size}",
+            )
+        if chunk > self.max_num_batched_tokens:
+            raise invalid(
+                "prefill_chunk_size",
+                f"{chunk} exceeds max_num_batched_tokens = {self.max_num_batched_tokens}; "
+                "lower it or raise max_num_batched_tokens",
+            )
+        return self
+
+
+class PoolConfig(Section):
+    """How many workers of one kind, and the Ray resources each one asks for."""
+
+    replicas: int = Field(1, ge=0)
+    num_cpus: float = Field(1.0, ge=0)
+    num_gpus: float = Field(0.0, ge=0)
+    # Custom Ray resources, e.g. {"prefill": 1} to pin workers to prefill nodes.
+    resources: dict[str, float] = Field(default_factory=dict)
+
+    @field_validator("resources")
+    @classmethod
+    def _non_negative(cls, resources: dict[str, float]) -> dict[str, float]:
+        for name, amount in resources.items():
+            if amount < 0:
+                raise invalid(name, f"{amount} must be >= 0 (an amount of Ray resource {name!r})")
+        return resources
+
+
+class StoreSection(Section):
+    """The per-node KV store: host tier size, optional Redis tier, leases."""
+
+    host_capacity_bytes: int = Field(256 * MiB, gt=0)
+    redis_url: str | None = None
+    # Start a local redis-server when no URL is given and the binary is on PATH.
+    use_local_redis: bool = True
+    redis_ttl_s: int = Field(3600, gt=0)
+    lease_ttl_s: float = Field(30.0, gt=0)
+    get_timeout_s: float = Field(30.0, gt=0)
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_scheme(cls, url: str | None) -> str | None:
+        if url is not None and not url.startswith(("redis://", "rediss://", "unix://")):
+            raise PydanticCustomError(
+                "redis_url",
+                "must start with redis://, rediss:// or unix:// (e.g. redis://host:6379/0)",
+            )
+        return url
+
+
+class SloSection(Section):
+    """Latency targets; None means no target. Admission rejects against these."""
+
+    ttft_s: float | None = Field(None, gt=0)
+    tbt_s: float | None = Field(None, gt=0)
+
+
+class RouterSection(Section):
+    """Placement policy, SLO admission and short-prompt bypass."""
+
+    policy: str = "least_loaded"
+    admission: Literal["none", "early_rejection", "prediction_early_rejection"] = "none"
+    # Prefill on the decode worker when at most this many prompt tokens are uncached (0: never).
+    bypass_threshold_tokens: int = Field(512, ge=0)
+    # A cost-model profile: a YAML path, or a name from deploy/profiles; None: profile at start.
+    profile: str | None = None
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, name: str) -> str:
+        if name not in POLICIES:
+            raise PydanticCustomError(
+                "policy", "must be one of {names}", {"names": ", ".join(POLICIES)}
+            )
+        return name
+
+    @field_validator("profile")
+    @classmethod
+    def _profile_exists(cls, profile: str | None) -> str | None:
+        if profile is None:
+            return None
+        for path in (Path(profile), PROFILE_DIR / f"{profile}.yaml"):
+            if path.is_file():
+                return str(path.resolve())
+        names = ", ".join(sorted(p.stem for p in PROFILE_DIR.glob("*.yaml")))
+        raise PydanticCustomError(
+            "profile", "must be a profile file or one of {names}", {"names": names}
+        )
+
+
+class ServerSection(Section):
+    """Where the gRPC API and the Prometheus endpoint listen (port 0: any free port)."""
+
+    host: str = "127.0.0.1"
+    grpc_port: int = Field(50051, ge=0, le=65535)
+    metrics_port: int = Field(9400, ge=0, le=65535)
+
+    @model_validator(mode="after")
+    def _distinct_ports(self) -> ServerSection:
+        if self.grpc_port and self.grpc_port == self.metrics_port:
+            raise invalid(
+                "metrics_port", f"{self.metrics_port} is also grpc_port; give each its own port"
+            )
+        return self
+
+
+class RaySection(Section):
+    """Which Ray cluster to use: None starts one in-process, "auto" joins the local one."""
+
+    address: str | None = None
+    namespace: str = Field("halfmoon", min_length=1)
+
+
+class HealthSection(Section):
+    """How often the controller checks each actor, and when a silent one counts as dead."""
+
+    interval_s: float = Field(2.0, gt=0)
+    timeout_s: float = Field(10.0, gt=0)
+
+
+class ClusterConfig(Section):
+    """Everything `halfmoon serve` needs; the defaults run a tiny model on one machine."""
+
+    # None: the tiny model generated on first use.
+    model: str | None = None
+    mode: Literal["disaggregated", "colocated"] = "disaggregated"
+    engine: EngineSection = Field(default_factory=EngineSection)
+    prefill: PoolConfig = Field(default_factory=PoolConfig)
+    decode: PoolConfig = Field(default_factory=PoolConfig)
+    store: StoreSection = Field(default_factory=StoreSection)
+    slo: SloSection = Field(default_factory=SloSection)
+    router: RouterSection = Field(default_factory=RouterSection)
+    server: ServerSection = Field(default_factory=ServerSection)
+    ray: RaySection = Field(default_factory=RaySection)
+    autoscaling: AutoscalingConfig = Field(default_factory=AutoscalingConfig)
+    health: HealthSection = Field(default_factory=HealthSection)
+
+    @field_validator("autoscaling", mode="before")
+    @classmethod
+    def _policy_file(cls, value: Any) -> Any:
+        if not isinstance(value, str | Path):
+            return value
+        try:
+            return read_yaml(Path(value))
+        except ConfigError as exc:
+            raise PydanticCustomError("policy_file", "{reason}", {"reason": str(exc)}) from None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ClusterConfig:
+        for check in (self._check_pools, self._check_admission, self._check_autoscaling):
+            check()
+        return self
+
+    def _check_pools(self) -> None:
+        if self.decode.replicas < 1:
+            raise invalid("decode.replicas", f"{self.decode.replicas} must be >= 1")
+        if self.mode == "disaggregated" and self.prefill.replicas < 1:
+            raise invalid(
+                "prefill.replicas",
+                f"{self.prefill.replicas} must be >= 1 in disaggregated mode "
+                "(or set mode: colocated)",
+            )
+
+    def _check_admission(self) -> None:
+        if self.router.admission != "none" and self.slo.ttft_s is None and self.slo.tbt_s is None:
+            raise invalid(
+                "router.admission",
+                f"{self.router.admission!r} rejects against an SLO; set slo.ttft_s or slo.tbt_s "
+                "(or admission: none)",
+            )
+
+    def _check_autoscaling(self) -> None:
+        prefill, decode = self.autoscaling.prefill, self.autoscaling.decode
+        if prefill is not None and self.mode == "colocated":
+            raise invalid(
+                "autoscaling.prefill",
+                "colocated mode has no prefill pool; remove autoscaling.prefill",
+            )
+        planner = isinstance(prefill, PrefillPlannerPolicy)
+        if planner and (prefill.ttft_s or self.slo.ttft_s) is None:
+            raise invalid(
+                "autoscaling.prefill.ttft_s",
+                "slo_planner needs a TTFT target; set it here or set slo.ttft_s",
+            )
+        if isinstance(decode, DecodePlannerPolicy) and _no_tbt(decode, self.slo.tbt_s):
+            raise invalid(
+                "autoscaling.decode.tbt_s",
+                "slo_planner derives decode throughput at the TBT target; set it here, "
+                "set slo.tbt_s, or give decode_tokens_per_s",
+            )
+        for pool, policy in (("prefill", prefill), ("decode", decode)):
+            replicas = getattr(self, pool).replicas
+            if policy is None or (pool == "prefill" and self.mode == "colocated"):
+                continue
+            if not policy.min_replicas <= replicas <= policy.max_replicas:
+                raise invalid(
+                    f"{pool}.replicas",
+                    f"{replicas} is outside autoscaling.{pool}'s "
+                    f"[{policy.min_replicas}, {policy.max_replicas}]; start within the bounds",
+                )
+
+
+def _no_tbt(policy: DecodePlannerPolicy, slo_tbt_s: float | None) -> bool:
+    return policy.decode_tokens_per_s is None and policy.tbt_s is None and slo_tbt_s is None
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    """A YAML mapping from `path`; anything else is a ConfigError naming the file."""
+    if not path.is_file():
+        raise ConfigError(f"{path} is not a file; give the path to a YAML file")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level is {type(data).__name__}; it must be a mapping")
+    return data
+
+
+def load_config(
+    path: str | Path | None = None, overrides: dict[str, Any] | None = None
+) -> ClusterConfig:
+    """The config in `path` (None: the defaults) with dotted-key `overrides` (None values skipped)
+    applied; raises ConfigError listing every invalid field."""
+    data = read_yaml(Path(path)) if path is not None else {}
+    for key, value in (overrides or {}).items():
+        if value is not None:
+            _set_dotted(data, key, value)
+    return validate_config(data, source=str(path) if path else "config")
+
+
+def validate_config(data: dict[str, Any], source: str = "config") -> ClusterConfig:
+    """Validate a config mapping; raises ConfigError with one line per invalid field."""
+    try:
+        return ClusterConfig.model_validate(data)
+    except ValidationError as exc:
+        lines = [format_error(error, ClusterConfig) for error in exc.errors()]
+        raise ConfigError(f"{source} is invalid:\n  " + "\n  ".join(lines)) from None
+
+
+def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    *parents, leaf = key.split(".")
+    node = data
+    for i, part in enumerate(parents):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            where = ".".join(parents[: i + 1])
+            raise ConfigError(f"override {key}: {where} holds {child!r}, not a section")
+        node = child
+    node[leaf] = value
+
+
+def format_error(error: Any, root: type[BaseModel]) -> str:
+    """One line for one pydantic error: the field path, the bad value and what is allowed."""
+    loc = [str(part) for part in error["loc"]]
+    kind, ctx = error["type"], error.get("ctx") or {}
+    if kind == "cross_field":
+        return f"{_path(loc + ctx['field'].split('.'))}: {ctx['reason']}"
+    if kind == "extra_forbidden":
+        allowed = ", ".join(_fields_at(root, loc[:-1]))
+        return f"{_path(loc)}: unknown field; allowed here: {allowed}"
+    if kind == "missing":
+        return f"{_path(loc)}: required; add it"
+    if kind == "policy_kind":
+        got = error["input"].get("kind") if isinstance(error["input"], dict) else error["input"]
+        return f"{_path(loc + ['kind'])} = {got!r}: {error['msg']}"
+    message = error["msg"].removeprefix("Value error, ").replace("Input should be", "must be")
+    if kind in ("value_error", "assertion_error") or _is_model_error(error):
+        return f"{_path(loc)}: {message}"
+    return f"{_path(loc)} = {error['input']!r}: {message}"
+
+
+def _is_model_error(error: Any) -> bool:
+    # A whole-section check raises with the section as input; repeating the mapping is noise.
+    return isinstance(error["input"], dict) and error["type"] not in ("dict_type", "model_type")
+
+
+def _path(loc: list[str]) -> str:
+    return ".".join(part for part in loc if not part.startswith(TAG_PREFIX)) or "(top level)"
+
+
+def _fields_at(model: type[BaseModel], loc: list[str]) -> list[str]:
+    """The field names of the section at `loc`, following tagged unions by their tag."""
+    for part in loc:
+        if part.startswith(TAG_PREFIX):
+            kind = part.removeprefix(TAG_PREFIX)
+            model = next(m for m in _models_in(model) if m.model_fields["kind"].default == kind)
+            continue
+        annotation = model.model_fields[part].annotation
+        candidates = _models_in(annotation)
+        model = candidates[0] if len(candidates) == 1 else annotation
+    return list(model.model_fields)
+
+
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    """The BaseModel classes an annotation (Optional, union, Annotated) can hold."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) is typing.Annotated:
+        args = args[:1]
+    elif typing.get_origin(annotation) not in (typing.Union, types.UnionType):
+        return []
+    return [model for arg in args for model in _models_in(arg)]

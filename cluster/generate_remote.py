@@ -1,0 +1,66 @@
+"""`halfmoon generate` against a running server: stream the text, or print one JSON object."""
+
+from __future__ import annotations
+
+import json
+import sys
+from types import SimpleNamespace
+
+from halfmoon.cluster.cli import completion_json
+from halfmoon.cluster.client import Client, Completion, ServerError
+
+
+def generate_remote(args) -> int:
+    """Exit 0 on success, 2 when the server rejects the request as invalid, 1 otherwise."""
+    sampling = dict(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
+    with Client(args.server) as client:
+        try:
+            result = _run(client, args.prompt, sampling, stream_text=not args.json)
+        except ServerError as error:
+            return _report(error, args.server)
+        except KeyboardInterrupt:
+            return 130
+    if args.json:
+        print(json.dumps(completion_json(result.token_ids, result.text, _last(result))))
+    else:
+        print()
+    return 0
+
+
+def _run(client: Client, prompt: str, sampling: dict, stream_text: bool) -> Completion:
+    with client.generate(prompt, **sampling) as stream:
+        result = Completion(stream.request_id)
+        for delta in stream:
+            result.add(delta)
+            if stream_text:
+                print(delta.text, end="", flush=True)
+    return result
+
+
+def _last(result: Completion) -> SimpleNamespace:
+    """The attributes `completion_json` reads from the engine's last output."""
+    usage = result.usage
+    return SimpleNamespace(
+        finish_reason=result.finish_reason,
+        num_prompt_tokens=usage.prompt_tokens if usage else 0,
+        num_cached_tokens=usage.cached_tokens if usage else 0,
+    )
+
+
+def _report(error: ServerError, server: str) -> int:
+    if error.unreachable:
+        message = f"no halfmoon server at {server} — start one with `halfmoon serve`"
+    elif error.code == "INVALID_ARGUMENT":
+        message = error.message
+    else:
+        message = f"{error.code}: {error.message}"
+    print(f"halfmoon generate: error: {message}", file=sys.stderr)
+    return 2 if error.code == "INVALID_ARGUMENT" else 1

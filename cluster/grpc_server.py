@@ -1,0 +1,121 @@
+"""The gRPC frontend: the `halfmoon.v1.Halfmoon` servicer over a `Backend`, health, reflection."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+from collections.abc import AsyncIterator
+from importlib.metadata import version
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from halfmoon.cluster.api import halfmoon_pb2 as pb
+from halfmoon.cluster.api import halfmoon_pb2_grpc as pb_grpc
+from halfmoon.cluster.backend import Backend
+from halfmoon.cluster.grpc_convert import delta_to_proto, input_from_proto, model_info_to_proto
+from halfmoon.cluster.grpc_errors import abort_with
+from halfmoon.engine.errors import HalfmoonError, InvalidRequestError
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Halfmoon"].full_name
+MAX_MESSAGE_BYTES = 16 << 20  # room for a prompt of MAX_PROMPT_TOKEN_IDS token ids
+SERVER_OPTIONS = (
+    ("grpc.so_reuseport", 0),  # a second server on a taken port must fail, not share it
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+)
+
+
+def _mapped_errors(method):
+    """Turn a unary handler's exceptions into gRPC statuses via `grpc_errors`."""
+
+    @functools.wraps(method)
+    async def wrapper(self, request, context):
+        try:
+            return await method(self, request, context)
+        except Exception as error:  # noqa: BLE001 - every error gets a status, internals hidden
+            await abort_with(context, error)
+
+    return wrapper
+
+
+class HalfmoonServicer(pb_grpc.HalfmoonServicer):
+    """Validates requests, streams the backend's deltas, maps errors to status codes."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            generate_input = input_from_proto(request)
+        except InvalidRequestError as error:
+            await abort_with(context, error)
+        remaining_s = context.time_remaining()
+        deadline = None if remaining_s is None else asyncio.get_running_loop().time() + remaining_s
+        deltas = self.backend.generate(generate_input)
+        try:
+            while True:
+                # The deadline covers waiting on the backend only; a yield inside it is unsafe.
+                async with asyncio.timeout_at(deadline):
+                    delta = await anext(deltas, None)
+                if delta is None:
+                    return
+                yield delta_to_proto(generate_input.request_id, delta)
+        except Exception as error:  # noqa: BLE001 - every error gets a status, internals hidden
+            await abort_with(context, error)
+        finally:
+            # Cancel and deadline land here too: closing the stream aborts the request.
+            await deltas.aclose()
+
+    @_mapped_errors
+    async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
+        if not request.request_id:
+            raise InvalidRequestError("request_id", "", "name the request to abort")
+        return pb.AbortResponse(aborted=await self.backend.abort(request.request_id))
+
+    @_mapped_errors
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.ModelInfo:
+        return model_info_to_proto(await self.backend.model_info())
+
+    @_mapped_errors
+    async def GetServerInfo(self, request: pb.GetServerInfoRequest, context) -> pb.ServerInfo:
+        info = await self.backend.server_info()
+        return pb.ServerInfo(
+            version=version("halfmoon"),
+            mode=str(info.get("mode", "")),
+            model=str(info.get("model", "")),
+            json=json.dumps(info, default=str),
+        )
+
+
+async def start_grpc_server(
+    backend: Backend, host: str = "127.0.0.1", port: int = 50051
+) -> tuple[grpc.aio.Server, int]:
+    """Serve `backend` with health (SERVING) and reflection; returns the server and bound port.
+
+    `port=0` picks a free port. Stop with `await server.stop(grace_s)`.
+    """
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    pb_grpc.add_HalfmoonServicer_to_server(HalfmoonServicer(backend), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for service in ("", SERVICE_NAME):
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    try:
+        bound_port = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError as error:
+        raise HalfmoonError(
+            f"cannot serve the gRPC API on {host}:{port} ({error}): "
+            "the port is taken or the host is not local; pass another port"
+        ) from error
+    await server.start()
+    log.info("halfmoon gRPC API on %s:%d", host, bound_port)
+    return server, bound_port

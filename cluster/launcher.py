@@ -1,0 +1,228 @@
+"""Brings the cluster up and down: Ray, a store node per Ray node, the worker pools and the
+router actor. The controller (cluster/controller.py) keeps it healthy and sized."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import uuid
+from dataclasses import dataclass, field
+
+import ray
+import torch
+
+from halfmoon.cluster.config import ClusterConfig, PoolConfig
+from halfmoon.cluster.router_actor import RouterActor
+from halfmoon.decode_worker.worker import DecodeWorker
+from halfmoon.engine.config import EngineConfig
+from halfmoon.engine.init_model import ensure_model
+from halfmoon.engine.worker_info import WorkerInfo
+from halfmoon.kvstore.config import StoreConfig
+from halfmoon.kvstore.layout import KvLayout
+from halfmoon.kvstore.store_node import start_store_node, store_node_name
+from halfmoon.prefill_worker.worker import PrefillWorker
+
+log = logging.getLogger(__name__)
+WORKER_CLASSES = {"prefill": PrefillWorker, "decode": DecodeWorker}
+
+
+@dataclass(slots=True)
+class WorkerHandle:
+    name: str
+    kind: str
+    actor: ray.actor.ActorHandle
+
+
+@dataclass
+class Cluster:
+    """A running halfmoon cluster, owned by the process that started it."""
+
+    config: ClusterConfig
+    cluster_id: str = field(default_factory=lambda: uuid.uuid4().hex[:6])
+    workers: dict[str, WorkerHandle] = field(default_factory=dict)
+    stores: dict[str, ray.actor.ActorHandle] = field(default_factory=dict)
+    router: ray.actor.ActorHandle | None = None
+    ports: dict = field(default_factory=dict)
+    info: WorkerInfo | None = None
+    owns_ray: bool = False
+    redis: subprocess.Popen | None = None
+    _counter: itertools.count = field(default_factory=itertools.count)
+
+    @property
+    def pools(self) -> dict[str, PoolConfig]:
+        if self.config.mode == "colocated":
+            return {"decode": self.config.decode}
+        return {"prefill": self.config.prefill, "decode": self.config.decode}
+
+    def start(self) -> dict:
+        """Start everything; returns the bound ports (`grpc_port`, `metrics_port`)."""
+        self._init_ray()
+        model = str(ensure_model(self.config.model))
+        self.engine_config = self._engine_config(model)
+        for kind, pool in self.pools.items():
+            for _ in range(pool.replicas):
+                self._spawn(kind)
+        first = next(iter(self.workers.values()))
+        self.info = ray.get(first.actor.info.remote())
+        self.store_config = self._store_config()
+        self.ensure_stores()
+        self.router = (
+            ray.remote(RouterActor)
+            .options(name=f"halfmoon-router-{self.cluster_id}", num_cpus=0, max_concurrency=10_000)
+            .remote(self.config, self.info)
+        )
+        self.ports = ray.get(self.router.start.remote())
+        for worker in list(self.workers.values()):
+            self._register(worker)
+        return self.ports
+
+    def add_worker(self, kind: str) -> WorkerHandle:
+        """Start one more worker of `kind` and route to it once it answers."""
+        worker = self._spawn(kind)
+        self._register(worker)
+        return worker
+
+    def remove_worker(self, name: str) -> None:
+        """Stop routing to `name` and kill it (drain first with the controller)."""
+        worker = self.workers.pop(name)
+        ray.get(self.router.remove_worker.remote(name))
+        ray.kill(worker.actor, no_restart=True)
+
+    def ensure_stores(self) -> None:
+        """A store node on every live Ray node (new nodes join as the autoscaler adds them)."""
+        layout = KvLayout(
+            self.info.num_layers,
+            self.info.block_size,
+            self.info.num_kv_heads,
+            self.info.head_dim,
+            getattr(torch, self.info.dtype),
+        )
+        for node in ray.nodes():
+            if not node["Alive"] or node["NodeID"] in self.stores:
+                continue
+            name = store_node_name(node["NodeID"])
+            store = start_store_node(layout, self.store_config, node["NodeID"])
+            self.stores[node["NodeID"]] = store
+            if self.router is not None:
+                ray.get(self.router.add_store.remote(name, store))
+
+    def stop(self) -> None:
+        """Stop serving and release every actor and process this cluster started."""
+        if self.router is not None:
+            try:
+                ray.get(self.router.stop.remote(), timeout=10)
+            except Exception:  # noqa: BLE001 - shutting down regardless
+                log.warning("router did not stop cleanly")
+            ray.kill(self.router, no_restart=True)
+            self.router = None
+        for worker in self.workers.values():
+            ray.kill(worker.actor, no_restart=True)
+        self.workers.clear()
+        for store in self.stores.values():
+            ray.kill(store, no_restart=True)
+        self.stores.clear()
+        if self.redis is not None:
+            self.redis.terminate()
+            self.redis.wait(timeout=10)
+            self.redis = None
+        if self.owns_ray:
+            ray.shutdown()
+
+    def _init_ray(self) -> None:
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        if ray.is_initialized():
+            return
+        ray.init(
+            address=self.config.ray.address,
+            namespace=self.config.ray.namespace,
+            include_dashboard=False,
+            log_to_driver=False,
+        )
+        self.owns_ray = True
+
+    def _engine_config(self, model: str) -> EngineConfig:
+        engine = self.config.engine
+        return EngineConfig(
+            model=model,
+            block_size=engine.block_size,
+            num_pages=engine.num_pages,
+            max_num_batched_tokens=engine.max_num_batched_tokens,
+            max_num_seqs=engine.max_num_seqs,
+            prefill_chunk_size=engine.prefill_chunk_size,
+            dtype=engine.dtype,
+        )
+
+    def _store_config(self) -> StoreConfig:
+        store = self.config.store
+        url = store.redis_url
+        if url is None and store.use_local_redis and shutil.which("redis-server"):
+            url = self._start_local_redis()
+        return StoreConfig(
+            host_capacity_bytes=store.host_capacity_bytes,
+            redis_url=url,
+            redis_ttl_s=store.redis_ttl_s,
+            lease_ttl_s=store.lease_ttl_s,
+            get_timeout_s=store.get_timeout_s,
+        )
+
+    def _start_local_redis(self) -> str:
+        port = free_port()
+        workdir = tempfile.mkdtemp(prefix="halfmoon-redis-")
+        self.redis = subprocess.Popen(
+            [
+                "redis-server",
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                workdir,
+                "--maxmemory",
+                "256mb",
+                "--maxmemory-policy",
+                "allkeys-lru",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        return f"redis://127.0.0.1:{port}/0"
+
+    def _spawn(self, kind: str) -> WorkerHandle:
+        pool = self.pools[kind]
+        name = f"{kind}-{next(self._counter)}"
+        actor = (
+            ray.remote(WORKER_CLASSES[kind])
+            .options(
+                name=f"halfmoon-{self.cluster_id}-{name}",
+                num_cpus=pool.num_cpus,
+                num_gpus=pool.num_gpus,
+                resources=pool.resources or None,
+                max_concurrency=10_000,
+                max_restarts=0,
+            )
+            .remote(name, self.engine_config, None, self.config.store.get_timeout_s)
+        )
+        worker = self.workers[name] = WorkerHandle(name, kind, actor)
+        return worker
+
+    def _register(self, worker: WorkerHandle) -> None:
+        ray.get(worker.actor.ping.remote())
+        self.ensure_stores()
+        store_name = ray.get(worker.actor.store_name.remote()) if worker.kind == "prefill" else None
+        ray.get(self.router.add_worker.remote(worker.name, worker.kind, worker.actor, store_name))
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 nobody is listening on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -1,0 +1,56 @@
+"""A `Backend` over one in-process `AsyncEngine`: the API without a cluster behind it."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import asdict
+
+from halfmoon.cluster.backend import GenerateInput, ModelInfo, TokenDelta, Usage
+from halfmoon.engine.async_engine import AsyncEngine
+from halfmoon.engine.llm_engine import RequestOutput
+
+
+class LocalBackend:
+    """Serves every request from one engine; SLO overrides are accepted and not enforced."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+
+    async def generate(self, request: GenerateInput) -> AsyncIterator[TokenDelta]:
+        """Stream deltas; closing this iterator early aborts the request and frees its pages."""
+        request.params.validate()
+        self.engine.add_request(request.prompt, request.params, request.request_id)
+        num_tokens = 0
+        async with aclosing(self.engine.stream(request.request_id)) as outputs:
+            async for out in outputs:
+                num_tokens += len(out.new_token_ids)
+                yield _delta(out, num_tokens)
+
+    async def abort(self, request_id: str) -> bool:
+        return self.engine.abort(request_id)
+
+    async def model_info(self) -> ModelInfo:
+        engine = self.engine.engine
+        return ModelInfo(
+            model=engine.config.model,
+            architecture=engine.model_config.architecture,
+            vocab_size=engine.model_config.vocab_size,
+            max_model_len=engine.max_model_len,
+            block_size=engine.config.block_size,
+        )
+
+    async def server_info(self) -> dict:
+        stats = self.engine.call(lambda engine: engine.stats())
+        return {"mode": "local", "model": self.engine.engine.config.model, "engine": asdict(stats)}
+
+
+def _delta(out: RequestOutput, num_tokens: int) -> TokenDelta:
+    usage = Usage(out.num_prompt_tokens, num_tokens, out.num_cached_tokens)
+    return TokenDelta(
+        token_ids=out.new_token_ids,
+        text=out.new_text,
+        finish_reason=out.finish_reason if out.finished else None,
+        usage=usage if out.finished else None,
+        logprobs=out.new_logprobs,
+    )

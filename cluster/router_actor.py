@@ -1,0 +1,155 @@
+"""The router actor: hosts the gRPC frontend and /metrics, routes with the Conductor, and
+keeps the Conductor's views and prefix index fed from worker and store reports."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from pathlib import Path
+
+from ray.exceptions import RayActorError
+
+from halfmoon.cluster.cluster_backend import ClusterBackend, RequestTrace, Worker
+from halfmoon.cluster.config import ClusterConfig
+from halfmoon.engine.tokenizer import load_tokenizer
+from halfmoon.engine.worker_info import WorkerInfo
+from halfmoon.router.conductor import Conductor
+from halfmoon.router.config import RouterConfig
+from halfmoon.router.profile import PROFILE_DIR, load_profile
+
+log = logging.getLogger(__name__)
+POLL_INTERVAL_S = 0.25
+LIVE_PROFILE = PROFILE_DIR / "cpu-tiny.yaml"
+
+
+class RouterActor:
+    """One per cluster: the frontend clients talk to and the Conductor that places requests."""
+
+    def __init__(self, config: ClusterConfig, info: WorkerInfo) -> None:
+        from halfmoon.cluster.metrics import Metrics
+
+        self.config = config
+        self.metrics = Metrics()
+        router = config.router
+        conductor = Conductor(
+            RouterConfig(
+                policy=router.policy,
+                admission=router.admission,
+                ttft_slo_s=config.slo.ttft_s,
+                tbt_slo_s=config.slo.tbt_s,
+                block_size=info.block_size,
+                bypass_max_tokens=router.bypass_threshold_tokens,
+            ),
+            load_profile(router.profile or LIVE_PROFILE),
+        )
+        tokenizer = load_tokenizer(Path(info.model))
+        self.backend = ClusterBackend(tokenizer, info, conductor, config.mode, self._observe)
+        self.grpc_server = None
+        self.metrics_server = None
+        self._poller: asyncio.Task | None = None
+
+    async def start(self) -> dict:
+        """Start the gRPC API and /metrics; returns the bound ports."""
+        from halfmoon.cluster.grpc_server import start_grpc_server
+        from halfmoon.cluster.metrics import start_metrics_server
+
+        server = self.config.server
+        self.grpc_server, grpc_port = await start_grpc_server(
+            self.backend, server.host, server.grpc_port
+        )
+        self.metrics_server, metrics_port = start_metrics_server(
+            self.metrics, server.host, server.metrics_port
+        )
+        self._poller = asyncio.create_task(self._poll_forever())
+        return {"grpc_port": grpc_port, "metrics_port": metrics_port}
+
+    async def add_worker(self, name: str, kind: str, handle, store_name: str | None) -> None:
+        self.backend.add_worker(Worker(name, kind, handle, store_name))
+
+    async def remove_worker(self, name: str) -> None:
+        self.backend.remove_worker(name)
+
+    async def set_draining(self, name: str, draining: bool) -> None:
+        self.backend.set_draining(name, draining)
+
+    async def add_store(self, name: str, handle) -> None:
+        self.backend.stores[name] = handle
+
+    async def in_flight(self, name: str) -> int:
+        """Requests the router has in flight on worker `name` (to drain before removal)."""
+        return sum(
+            1
+            for t in self.backend.traces.values()
+            if name in (t.prefill_instance, t.decode_instance)
+        )
+
+    async def status(self) -> dict:
+        return await self.backend.server_info()
+
+    async def explain(self, request_id: str) -> str:
+        return self.backend.conductor.explain(request_id)
+
+    async def stop(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+        if self.grpc_server is not None:
+            await self.grpc_server.stop(grace=2)
+        if self.metrics_server is not None:
+            self.metrics_server.shutdown()
+
+    def _observe(self, trace: RequestTrace) -> None:
+        """Record one ended request in the metrics."""
+        metrics, now = self.metrics, time.monotonic()
+        metrics.record_outcome(trace.outcome, trace.reason)
+        metrics.prompt_tokens.inc(trace.num_prompt_tokens)
+        metrics.generated_tokens.inc(trace.num_output_tokens)
+        metrics.cached_tokens.inc(trace.num_cached_tokens)
+        if trace.num_prompt_tokens:
+            metrics.record_prefix_lookup("all", trace.num_prompt_tokens, trace.num_cached_tokens)
+        if trace.prefill_started_s is not None:
+            metrics.queue_seconds.observe(trace.prefill_started_s - trace.arrived_s)
+        if trace.first_token_s is None:
+            return
+        ttft_s = trace.first_token_s - trace.arrived_s
+        metrics.ttft_seconds.observe(ttft_s)
+        if trace.predicted_ttft_s is not None:
+            metrics.record_ttft_prediction(trace.predicted_ttft_s, ttft_s)
+        if trace.num_output_tokens > 1:
+            gap_s = (trace.last_token_s - trace.first_token_s) / (trace.num_output_tokens - 1)
+            metrics.inter_token_seconds.observe(gap_s)
+        if trace.outcome == "finished":
+            metrics.e2e_seconds.observe(now - trace.arrived_s)
+        slo = self.config.slo
+        if slo.ttft_s is not None:
+            metrics.record_slo("ttft", ttft_s <= slo.ttft_s)
+
+    async def _poll_forever(self) -> None:
+        while True:
+            try:
+                await self._poll_once()
+            except Exception:  # noqa: BLE001 - reporting must never stop serving
+                log.exception("polling workers and stores failed")
+            await asyncio.sleep(POLL_INTERVAL_S)
+
+    async def _poll_once(self) -> None:
+        conductor = self.backend.conductor
+        for worker in list(self.backend.workers.values()):
+            try:
+                load = await worker.handle.load.remote()
+                if worker.kind == "prefill":
+                    for event in await worker.handle.drain_events.remote():
+                        conductor.index.apply(event)
+            except RayActorError:
+                continue
+            self.metrics.update_worker(load)
+            if worker.kind == "decode" and worker.name in conductor.decode:
+                conductor.report_decode(worker.name, load.num_running, load.num_kv_tokens)
+        for name, store in self.backend.stores.items():
+            try:
+                for event in await store.drain_events.remote():
+                    conductor.index.apply(event)
+                self.metrics.update_store(name, dataclasses.asdict(await store.stats.remote()))
+            except RayActorError:
+                continue

@@ -1,0 +1,158 @@
+"""The decode worker: reserves pages, pulls each layer of a prompt's KV from the store as it
+lands, then decodes the request in its continuous batch and streams the tokens back."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+
+import ray
+import torch
+
+from halfmoon.engine.async_engine import AsyncEngine
+from halfmoon.engine.config import EngineConfig
+from halfmoon.engine.llm_engine import LLMEngine, RequestOutput
+from halfmoon.engine.sampling_params import SamplingParams
+from halfmoon.engine.worker_info import WorkerInfo, WorkerLoad, worker_info, worker_load
+from halfmoon.kernels import ops
+from halfmoon.kvstore.locate import local_store
+from halfmoon.kvstore.transfer import plan_transfer
+
+RECENT_TIMINGS = 1024
+
+
+@dataclasses.dataclass(slots=True)
+class ReceiveTimings:
+    """When a request's KV arrived (wall-clock seconds since epoch)."""
+
+    reserved_at: float
+    first_layer_received_at: float = 0.0
+    all_received_at: float = 0.0
+    joined_at: float = 0.0
+    num_bytes: int = 0
+
+
+class DecodeWorker:
+    """Continuous-batching decode over KV received from the store; also serves colocated mode."""
+
+    def __init__(self, name: str, config: EngineConfig, store=None, get_timeout_s: float = 30.0):
+        self.name = name
+        self.store = store
+        self.get_timeout_s = get_timeout_s
+        self.chunk_tokens = config.prefill_chunk_size or config.max_num_batched_tokens
+        self.engine = LLMEngine(config)
+        self.async_engine: AsyncEngine | None = None
+        self.receives: dict[str, asyncio.Task] = {}
+        self.stores: dict[str, object] = {}
+        self.timings: OrderedDict[str, ReceiveTimings] = OrderedDict()
+
+    def _engine(self) -> AsyncEngine:
+        if self.async_engine is None:
+            self.async_engine = AsyncEngine(self.engine)
+        return self.async_engine
+
+    async def info(self) -> WorkerInfo:
+        return worker_info(self.name, "decode", self.engine)
+
+    async def load(self) -> WorkerLoad:
+        return self._engine().call(lambda engine: worker_load(self.name, "decode", engine))
+
+    async def ping(self) -> str:
+        return self.name
+
+    async def counters(self) -> dict:
+        stats = self._engine().call(lambda engine: engine.stats())
+        return {**dataclasses.asdict(stats), "num_receiving": len(self.receives)}
+
+    async def reserve(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        store_name: str | None = None,
+    ) -> int:
+        """Hold pages for the prompt and start pulling its KV from the store node the prefill
+        worker publishes to (`store_name`; default: ours); returns the pages held."""
+        store = self._store(store_name)
+        pages = self._engine().reserve(prompt_token_ids, params, request_id)
+        units = plan_transfer(
+            self.engine.root_key,
+            prompt_token_ids,
+            self.engine.config.block_size,
+            self.chunk_tokens,
+            request_id,
+        )
+        self._record(request_id, ReceiveTimings(reserved_at=time.time()))
+        self.receives[request_id] = asyncio.create_task(
+            self._receive(store, request_id, units, pages)
+        )
+        return len(pages)
+
+    async def generate(self, request_id: str, first_token_id: int) -> AsyncIterator[RequestOutput]:
+        """Wait for the last layer, join the batch, and stream the request's outputs."""
+        receive = self.receives.pop(request_id, None)
+        if receive is None:
+            raise KeyError(f"request {request_id!r} has no reservation on {self.name}")
+        engine = self._engine()
+        try:
+            await receive
+        except BaseException:
+            engine.abort(request_id)
+            raise
+        self.timings[request_id].joined_at = time.time()
+        engine.join(request_id, first_token_id)
+        async with contextlib.aclosing(engine.stream(request_id)) as outputs:
+            async for out in outputs:
+                yield out
+
+    async def generate_colocated(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """Prefill and decode here (colocated mode and short-prompt bypass)."""
+        outputs = self._engine().generate(prompt_token_ids, params, request_id)
+        async with contextlib.aclosing(outputs):
+            async for out in outputs:
+                yield out
+
+    async def abort(self, request_id: str) -> bool:
+        receive = self.receives.pop(request_id, None)
+        if receive is not None:
+            receive.cancel()
+        return self._engine().abort(request_id)
+
+    async def receive_timings(self, request_id: str) -> ReceiveTimings | None:
+        return self.timings.get(request_id)
+
+    def _store(self, name: str | None):
+        if name is None:
+            return self.store if self.store is not None else local_store()
+        if name not in self.stores:
+            self.stores[name] = ray.get_actor(name)
+        return self.stores[name]
+
+    async def _receive(self, store, request_id: str, units, pages: list[int]) -> None:
+        caches = self.engine.runner.kv_caches
+        timings = self.timings[request_id]
+        for unit in units:
+            refs = [
+                store.get_layer.remote(unit.keys, layer, self.get_timeout_s)
+                for layer in range(len(caches))
+            ]
+            unit_pages = torch.tensor(pages[unit.first_block : unit.first_block + len(unit.keys)])
+            for layer, ref in enumerate(refs):
+                kv = await ref
+                ops.scatter_pages(caches[layer][0], unit_pages, kv.k)
+                ops.scatter_pages(caches[layer][1], unit_pages, kv.v)
+                timings.num_bytes += kv.nbytes
+                if not timings.first_layer_received_at:
+                    timings.first_layer_received_at = time.time()
+        timings.all_received_at = time.time()
+
+    def _record(self, request_id: str, timings: ReceiveTimings) -> None:
+        self.timings[request_id] = timings
+        while len(self.timings) > RECENT_TIMINGS:
+            self.timings.popitem(last=False)

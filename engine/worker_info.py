@@ -1,0 +1,80 @@
+"""What a worker tells the router about the model it serves."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from halfmoon.engine.llm_engine import LLMEngine
+
+
+@dataclass(slots=True)
+class WorkerInfo:
+    """Model identity and KV layout; the router keys blocks with `root_key` and `block_size`."""
+
+    name: str
+    kind: str
+    model: str
+    architecture: str
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    num_pages: int
+    root_key: bytes
+
+
+def worker_info(name: str, kind: str, engine: LLMEngine) -> WorkerInfo:
+    cfg = engine.model_config
+    return WorkerInfo(
+        name=name,
+        kind=kind,
+        model=engine.config.model,
+        architecture=cfg.architecture,
+        vocab_size=cfg.vocab_size,
+        max_model_len=engine.max_model_len,
+        block_size=engine.config.block_size,
+        num_layers=cfg.num_layers,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        dtype=str(engine.dtype).removeprefix("torch."),
+        num_pages=engine.num_pages,
+        root_key=engine.root_key,
+    )
+
+
+@dataclass(slots=True)
+class WorkerLoad:
+    """A worker's load report: what the router's instance views are fed with."""
+
+    name: str
+    kind: str
+    num_running: int
+    num_waiting: int
+    num_waiting_tokens: int
+    num_used_pages: int
+    num_pages: int
+    num_kv_tokens: int
+
+    @property
+    def pages_used_ratio(self) -> float:
+        return self.num_used_pages / self.num_pages
+
+
+def worker_load(name: str, kind: str, engine: LLMEngine) -> WorkerLoad:
+    """Snapshot the engine's load; call between steps."""
+    scheduler = engine.scheduler
+    waiting_tokens = sum(len(s) - s.num_computed_tokens for s in scheduler.waiting)
+    waiting_tokens += sum(len(s) - s.num_computed_tokens for s in scheduler.running)
+    return WorkerLoad(
+        name=name,
+        kind=kind,
+        num_running=len(scheduler.running),
+        num_waiting=len(scheduler.waiting),
+        num_waiting_tokens=waiting_tokens,
+        num_used_pages=engine.pool.num_used_pages,
+        num_pages=engine.num_pages,
+        num_kv_tokens=sum(s.num_computed_tokens for s in scheduler.running),
+    )

@@ -1,0 +1,256 @@
+"""The prefill worker: loads a cached prefix, computes the rest in chunks, and publishes
+each layer of each chunk to the KV store as soon as that layer is computed."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import ray
+import torch
+
+from halfmoon.engine.async_engine import AsyncEngine
+from halfmoon.engine.config import EngineConfig
+from halfmoon.engine.hooks import KVHooks
+from halfmoon.engine.llm_engine import LLMEngine
+from halfmoon.engine.sampling_params import SamplingParams
+from halfmoon.engine.scheduler import ScheduledSeq
+from halfmoon.engine.sequence import Sequence, TokenLogprobs
+from halfmoon.engine.worker_info import WorkerInfo, WorkerLoad, worker_info, worker_load
+from halfmoon.kernels import ops
+from halfmoon.kvstore.index import BlockEvent
+from halfmoon.kvstore.keys import block_keys
+from halfmoon.kvstore.layout import LayerKV
+from halfmoon.kvstore.locate import local_store, local_store_name
+from halfmoon.kvstore.transfer import TransferUnit, plan_transfer
+
+RECENT_REQUESTS = 1024
+
+
+@dataclass(slots=True)
+class PrefillResult:
+    """The first token and where the prefill's time went (wall-clock seconds since epoch)."""
+
+    request_id: str
+    first_token_id: int
+    logprobs: TokenLogprobs | None
+    num_prompt_tokens: int
+    num_local_cached_tokens: int
+    num_loaded_tokens: int
+    arrived_at: float
+    finished_at: float
+    last_layer_published_at: float
+
+
+@dataclass(slots=True)
+class _PrefixLoad:
+    first_block: int
+    pages: torch.Tensor
+    layers: list  # one ObjectRef per layer
+
+
+@dataclass(slots=True)
+class _Job:
+    units: list[TransferUnit]
+    next_unit: int = 0
+    store_blocks: int = 0
+    lease_id: int | None = None
+    load: _PrefixLoad | None = None
+    layerwise: bool = True
+    num_loaded_tokens: int = 0
+    puts: list = field(default_factory=list)
+    last_layer_published_at: float = 0.0
+
+
+class PrefillWorker(KVHooks):
+    """Prefill-only engine; its KV goes layer by layer to the store for the decode worker."""
+
+    def __init__(self, name: str, config: EngineConfig, store=None, get_timeout_s: float = 30.0):
+        if config.prefill_chunk_size is None:
+            raise ValueError("a prefill worker needs EngineConfig.prefill_chunk_size")
+        self.name = name
+        self.store = store
+        self.get_timeout_s = get_timeout_s
+        self.chunk_tokens = config.prefill_chunk_size
+        self.engine = LLMEngine(config, hooks=self)
+        self.async_engine: AsyncEngine | None = None
+        self.jobs: dict[str, _Job] = {}
+        self.num_loaded_tokens = 0
+        self.engine.pool.events = []
+        self.published_at: OrderedDict[str, float] = OrderedDict()
+
+    def _store(self):
+        # Our own node's store, found on first use: it is started after the workers.
+        if self.store is None:
+            self.store = local_store()
+        return self.store
+
+    async def store_name(self) -> str:
+        """Name of the store node this worker publishes to (decode pulls from it)."""
+        return local_store_name()
+
+    def _engine(self) -> AsyncEngine:
+        # Created on first use, inside the actor's event loop.
+        if self.async_engine is None:
+            self.async_engine = AsyncEngine(self.engine)
+        return self.async_engine
+
+    async def info(self) -> WorkerInfo:
+        return worker_info(self.name, "prefill", self.engine)
+
+    async def load(self) -> WorkerLoad:
+        return self._engine().call(lambda engine: worker_load(self.name, "prefill", engine))
+
+    async def ping(self) -> str:
+        return self.name
+
+    async def counters(self) -> dict:
+        stats = self._engine().call(lambda engine: engine.stats())
+        return {**dataclasses.asdict(stats), "num_loaded_tokens": self.num_loaded_tokens}
+
+    async def prefill(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        layerwise: bool = True,
+    ) -> PrefillResult:
+        """Compute the prompt's KV, publish it, and return the first token.
+
+        With `layerwise=False` the KV is sent only after the whole prompt is computed (the
+        baseline the transfer benchmark compares against)."""
+        arrived_at = time.time()
+        engine = self._engine()
+        job = _Job(
+            plan_transfer(
+                self.engine.root_key,
+                prompt_token_ids,
+                self.engine.config.block_size,
+                self.chunk_tokens,
+                request_id,
+            )
+        )
+        job.layerwise = layerwise
+        self._store()
+        await self._find_stored_prefix(job, prompt_token_ids)
+        self.jobs[request_id] = job
+        first = dataclasses.replace(
+            params, max_tokens=1, stop=[], stop_token_ids=[], ignore_eos=True
+        )
+        try:
+            last = None
+            async for out in engine.generate(prompt_token_ids, first, request_id):
+                last = out
+            if last.finish_reason == "abort":
+                raise asyncio.CancelledError(f"request {request_id} was aborted")
+            await asyncio.gather(*job.puts)
+        finally:
+            self.jobs.pop(request_id, None)
+            if job.lease_id is not None:
+                self.store.release.remote(job.lease_id)
+        return PrefillResult(
+            request_id=request_id,
+            first_token_id=last.new_token_ids[0],
+            logprobs=last.new_logprobs[0] if last.new_logprobs else None,
+            num_prompt_tokens=len(prompt_token_ids),
+            num_local_cached_tokens=last.num_cached_tokens - job.num_loaded_tokens,
+            num_loaded_tokens=job.num_loaded_tokens,
+            arrived_at=arrived_at,
+            finished_at=time.time(),
+            last_layer_published_at=job.last_layer_published_at,
+        )
+
+    async def publish_time(self, request_id: str) -> float | None:
+        """When the last layer of the last chunk of a recent request was published."""
+        return self.published_at.get(request_id)
+
+    def _remember(self, request_id: str, published_at: float) -> None:
+        self.published_at[request_id] = published_at
+        while len(self.published_at) > RECENT_REQUESTS:
+            self.published_at.popitem(last=False)
+
+    async def drain_events(self) -> list[BlockEvent]:
+        """Blocks that entered or left this worker's own pages (the device tier) since last call."""
+        events = self._engine().call(_take_events)
+        return [BlockEvent(kind, self.name, "device", [key]) for kind, key in events]
+
+    async def abort(self, request_id: str) -> bool:
+        return self._engine().abort(request_id)
+
+    async def _find_stored_prefix(self, job: _Job, token_ids: list[int]) -> None:
+        keys = block_keys(self.engine.root_key, token_ids, self.engine.config.block_size)
+        hit = await self.store.cached_prefix.remote(keys)
+        if hit:
+            job.store_blocks = hit
+            job.lease_id = await self.store.lease.remote(keys[:hit])
+
+    # KVHooks: called from the engine's step thread.
+
+    def external_prefix_blocks(self, seq: Sequence, first_block: int, max_blocks: int) -> int:
+        job = self.jobs.get(seq.request_id)
+        return 0 if job is None else min(max_blocks, max(0, job.store_blocks - first_block))
+
+    def load_prefix(self, seq: Sequence, first_block: int, pages: list[int]) -> None:
+        job = self.jobs[seq.request_id]
+        keys = [key for unit in job.units for key in unit.keys][
+            first_block : first_block + len(pages)
+        ]
+        refs = [
+            self.store.get_layer.remote(keys, layer, self.get_timeout_s)
+            for layer in range(self.engine.model_config.num_layers)
+        ]
+        job.load = _PrefixLoad(first_block, torch.tensor(pages), refs)
+
+    def before_layer(self, layer: int, batch: list[ScheduledSeq]) -> None:
+        caches = self.engine.runner.kv_caches[layer]
+        for item in batch:
+            job = self.jobs.get(item.seq.request_id)
+            if job is None or job.load is None:
+                continue
+            kv: LayerKV = ray.get(job.load.layers[layer])
+            ops.scatter_pages(caches[0], job.load.pages, kv.k)
+            ops.scatter_pages(caches[1], job.load.pages, kv.v)
+            if layer == len(job.load.layers) - 1:
+                loaded = len(job.load.pages) * self.engine.config.block_size
+                job.num_loaded_tokens += loaded
+                self.num_loaded_tokens += loaded
+                job.load = None
+
+    def after_layer(self, layer: int, batch: list[ScheduledSeq]) -> None:
+        num_layers = self.engine.model_config.num_layers
+        last_layer = layer == num_layers - 1
+        for item in batch:
+            job = self.jobs.get(item.seq.request_id)
+            if job is None:
+                continue
+            end = item.seq.num_computed_tokens + item.num_new_tokens
+            if job.layerwise:
+                ready = [u for u in job.units[job.next_unit :] if u.end_token <= end]
+                for unit in ready:
+                    self._publish(job, item.seq, unit, layer)
+            elif last_layer and end == len(item.seq):
+                ready = job.units
+                for each_layer in range(num_layers):
+                    for unit in ready:
+                        self._publish(job, item.seq, unit, each_layer)
+            else:
+                continue
+            if last_layer and ready:
+                job.next_unit += len(ready)
+                if job.next_unit == len(job.units):
+                    job.last_layer_published_at = time.time()
+                    self._remember(item.seq.request_id, job.last_layer_published_at)
+
+    def _publish(self, job: _Job, seq: Sequence, unit: TransferUnit, layer: int) -> None:
+        caches = self.engine.runner.kv_caches[layer]
+        pages = torch.tensor(seq.block_table[unit.first_block : unit.first_block + len(unit.keys)])
+        kv = LayerKV(ops.gather_pages(caches[0], pages), ops.gather_pages(caches[1], pages))
+        job.puts.append(self.store.put_layer.remote(unit.keys, layer, kv))
+
+
+def _take_events(engine: LLMEngine) -> list[tuple[str, bytes]]:
+    events, engine.pool.events = engine.pool.events, []
+    return events

@@ -1,0 +1,44 @@
+"""Helpers to run a real cluster (Ray actors, store, gRPC server) inside the test session."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import ray
+
+from halfmoon.cluster.client import Client
+from halfmoon.cluster.config import load_config
+from halfmoon.cluster.launcher import Cluster
+
+
+@contextlib.contextmanager
+def running_cluster(model_dir, **overrides) -> Iterator[tuple[Cluster, Client]]:
+    """A started cluster on free ports and a client connected to it; stopped on exit."""
+    settings = {
+        "model": str(model_dir),
+        "server.grpc_port": 0,
+        "server.metrics_port": 0,
+        "engine.num_pages": 128,
+        "engine.prefill_chunk_size": 32,
+        "engine.max_num_batched_tokens": 128,
+        "prefill.num_cpus": 0.5,
+        "decode.num_cpus": 0.5,
+        "store.use_local_redis": False,
+        **overrides,
+    }
+    cluster = Cluster(load_config(None, settings))
+    try:
+        ports = cluster.start()
+        with Client(f"127.0.0.1:{ports['grpc_port']}") as client:
+            yield cluster, client
+    finally:
+        cluster.stop()
+
+
+def worker(cluster: Cluster, name: str):
+    return cluster.workers[name].actor
+
+
+def counters(cluster: Cluster, name: str) -> dict:
+    return ray.get(worker(cluster, name).counters.remote())

@@ -1,0 +1,63 @@
+"""A real gRPC server over a real LocalBackend, run on its own event-loop thread."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from halfmoon.cluster.grpc_server import start_grpc_server
+from halfmoon.cluster.local_backend import LocalBackend
+from halfmoon.engine import EngineConfig, LLMEngine
+from halfmoon.engine.async_engine import AsyncEngine
+
+
+@dataclass
+class RunningServer:
+    address: str
+    engine: AsyncEngine
+
+    def num_used_pages(self) -> int:
+        return self.engine.call(lambda engine: engine.pool.num_used_pages)
+
+    def num_generated_tokens(self) -> int:
+        return self.engine.call(lambda engine: engine.num_generated_tokens)
+
+    def num_requests(self) -> int:
+        return self.engine.call(lambda engine: len(engine.requests))
+
+    def wait_until_idle(self, timeout_s: float = 10.0) -> int:
+        """Pages still used once no request is left (or at the timeout); idle is 0."""
+        return wait_for(lambda: self.num_requests() == 0 and self.num_used_pages() == 0, timeout_s)
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float) -> bool:
+    """Poll a condition the test cannot await (it changes in the server's threads)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+@contextmanager
+def serve_model(model_dir, num_pages: int = 128) -> Iterator[RunningServer]:
+    """Serve the checkpoint in `model_dir` on a free loopback port until the block exits."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="grpc-server", daemon=True)
+    thread.start()
+    engine = AsyncEngine(LLMEngine(EngineConfig(model=str(model_dir), num_pages=num_pages)))
+    start = start_grpc_server(LocalBackend(engine), port=0)
+    server, port = asyncio.run_coroutine_threadsafe(start, loop).result()
+    try:
+        yield RunningServer(f"127.0.0.1:{port}", engine)
+    finally:
+        asyncio.run_coroutine_threadsafe(server.stop(None), loop).result()
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+        loop.close()
+        engine.shutdown()

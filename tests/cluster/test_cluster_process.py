@@ -1,0 +1,79 @@
+"""`halfmoon serve` as a user runs it: a subprocess, a client command, a clean shutdown."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def _ray_pids() -> set[int]:
+    out = subprocess.run(["pgrep", "-f", "raylet|gcs_server|ray::"], capture_output=True, text=True)
+    return {int(pid) for pid in out.stdout.split()}
+
+
+def _wait_for_line(process: subprocess.Popen, needle: str, timeout_s: float = 120) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if needle in line:
+            return line
+        if process.poll() is not None:
+            raise AssertionError(f"halfmoon serve exited with {process.returncode}")
+    raise AssertionError(f"no {needle!r} from halfmoon serve in {timeout_s}s")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_serve_generate_and_shutdown_leave_no_ray_processes(tiny_model_dir, tmp_path, signum):
+    from halfmoon.cluster.launcher import free_port
+
+    before = _ray_pids()
+    port, metrics_port = free_port(), free_port()
+    env = {**os.environ, "RAY_ADDRESS": "local", "HALFMOON_CACHE": str(tmp_path)}
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "halfmoon.cluster.cli", "serve", "--model", str(tiny_model_dir),
+         "--port", str(port), "--metrics-port", str(metrics_port)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )  # fmt: skip
+    try:
+        _wait_for_line(serve, "gRPC")
+        out = subprocess.run(
+            [sys.executable, "-m", "halfmoon.cluster.cli", "generate", "--server",
+             f"127.0.0.1:{port}", "--max-tokens", "5", "--json", "Hello"],
+            capture_output=True, text=True, timeout=120, env=env,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        result = json.loads(out.stdout)
+        assert len(result["token_ids"]) == 5 and result["finish_reason"] == "length"
+        status = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "halfmoon.cluster.cli",
+                "status",
+                "--server",
+                f"127.0.0.1:{port}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+        )
+        assert (
+            status.returncode == 0 and "prefill-0" in status.stdout and "decode-1" in status.stdout
+        )
+    finally:
+        serve.send_signal(signum)
+        serve.wait(timeout=120)
+    assert serve.returncode == 0
+    deadline = time.monotonic() + 30
+    while _ray_pids() - before and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _ray_pids() - before == set()

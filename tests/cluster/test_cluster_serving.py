@@ -1,0 +1,177 @@
+"""The disaggregated cluster end to end: real Ray actors, real store, real gRPC server."""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+import pytest
+import ray
+from cluster_kit import counters, running_cluster, worker
+
+from halfmoon.cluster.client import ServerError
+from halfmoon.engine import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+PROMPTS = ["Hello there", "x" * 150, "The quick brown fox", "a" * 70, "q", "zz" * 40]
+
+
+def _expected(tiny_llm, prompts, max_tokens=8):
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    return [out.token_ids for out in tiny_llm.generate(prompts, params)]
+
+
+def _generate_concurrently(client, prompts, max_tokens=8):
+    results = [None] * len(prompts)
+
+    def run(i):
+        results[i] = client.complete(prompts[i], max_tokens=max_tokens, temperature=0.0)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        {"prefill.replicas": 1, "decode.replicas": 1},
+        {"prefill.replicas": 2, "decode.replicas": 2, "router.policy": "round_robin"},
+        {"mode": "colocated", "decode.replicas": 2},
+    ],
+    ids=["1p1d", "2p2d", "colocated"],
+)
+def test_greedy_outputs_over_grpc_equal_the_offline_engine(tiny_model_dir, tiny_llm, shape):
+    with running_cluster(tiny_model_dir, **shape) as (_, client):
+        results = _generate_concurrently(client, PROMPTS)
+    assert [r.token_ids for r in results] == _expected(tiny_llm, PROMPTS)
+    assert all(r.finish_reason == "length" for r in results)
+
+
+def test_kv_streams_layer_by_layer_and_prefixes_are_reused_across_instances(
+    tiny_model_dir, tiny_llm
+):
+    prefix = "The same long system prompt, " * 6
+    first, second = prefix + "first question", prefix + "second one"
+    with running_cluster(
+        tiny_model_dir,
+        **{"prefill.replicas": 2, "decode.replicas": 1, "router.policy": "round_robin"},
+    ) as (cluster, client):
+        a = client.complete(first, max_tokens=6, temperature=0.0, request_id="first")
+        b = client.complete(second, max_tokens=6, temperature=0.0, request_id="second")
+        published = ray.get(worker(cluster, "prefill-0").publish_time.remote("first"))
+        received = ray.get(worker(cluster, "decode-2").receive_timings.remote("first"))
+        loaded = counters(cluster, "prefill-1")["num_loaded_tokens"]
+    # Chunks are 32 tokens: layer 0 of the first chunk reached decode before prefill ended.
+    assert received.first_layer_received_at < published
+    assert loaded == (len(prefix) // 16) * 16
+    assert b.usage.cached_tokens == loaded
+    assert [a.token_ids, b.token_ids] == _expected(tiny_llm, [first, second], 6)
+
+
+def test_cancel_and_deadline_release_every_page_and_lease(tiny_model_dir):
+    with running_cluster(tiny_model_dir, **{"engine.max_num_seqs": 4}) as (cluster, client):
+        stream = client.generate("cancel me " * 5, max_tokens=400, ignore_eos=True)
+        next(iter(stream))
+        stream.cancel()
+        with pytest.raises(ServerError) as caught:
+            client.complete("deadline " * 5, max_tokens=1500, ignore_eos=True, timeout=0.5)
+        assert caught.value.code == grpc.StatusCode.DEADLINE_EXCEEDED.name
+        client.complete("after", max_tokens=2)  # the server still serves
+        for name in ("prefill-0", "decode-1"):
+            wait_until(lambda n=name: counters(cluster, n)["num_used_pages"] == 0)
+            assert counters(cluster, name)["num_running"] == 0
+        store = next(iter(cluster.stores.values()))
+        assert ray.get(store.stats.remote()).host.leased_blocks == 0
+
+
+def test_fifty_concurrent_streams_complete_and_bad_requests_are_invalid(tiny_model_dir):
+    with running_cluster(tiny_model_dir) as (_, client):
+        results = _generate_concurrently(client, [f"request {i}" for i in range(50)], max_tokens=4)
+        assert all(len(r.token_ids) == 4 for r in results)
+        for bad in ({"max_tokens": 0}, {"top_p": 2.0}, {"temperature": -1.0}):
+            with pytest.raises(ServerError) as caught:
+                client.complete("fine", **bad)
+            assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT.name
+            assert next(iter(bad)) in caught.value.message
+        with pytest.raises(ServerError) as caught:
+            client.complete("")
+        assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT.name
+        assert len(client.complete("still serving", max_tokens=3).token_ids) == 3
+
+
+def wait_until(condition, timeout_s: float = 20.0) -> None:
+    """Poll a condition the cluster reaches asynchronously (a release after a cancel)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.05)
+
+
+def test_metrics_scrape_counts_what_was_sent(tiny_model_dir):
+    import json
+    import urllib.request
+    from pathlib import Path
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with running_cluster(tiny_model_dir) as (cluster, client):
+        results = _generate_concurrently(client, [f"metric {i}" for i in range(6)], max_tokens=5)
+        with pytest.raises(ServerError):
+            client.complete("bad", top_p=3.0)
+        url = f"http://127.0.0.1:{cluster.ports['metrics_port']}/metrics"
+
+        def scrape() -> dict:
+            text = urllib.request.urlopen(url, timeout=10).read().decode()
+            samples = {}
+            for family in text_string_to_metric_families(text):
+                for sample in family.samples:
+                    key = (sample.name, tuple(sorted(sample.labels.items())))
+                    samples[key] = sample.value
+            return samples, text
+
+        wait_until(
+            lambda: (
+                scrape()[0].get(
+                    ("halfmoon_requests_total", (("outcome", "finished"), ("reason", "")))
+                )
+                == 6
+            )
+        )
+        wait_until(
+            lambda: (
+                scrape()[0].get(
+                    (
+                        "halfmoon_worker_running_requests",
+                        (("kind", "decode"), ("worker", "decode-1")),
+                    )
+                )
+                is not None
+            )
+        )
+        samples, text = scrape()
+    assert samples[("halfmoon_generated_tokens_total", ())] == sum(
+        len(r.token_ids) for r in results
+    )
+    assert samples[("halfmoon_time_to_first_token_seconds_count", ())] == 6
+    dashboard = json.loads(Path("deploy/grafana/halfmoon.json").read_text())
+    names = _dashboard_metric_names(dashboard)
+    missing = [n for n in names if n not in text]
+    assert not missing, f"dashboard queries metrics the live /metrics lacks: {missing}"
+
+
+def _dashboard_metric_names(dashboard: dict) -> set[str]:
+    import re
+
+    names = set()
+    for panel in dashboard.get("panels", []):
+        for target in panel.get("targets", []):
+            names |= set(re.findall(r"halfmoon_[a-z_]+", target.get("expr", "")))
+    return {re.sub(r"_(bucket|sum|count)$", "", n) for n in names}

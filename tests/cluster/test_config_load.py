@@ -1,0 +1,86 @@
+"""Loading the cluster config: defaults, the example files and CLI overrides."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from halfmoon.cluster.autoscaling_policy import DecodeTargetPolicy, PrefillTargetPolicy
+from halfmoon.cluster.config import ClusterConfig, ConfigError, load_config
+
+CONFIGS = Path(__file__).resolve().parents[2] / "deploy" / "configs"
+
+
+def test_no_file_gives_the_documented_defaults():
+    config = load_config()
+    assert config == ClusterConfig()
+    assert config.model is None
+    assert config.mode == "disaggregated"
+    assert (config.prefill.replicas, config.decode.replicas) == (1, 1)
+    assert (config.engine.block_size, config.engine.prefill_chunk_size) == (16, 64)
+    assert config.store.host_capacity_bytes == 256 << 20
+    assert (config.server.host, config.server.grpc_port, config.server.metrics_port) == (
+        "127.0.0.1",
+        50051,
+        9400,
+    )
+    assert config.router.policy == "least_loaded"
+    assert config.autoscaling.prefill is None and config.autoscaling.decode is None
+
+
+def test_local_example_equals_the_defaults():
+    assert load_config(CONFIGS / "local.yaml") == load_config()
+
+
+def test_gpu_cluster_example_pins_pools_to_their_node_types():
+    config = load_config(CONFIGS / "gpu-cluster.yaml")
+    assert config.prefill.resources == {"prefill": 1.0}
+    assert config.decode.resources == {"decode": 1.0}
+    assert config.prefill.num_gpus == config.decode.num_gpus == 1
+    assert config.router.policy == "conductor"
+    assert config.router.admission == "prediction_early_rejection"
+    assert config.store.redis_url.startswith("redis://")
+    assert isinstance(config.autoscaling.prefill, PrefillTargetPolicy)
+    assert isinstance(config.autoscaling.decode, DecodeTargetPolicy)
+
+
+def test_dotted_overrides_replace_file_values():
+    config = load_config(
+        CONFIGS / "local.yaml",
+        {"model": "/models/qwen", "prefill.replicas": 2, "server.grpc_port": 0, "mode": None},
+    )
+    assert config.model == "/models/qwen"
+    assert config.prefill.replicas == 2
+    assert config.server.grpc_port == 0
+    assert config.mode == "disaggregated"
+
+
+def test_autoscaling_may_name_a_policy_file():
+    config = load_config(
+        None, {"autoscaling": str(CONFIGS.parent / "autoscaling/prefill-queue.yaml")}
+    )
+    assert config.autoscaling.prefill.signal == "queue_s"
+    assert config.autoscaling.decode is None
+
+
+def test_colocated_mode_ignores_prefill_replicas():
+    config = load_config(None, {"mode": "colocated", "prefill.replicas": 0})
+    assert config.prefill.replicas == 0
+
+
+def test_overriding_a_field_inside_a_value_is_an_error():
+    with pytest.raises(ConfigError, match=r"override model\.x: model holds"):
+        load_config(None, {"model": "m", "model.x": 1})
+
+
+def test_a_file_that_is_not_a_mapping_is_an_error(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="it must be a mapping"):
+        load_config(path)
+
+
+def test_a_missing_file_is_an_error(tmp_path):
+    with pytest.raises(ConfigError, match="is not a file"):
+        load_config(tmp_path / "absent.yaml")
