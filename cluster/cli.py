@@ -12,6 +12,7 @@ BENCHMARKS = {
     "kernels": "halfmoon.kernels.bench",
     "kvstore": "halfmoon.kvstore.bench",
     "router": "halfmoon.router.bench",
+    "transfer": "halfmoon.cluster.bench_transfer",
 }
 # Commands whose own parser lives in their module; everything after the name is theirs.
 FORWARDED = {"simulate": "halfmoon.router.simulate"}
@@ -171,18 +172,10 @@ def _run_init_model(args) -> int:
     return 0
 
 
-def sampling_from_args(args):
-    from halfmoon.engine import SamplingParams
-
-    return SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-        stop=args.stop,
-        ignore_eos=args.ignore_eos,
-    )
+def sampling_kwargs(args) -> dict:
+    """The sampling flags of `generate`, as SamplingParams keyword arguments."""
+    names = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")
+    return {name: getattr(args, name) for name in names}
 
 
 def _run_generate(args) -> int:
@@ -190,10 +183,10 @@ def _run_generate(args) -> int:
         from halfmoon.cluster.generate_remote import generate_remote
 
         return generate_remote(args)
-    from halfmoon.engine import EngineConfig, LLMEngine
+    from halfmoon.engine import EngineConfig, LLMEngine, SamplingParams
     from halfmoon.engine.init_model import ensure_model
 
-    params = sampling_from_args(args)
+    params = SamplingParams(**sampling_kwargs(args))
     model = args.model or str(ensure_model())
     engine = LLMEngine(EngineConfig(model=model))
     engine.add_request(args.prompt, params, request_id="cli")

@@ -6,21 +6,13 @@ import json
 import sys
 from types import SimpleNamespace
 
-from halfmoon.cluster.cli import completion_json
+from halfmoon.cluster.cli import completion_json, sampling_kwargs
 from halfmoon.cluster.client import Client, Completion, ServerError
 
 
 def generate_remote(args) -> int:
     """Exit 0 on success, 2 when the server rejects the request as invalid, 1 otherwise."""
-    sampling = dict(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-        stop=args.stop,
-        ignore_eos=args.ignore_eos,
-    )
+    sampling = sampling_kwargs(args)
     with Client(args.server) as client:
         try:
             result = _run(client, args.prompt, sampling, stream_text=not args.json)

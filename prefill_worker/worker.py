@@ -4,7 +4,10 @@ each layer of each chunk to the KV store as soon as that layer is computed."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
+import queue
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -81,6 +84,8 @@ class PrefillWorker(KVHooks):
         self.num_loaded_tokens = 0
         self.engine.pool.events = []
         self.published_at: OrderedDict[str, float] = OrderedDict()
+        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._send_forever, name="kv-publisher", daemon=True).start()
 
     def _store(self):
         # Our own node's store, found on first use: it is started after the workers.
@@ -109,7 +114,11 @@ class PrefillWorker(KVHooks):
 
     async def counters(self) -> dict:
         stats = self._engine().call(lambda engine: engine.stats())
-        return {**dataclasses.asdict(stats), "num_loaded_tokens": self.num_loaded_tokens}
+        return {
+            **dataclasses.asdict(stats),
+            "num_loaded_tokens": self.num_loaded_tokens,
+            "forward_s": self.engine.runner.forward_s,
+        }
 
     async def prefill(
         self,
@@ -146,7 +155,7 @@ class PrefillWorker(KVHooks):
                 last = out
             if last.finish_reason == "abort":
                 raise asyncio.CancelledError(f"request {request_id} was aborted")
-            await asyncio.gather(*job.puts)
+            await self._flush(job)
         finally:
             self.jobs.pop(request_id, None)
             if job.lease_id is not None:
@@ -245,10 +254,27 @@ class PrefillWorker(KVHooks):
                     self._remember(item.seq.request_id, job.last_layer_published_at)
 
     def _publish(self, job: _Job, seq: Sequence, unit: TransferUnit, layer: int) -> None:
+        # Snapshot the pages here (a small copy); the publisher thread does the slow send.
         caches = self.engine.runner.kv_caches[layer]
         pages = torch.tensor(seq.block_table[unit.first_block : unit.first_block + len(unit.keys)])
         kv = LayerKV(ops.gather_pages(caches[0], pages), ops.gather_pages(caches[1], pages))
-        job.puts.append(self.store.put_layer.remote(unit.keys, layer, kv))
+        self.outbox.put((job, unit.keys, layer, kv))
+
+    def _send_forever(self) -> None:
+        """Publisher thread: hands snapshots to the store so the step loop never waits on it."""
+        while True:
+            job, keys, layer, kv = self.outbox.get()
+            if keys is None:
+                kv.set_result(None)  # a flush marker: everything queued before it is sent
+                continue
+            job.puts.append(self.store.put_layer.remote(keys, layer, kv))
+
+    async def _flush(self, job: _Job) -> None:
+        """Wait until every layer of `job` was sent and stored."""
+        sent = concurrent.futures.Future()
+        self.outbox.put((job, None, -1, sent))
+        await asyncio.wrap_future(sent)
+        await asyncio.gather(*job.puts)
 
 
 def _take_events(engine: LLMEngine) -> list[tuple[str, bytes]]:

@@ -1,0 +1,149 @@
+"""`halfmoon bench transfer`: the TTFT breakdown of disaggregated prefill, with layer-wise KV
+streaming on and off, side by side on a live local cluster."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import ray
+
+from halfmoon.cluster.config import load_config
+from halfmoon.cluster.launcher import Cluster
+from halfmoon.engine.init_model import BENCH_SHAPE, default_model_dir, ensure_model
+from halfmoon.engine.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class Breakdown:
+    """One request's TTFT split into parts (seconds)."""
+
+    num_chunks: int
+    layerwise: bool
+    ttft_s: float
+    prefill_compute_s: float
+    transfer_stall_s: float
+    one_layer_s: float
+    overhead_s: float
+
+
+async def measure(cluster: Cluster, token_ids: list[int], layerwise: bool, rid: str) -> Breakdown:
+    """Run one request straight through a prefill and a decode worker and time its parts."""
+    prefill = cluster.workers["prefill-0"].actor
+    decode = cluster.workers["decode-1"].actor
+    store_name = await prefill.store_name.remote()
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    before = (await prefill.counters.remote())["forward_s"]
+    started = time.time()
+    await decode.reserve.remote(rid, token_ids, params, store_name)
+    result = await prefill.prefill.remote(rid, token_ids, params, layerwise)
+    async for ref in decode.generate.options(num_returns="streaming").remote(
+        rid, result.first_token_id
+    ):
+        await ref
+    compute_s = (await prefill.counters.remote())["forward_s"] - before
+    got = await decode.receive_timings.remote(rid)
+    layers = cluster.info.num_layers
+    units = -(-len(token_ids) // cluster.config.engine.prefill_chunk_size)
+    one_layer_s = (got.all_received_at - got.first_layer_received_at) / max(1, units * layers - 1)
+    ttft_s = got.joined_at - started
+    return Breakdown(
+        num_chunks=units,
+        layerwise=layerwise,
+        ttft_s=ttft_s,
+        prefill_compute_s=compute_s,
+        transfer_stall_s=got.joined_at - result.last_layer_published_at,
+        one_layer_s=one_layer_s,
+        overhead_s=ttft_s - compute_s,
+    )
+
+
+async def run(
+    cluster: Cluster, chunk_counts: list[int], chunk_tokens: int, repeats: int, seed: int
+):
+    rng = random.Random(seed)
+    rows = []
+    for num_chunks in chunk_counts:
+        for layerwise in (True, False):
+            samples = []
+            for r in range(repeats):
+                ids = [
+                    rng.randrange(6, cluster.info.vocab_size)
+                    for _ in range(num_chunks * chunk_tokens)
+                ]
+                samples.append(
+                    await measure(cluster, ids, layerwise, f"b{num_chunks}-{layerwise}-{r}")
+                )
+            rows.append(min(samples, key=lambda b: b.ttft_s))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="halfmoon bench transfer",
+        description="TTFT breakdown (prefill compute, transfer stall, rest) for prompts of 1 to 8 "
+        "chunks on a live local cluster (1 prefill + 1 decode worker, ~50M-param model), with "
+        "layer-wise KV streaming on and off. Stall = end of prefill to joining the decode batch.",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--chunks", default="1,2,4,8", help="chunk counts (1,2,4,8)")
+    parser.add_argument("--chunk-tokens", type=int, default=64, help="prefill chunk size (64)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per point, best kept (3)")
+    parser.add_argument("--model", help="checkpoint (default: the ~50M bench model)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    model = args.model or str(ensure_model(default_model_dir().with_name("bench-50m"), BENCH_SHAPE))
+    config = load_config(None, {
+        "model": model, "server.grpc_port": 0, "server.metrics_port": 0,
+        "engine.prefill_chunk_size": args.chunk_tokens, "engine.num_pages": 256,
+        "engine.max_num_batched_tokens": max(2048, args.chunk_tokens),
+        "store.use_local_redis": False,
+    })  # fmt: skip
+    cluster = Cluster(config)
+    try:
+        cluster.start()
+        chunk_counts = [int(c) for c in args.chunks.split(",")]
+        asyncio.run(run(cluster, [1], args.chunk_tokens, 1, args.seed))  # warm up
+        rows = asyncio.run(run(cluster, chunk_counts, args.chunk_tokens, args.repeats, args.seed))
+    finally:
+        cluster.stop()
+        if ray.is_initialized():
+            ray.shutdown()
+    return _report(rows, args.json)
+
+
+def _report(rows: list[Breakdown], as_json: bool) -> int:
+    on = [r for r in rows if r.layerwise]
+    worst_stall = max(r.transfer_stall_s / r.one_layer_s for r in on if r.one_layer_s > 0)
+    worst_ttft = max(r.ttft_s / r.prefill_compute_s for r in on)
+    summary = {
+        "device": "cpu",
+        "rows": [asdict(r) for r in rows],
+        "max_stall_over_one_layer": worst_stall,
+        "max_ttft_over_compute": worst_ttft,
+    }
+    if as_json:
+        print(json.dumps(summary))
+        return 0
+    print(
+        f"{'chunks':>6} {'stream':>6} {'ttft_ms':>8} {'compute_ms':>10} {'stall_ms':>8} "
+        f"{'layer_ms':>8} {'stall/layer':>11} {'ttft/compute':>12}"
+    )
+    for r in rows:
+        print(
+            f"{r.num_chunks:>6} {'on' if r.layerwise else 'off':>6} {r.ttft_s * 1e3:>8.1f} "
+            f"{r.prefill_compute_s * 1e3:>10.1f} {r.transfer_stall_s * 1e3:>8.1f} "
+            f"{r.one_layer_s * 1e3:>8.2f} {r.transfer_stall_s / r.one_layer_s:>11.2f} "
+            f"{r.ttft_s / r.prefill_compute_s:>12.3f}"
+        )
+    print(
+        f"streaming on: worst stall = {worst_stall:.2f} x one layer (goal <= 1.2), "
+        f"worst TTFT = {worst_ttft:.3f} x compute (goal <= 1.15)",
+        file=sys.stderr,
+    )
+    return 0
