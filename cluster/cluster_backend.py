@@ -30,6 +30,8 @@ from halfmoon.router.conductor import Conductor
 from halfmoon.router.request import RouteRequest
 
 log = logging.getLogger(__name__)
+MAX_WAIT_FOR_ROOM_S = 120.0
+ROOM_POLL_S = 0.05
 
 
 @dataclass(slots=True)
@@ -73,6 +75,7 @@ class ClusterBackend:
         self.inflight: dict[str, Worker] = {}
         self.traces: dict[str, RequestTrace] = {}
         self.stores: dict[str, ray.actor.ActorHandle] = {}
+        self.max_wait_for_room_s = MAX_WAIT_FOR_ROOM_S
 
     def add_worker(self, worker: Worker) -> None:
         self.workers[worker.name] = worker
@@ -151,18 +154,11 @@ class ClusterBackend:
                 rid, token_ids, params
             )
         keys = block_keys(self.info.root_key, token_ids, self.info.block_size)
-        decision = self.conductor.route(
-            RouteRequest(
-                rid,
-                keys,
-                len(token_ids),
-                params.max_tokens,
-                trace.arrived_s,
-                ttft_slo_s=request.ttft_slo_s,
-                tbt_slo_s=request.tbt_slo_s,
-            ),
-            trace.arrived_s,
-        )
+        route = RouteRequest(
+            rid, keys, len(token_ids), params.max_tokens, trace.arrived_s,
+            ttft_slo_s=request.ttft_slo_s, tbt_slo_s=request.tbt_slo_s,
+        )  # fmt: skip
+        decision = await self._route_when_room(route, trace)
         trace.predicted_ttft_s = decision.predicted_ttft_s
         if decision.rejected:
             if not self._alive("prefill") or not self._alive("decode"):
@@ -196,6 +192,17 @@ class ClusterBackend:
         return decode.handle.generate.options(num_returns="streaming").remote(
             rid, result.first_token_id
         )
+
+    async def _route_when_room(self, route: RouteRequest, trace: RequestTrace):
+        """Route; while no decode worker has room for the KV, wait for some (up to
+        `max_wait_for_room_s`) instead of failing: that is queueing, not an SLO rejection."""
+        deadline = trace.arrived_s + self.max_wait_for_room_s
+        while True:
+            decision = self.conductor.route(route, time.monotonic())
+            no_room = decision.rejected and decision.decode_instance is None
+            if not no_room or not self._alive("prefill") or time.monotonic() > deadline:
+                return decision
+            await asyncio.sleep(ROOM_POLL_S)
 
     def _delta(self, out: RequestOutput, trace: RequestTrace) -> TokenDelta:
         usage = None

@@ -1,13 +1,15 @@
-"""The controller: restarts dead workers and applies the autoscaling policies."""
+"""The controller: restarts dead workers and resizes the pools by their autoscaling policies."""
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
+from halfmoon.cluster.autoscaling import Autoscaler
 from halfmoon.cluster.launcher import Cluster
 
 log = logging.getLogger(__name__)
@@ -19,6 +21,14 @@ class Controller:
     def __init__(self, cluster: Cluster) -> None:
         self.cluster = cluster
         self.num_restarts = 0
+        policies = cluster.config.autoscaling
+        self.autoscaler = (
+            Autoscaler.from_config(cluster.config)
+            if (policies.prefill or policies.decode)
+            else None
+        )
+        self.draining: set[str] = set()
+        self.history: list[tuple[float, str, int, int, str]] = []  # (t, pool, actual, desired, why)
 
     def check_health(self) -> list[str]:
         """Ping every worker; replace each one that is dead or silent. Returns the dead names."""
@@ -33,6 +43,7 @@ class Controller:
                 dead.append(worker)
         for worker in dead:
             log.warning("worker %s is dead or silent; replacing it", worker.name)
+            self.draining.discard(worker.name)
             self.cluster.remove_worker(worker.name)
             replacement = self.cluster.add_worker(worker.kind)
             self.num_restarts += 1
@@ -40,11 +51,62 @@ class Controller:
         self.cluster.ensure_stores()
         return [worker.name for worker in dead]
 
+    def autoscale(self, now: float | None = None) -> None:
+        """One round: observe each pool, apply the decisions, retire drained workers."""
+        self._retire_drained()
+        if self.autoscaler is None:
+            return
+        now = time.monotonic() if now is None else now
+        router = self.cluster.router
+        signals = ray.get(router.pool_signals.remote())
+        for pool in self.cluster.pools:
+            if getattr(self.cluster.config.autoscaling, pool) is None:
+                continue
+            active = self.active(pool)
+            self.autoscaler.observe(pool, now, signals[pool])
+            decision = self.autoscaler.decide(pool, now, len(active))
+            ray.get(router.update_pool.remote(pool, decision.desired, len(active)))
+            if decision.desired != len(active):
+                log.info(
+                    "autoscaling %s: %d -> %d (%s)",
+                    pool,
+                    len(active),
+                    decision.desired,
+                    decision.reason,
+                )
+                self.history.append((now, pool, len(active), decision.desired, decision.reason))
+            for _ in range(decision.desired - len(active)):
+                self.cluster.add_worker(pool)
+            for name in self._pick_to_drain(pool, len(active) - decision.desired):
+                ray.get(router.set_draining.remote(name, True))
+                self.draining.add(name)
+
+    def active(self, pool: str) -> list[str]:
+        """Workers of `pool` that take new requests."""
+        return [
+            w.name for w in self.cluster.workers.values()
+            if w.kind == pool and w.name not in self.draining
+        ]  # fmt: skip
+
     def run(self, stop: threading.Event) -> None:
-        """Check health every `health.interval_s` until `stop` is set."""
+        """Check health and autoscale every `health.interval_s` until `stop` is set."""
         interval = self.cluster.config.health.interval_s
         while not stop.wait(interval):
             try:
                 self.check_health()
+                self.autoscale()
             except Exception:  # noqa: BLE001 - the controller must outlive one bad round
-                log.exception("health check failed")
+                log.exception("controller round failed")
+
+    def _pick_to_drain(self, pool: str, count: int) -> list[str]:
+        # The newest workers go first: the oldest hold the warmest prefix caches.
+        return self.active(pool)[::-1][: max(count, 0)]
+
+    def _retire_drained(self) -> None:
+        """Remove draining workers once nothing of theirs is in flight."""
+        router = self.cluster.router
+        for name in list(self.draining):
+            if ray.get(router.in_flight.remote(name)) == 0:
+                self.cluster.remove_worker(name)
+                self.draining.discard(name)
+                log.info("drained and removed worker %s", name)

@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections import deque
 from pathlib import Path
 
 from ray.exceptions import RayActorError
@@ -14,13 +15,14 @@ from ray.exceptions import RayActorError
 from halfmoon.cluster.cluster_backend import ClusterBackend, RequestTrace, Worker
 from halfmoon.cluster.config import ClusterConfig
 from halfmoon.engine.tokenizer import load_tokenizer
-from halfmoon.engine.worker_info import WorkerInfo
+from halfmoon.engine.worker_info import WorkerInfo, WorkerLoad
 from halfmoon.router.conductor import Conductor
 from halfmoon.router.config import RouterConfig
 from halfmoon.router.profile import PROFILE_DIR, load_profile
 
 log = logging.getLogger(__name__)
 POLL_INTERVAL_S = 0.25
+TRAFFIC_WINDOW_S = 60.0
 LIVE_PROFILE = PROFILE_DIR / "cpu-tiny.yaml"
 
 
@@ -46,6 +48,8 @@ class RouterActor:
         )
         tokenizer = load_tokenizer(Path(info.model))
         self.backend = ClusterBackend(tokenizer, info, conductor, config.mode, self._observe)
+        self.loads: dict[str, WorkerLoad] = {}
+        self.finished: deque[tuple[float, int, int, int]] = deque()  # (time, in, out, cached)
         self.grpc_server = None
         self.metrics_server = None
         self._poller: asyncio.Task | None = None
@@ -99,9 +103,52 @@ class RouterActor:
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
 
+    async def pool_signals(self) -> dict[str, dict[str, float]]:
+        """Per pool, the autoscaling signals (per replica) and the recent traffic."""
+        now = time.monotonic()
+        while self.finished and self.finished[0][0] < now - TRAFFIC_WINDOW_S:
+            self.finished.popleft()
+        n = len(self.finished)
+        traffic = {
+            "request_rate_per_s": n / TRAFFIC_WINDOW_S,
+            "mean_input_tokens": sum(f[1] for f in self.finished) / n if n else 0.0,
+            "mean_output_tokens": sum(f[2] for f in self.finished) / n if n else 0.0,
+            "mean_cached_tokens": sum(f[3] for f in self.finished) / n if n else 0.0,
+        }
+        conductor = self.backend.conductor
+        signals = {}
+        for kind in ("prefill", "decode"):
+            names = [
+                w.name for w in self.backend.workers.values() if w.kind == kind and not w.draining
+            ]
+            loads = [self.loads[name] for name in names if name in self.loads]
+            waiting = sum(load.num_waiting_tokens for load in loads)
+            running = sum(load.num_running for load in loads)
+            pages = sum(load.pages_used_ratio for load in loads)
+            per = max(len(names), 1)
+            signals[kind] = {
+                **traffic,
+                "waiting_tokens": waiting / per,
+                "running_requests": running / per,
+                "pages_used_ratio": pages / per,
+                "queue_s": sum(v.wait_s(now) for v in conductor.prefill.values()) / per,
+                "predicted_tbt_s": max(
+                    (conductor.predictor.tbt_now(v, 0) for v in conductor.decode.values()),
+                    default=0.0,
+                ),
+            }
+        return signals
+
+    async def update_pool(self, pool: str, desired: int, actual: int) -> None:
+        self.metrics.update_pool(pool, desired, actual)
+
     def _observe(self, trace: RequestTrace) -> None:
         """Record one ended request in the metrics."""
         metrics, now = self.metrics, time.monotonic()
+        if trace.outcome == "finished":
+            self.finished.append(
+                (now, trace.num_prompt_tokens, trace.num_output_tokens, trace.num_cached_tokens)
+            )
         metrics.record_outcome(trace.outcome, trace.reason)
         metrics.prompt_tokens.inc(trace.num_prompt_tokens)
         metrics.generated_tokens.inc(trace.num_output_tokens)
@@ -143,6 +190,7 @@ class RouterActor:
                         conductor.index.apply(event)
             except RayActorError:
                 continue
+            self.loads[worker.name] = load
             self.metrics.update_worker(load)
             if worker.kind == "decode" and worker.name in conductor.decode:
                 conductor.report_decode(worker.name, load.num_running, load.num_kv_tokens)

@@ -1,0 +1,85 @@
+"""Autoscaling on the live local cluster: pools grow under a burst and shrink when idle,
+with no failed request."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from cluster_kit import running_cluster
+
+from halfmoon.cluster.controller import Controller
+
+pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.slow]
+
+
+def _policy(signal: str, target: float) -> dict:
+    return {
+        "kind": "target", "signal": signal, "target": target, "min_replicas": 1,
+        "max_replicas": 2, "upscale_delay_s": 0.3, "downscale_delay_s": 1.0,
+        "cooldown_s": 0.5, "max_step": 1,
+    }  # fmt: skip
+
+
+def _burst(client, prompts, max_tokens, failures):
+    def run(prompt):
+        try:
+            out = client.complete(prompt, max_tokens=max_tokens, ignore_eos=True)
+            if len(out.token_ids) != max_tokens:
+                failures.append(f"short output for {prompt[:10]!r}")
+        except Exception as error:  # noqa: BLE001 - every failure is collected and asserted
+            failures.append(repr(error))
+
+    threads = [threading.Thread(target=run, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def _drive(controller: Controller, pool: str, threads, until_size: int, timeout_s: float) -> int:
+    """Run autoscaling rounds while the burst runs, then until `pool` is back to `until_size`."""
+    biggest = len(controller.active(pool))
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        controller.autoscale()
+        biggest = max(biggest, len(controller.active(pool)))
+        busy = any(t.is_alive() for t in threads)
+        if (
+            not busy
+            and biggest >= 2
+            and len(controller.active(pool)) == until_size
+            and not controller.draining
+        ):
+            return biggest
+        time.sleep(0.2)
+    raise AssertionError(f"{pool} pool did not grow and shrink back: history {controller.history}")
+
+
+@pytest.mark.parametrize(
+    ("pool", "signal", "target", "prompt_len", "max_tokens", "count"),
+    [
+        ("prefill", "waiting_tokens", 64.0, 600, 2, 24),
+        ("decode", "running_requests", 2.0, 20, 120, 10),
+    ],
+)
+def test_pool_grows_under_burst_and_shrinks_when_idle(
+    tiny_model_dir, pool, signal, target, prompt_len, max_tokens, count
+):
+    overrides = {
+        f"autoscaling.{pool}": _policy(signal, target),
+        "engine.num_pages": 512,
+        "engine.max_num_batched_tokens": 64,
+        "engine.prefill_chunk_size": 32,
+    }
+    with running_cluster(tiny_model_dir, **overrides) as (cluster, client):
+        controller = Controller(cluster)
+        failures: list[str] = []
+        prompts = [f"{i} " + "y" * prompt_len for i in range(count)]
+        threads = _burst(client, prompts, max_tokens, failures)
+        biggest = _drive(controller, pool, threads, until_size=1, timeout_s=120)
+        for t in threads:
+            t.join()
+        assert biggest == 2
+        assert failures == []
+        assert len(client.complete("after scaling", max_tokens=3).token_ids) == 3
