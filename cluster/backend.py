@@ -78,3 +78,7 @@ class Backend(Protocol):
     async def server_info(self) -> dict:
         """Mode, workers and their load, store usage: a JSON-able dict."""
         ...
+
+    async def explain(self, request_id: str) -> str:
+        """Why a recent request went where it did; `RequestNotFoundError` if not remembered."""
+        ...

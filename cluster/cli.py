@@ -15,7 +15,7 @@ BENCHMARKS = {
     "transfer": "halfmoon.cluster.bench_transfer",
 }
 # Commands whose own parser lives in their module; everything after the name is theirs.
-FORWARDED = {"simulate": "halfmoon.router.simulate"}
+FORWARDED = {"simulate": "halfmoon.router.simulate", "profile": "halfmoon.cluster.measured_profile"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("target", choices=sorted(BENCHMARKS))
     commands.add_parser("simulate", help="simulate the router on a trace (`simulate --help`)")
+    commands.add_parser("profile", help="measure this machine's router profile (`profile --help`)")
     return parser
 
 
@@ -68,6 +69,11 @@ def _add_status(commands) -> None:
     )
     cmd.add_argument("--server", default="127.0.0.1:50051", help="server host:port")
     cmd.add_argument("--json", action="store_true", help="print the raw JSON")
+    cmd.add_argument(
+        "--explain",
+        metavar="REQUEST_ID",
+        help="show the router's candidates, predictions and choice for a request",
+    )
     cmd.set_defaults(run=_run_status)
 
 
@@ -100,6 +106,9 @@ def _run_status(args) -> int:
     from halfmoon.cluster.client import Client, ServerError
 
     try:
+        if args.explain:
+            print(Client(args.server).explain(args.explain))
+            return 0
         info = Client(args.server).server_info()
     except ServerError as error:
         print(f"halfmoon status: {error}", file=sys.stderr)

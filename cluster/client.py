@@ -152,6 +152,11 @@ class Client:
         info = self._unary(self._stub.GetServerInfo, pb.GetServerInfoRequest(), timeout)
         return _server_info(info)
 
+    def explain(self, request_id: str, timeout: float | None = None) -> str:
+        """The router's account of where a recent request went and why."""
+        request = pb.ExplainRequest(request_id=request_id)
+        return self._unary(self._stub.ExplainDecision, request, timeout).text
+
     def close(self) -> None:
         self._channel.close()
 

@@ -21,7 +21,7 @@ from halfmoon.cluster.backend import (
     TokenDelta,
     Usage,
 )
-from halfmoon.engine.errors import InvalidRequestError, OutOfPagesError
+from halfmoon.engine.errors import InvalidRequestError, OutOfPagesError, RequestNotFoundError
 from halfmoon.engine.llm_engine import RequestOutput
 from halfmoon.engine.tokenizer import tokenize_prompt
 from halfmoon.engine.worker_info import WorkerInfo
@@ -235,6 +235,12 @@ class ClusterBackend:
             return False
         await self._abort_everywhere(request_id, trace)
         return True
+
+    async def explain(self, request_id: str) -> str:
+        try:
+            return self.conductor.explain(request_id)
+        except KeyError as error:
+            raise RequestNotFoundError(request_id) from error
 
     async def model_info(self) -> ModelInfo:
         info = self.info

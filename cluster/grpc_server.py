@@ -92,6 +92,11 @@ class HalfmoonServicer(pb_grpc.HalfmoonServicer):
             json=json.dumps(info, default=str),
         )
 
+    @_mapped_errors
+    async def ExplainDecision(self, request: pb.ExplainRequest, context) -> pb.Explanation:
+        text = await self.backend.explain(request.request_id)
+        return pb.Explanation(request_id=request.request_id, text=text)
+
 
 async def start_grpc_server(
     backend: Backend, host: str = "127.0.0.1", port: int = 50051

@@ -17,6 +17,7 @@ import ray
 import torch
 
 from halfmoon.cluster.config import ClusterConfig, PoolConfig
+from halfmoon.cluster.measured_profile import measured_profile
 from halfmoon.cluster.router_actor import RouterActor
 from halfmoon.decode_worker.worker import DecodeWorker
 from halfmoon.engine.config import EngineConfig
@@ -26,6 +27,7 @@ from halfmoon.kvstore.config import StoreConfig
 from halfmoon.kvstore.layout import KvLayout
 from halfmoon.kvstore.store_node import start_store_node, store_node_name
 from halfmoon.prefill_worker.worker import PrefillWorker
+from halfmoon.router.profile import Profile, load_profile
 
 log = logging.getLogger(__name__)
 WORKER_CLASSES = {"prefill": PrefillWorker, "decode": DecodeWorker}
@@ -74,12 +76,23 @@ class Cluster:
         self.router = (
             ray.remote(RouterActor)
             .options(name=f"halfmoon-router-{self.cluster_id}", num_cpus=0, max_concurrency=10_000)
-            .remote(self.config, self.info)
+            .remote(self.config, self.info, self._profile())
         )
         self.ports = ray.get(self.router.start.remote())
         for worker in list(self.workers.values()):
             self._register(worker)
         return self.ports
+
+    def _profile(self) -> Profile | None:
+        """The router's profile: the configured file, or measured now from one worker per pool."""
+        if self.config.router.profile is not None:
+            return load_profile(self.config.router.profile)
+        by_kind = {w.kind: w for w in self.workers.values()}
+        decode = ray.get(by_kind["decode"].actor.profile.remote())
+        prefill = (
+            ray.get(by_kind["prefill"].actor.profile.remote()) if "prefill" in by_kind else decode
+        )
+        return measured_profile(self.info, prefill, decode, self.config.store.host_capacity_bytes)
 
     def add_worker(self, kind: str) -> WorkerHandle:
         """Start one more worker of `kind` and route to it once it answers."""

@@ -44,6 +44,9 @@ class LocalBackend:
         stats = self.engine.call(lambda engine: engine.stats())
         return {"mode": "local", "model": self.engine.engine.config.model, "engine": asdict(stats)}
 
+    async def explain(self, request_id: str) -> str:
+        return f"request {request_id}: served by the one local engine (no routing decision)"
+
 
 def _delta(out: RequestOutput, num_tokens: int) -> TokenDelta:
     usage = Usage(out.num_prompt_tokens, num_tokens, out.num_cached_tokens)

@@ -18,18 +18,17 @@ from halfmoon.engine.tokenizer import load_tokenizer
 from halfmoon.engine.worker_info import WorkerInfo, WorkerLoad
 from halfmoon.router.conductor import Conductor
 from halfmoon.router.config import RouterConfig
-from halfmoon.router.profile import PROFILE_DIR, load_profile
+from halfmoon.router.profile import Profile
 
 log = logging.getLogger(__name__)
 POLL_INTERVAL_S = 0.25
 TRAFFIC_WINDOW_S = 60.0
-LIVE_PROFILE = PROFILE_DIR / "cpu-tiny.yaml"
 
 
 class RouterActor:
     """One per cluster: the frontend clients talk to and the Conductor that places requests."""
 
-    def __init__(self, config: ClusterConfig, info: WorkerInfo) -> None:
+    def __init__(self, config: ClusterConfig, info: WorkerInfo, profile: Profile) -> None:
         from halfmoon.cluster.metrics import Metrics
 
         self.config = config
@@ -44,7 +43,7 @@ class RouterActor:
                 block_size=info.block_size,
                 bypass_max_tokens=router.bypass_threshold_tokens,
             ),
-            load_profile(router.profile or LIVE_PROFILE),
+            profile,
         )
         tokenizer = load_tokenizer(Path(info.model))
         self.backend = ClusterBackend(tokenizer, info, conductor, config.mode, self._observe)

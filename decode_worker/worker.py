@@ -16,6 +16,7 @@ import torch
 from halfmoon.engine.async_engine import AsyncEngine
 from halfmoon.engine.config import EngineConfig
 from halfmoon.engine.llm_engine import LLMEngine, RequestOutput
+from halfmoon.engine.profiling import ProfileSamples, profile_engine
 from halfmoon.engine.sampling_params import SamplingParams
 from halfmoon.engine.worker_info import WorkerInfo, WorkerLoad, worker_info, worker_load
 from halfmoon.kernels import ops
@@ -60,6 +61,10 @@ class DecodeWorker:
 
     async def load(self) -> WorkerLoad:
         return self._engine().call(lambda engine: worker_load(self.name, "decode", engine))
+
+    async def profile(self) -> ProfileSamples:
+        """Time prefills and decode steps on this worker (a few seconds; run before serving)."""
+        return self._engine().call(profile_engine)
 
     async def ping(self) -> str:
         return self.name

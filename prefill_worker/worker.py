@@ -19,6 +19,7 @@ from halfmoon.engine.async_engine import AsyncEngine
 from halfmoon.engine.config import EngineConfig
 from halfmoon.engine.hooks import KVHooks
 from halfmoon.engine.llm_engine import LLMEngine
+from halfmoon.engine.profiling import ProfileSamples, profile_engine
 from halfmoon.engine.sampling_params import SamplingParams
 from halfmoon.engine.scheduler import ScheduledSeq
 from halfmoon.engine.sequence import Sequence, TokenLogprobs
@@ -108,6 +109,10 @@ class PrefillWorker(KVHooks):
 
     async def load(self) -> WorkerLoad:
         return self._engine().call(lambda engine: worker_load(self.name, "prefill", engine))
+
+    async def profile(self) -> ProfileSamples:
+        """Time prefills and decode steps on this worker (a few seconds; run before serving)."""
+        return self._engine().call(profile_engine)
 
     async def ping(self) -> str:
         return self.name

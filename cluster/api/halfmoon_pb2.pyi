@@ -157,3 +157,17 @@ class ServerInfo(_message.Message):
     model: str
     json: str
     def __init__(self, version: _Optional[str] = ..., mode: _Optional[str] = ..., model: _Optional[str] = ..., json: _Optional[str] = ...) -> None: ...
+
+class ExplainRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class Explanation(_message.Message):
+    __slots__ = ("request_id", "text")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    text: str
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ...) -> None: ...

@@ -54,6 +54,11 @@ class HalfmoonStub:
                 request_serializer=halfmoon_dot_cluster_dot_api_dot_halfmoon__pb2.GetServerInfoRequest.SerializeToString,
                 response_deserializer=halfmoon_dot_cluster_dot_api_dot_halfmoon__pb2.ServerInfo.FromString,
                 _registered_method=True)
+        self.ExplainDecision = channel.unary_unary(
+                '/halfmoon.v1.Halfmoon/ExplainDecision',
+                request_serializer=halfmoon_dot_cluster_dot_api_dot_halfmoon__pb2.ExplainRequest.SerializeToString,
+                response_deserializer=halfmoon_dot_cluster_dot_api_dot_halfmoon__pb2.Explanation.FromString,
+                _registered_method=True)
 
 
 class HalfmoonServicer:
@@ -85,6 +90,13 @@ class HalfmoonServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExplainDecision(self, request, context):
+        """Why the router placed (or rejected) a recent request: candidates and predictions.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_HalfmoonServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -107,6 +119,11 @@ def add_HalfmoonServicer_to_server(servicer, server):
                     servicer.GetServerInfo,
                     request_deserializer=halfmoon_dot_cluster_dot_api_dot_halfmoon__pb2.GetServerInfoRequest.FromString,
                     response_serializer=halfmoon_dot_cluster_dot_api_dot_halfmoon__pb2.ServerInfo.SerializeToString,
+            ),
+            'ExplainDecision': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExplainDecision,
+                    request_deserializer=halfmoon_dot_cluster_dot_api_dot_halfmoon__pb2.ExplainRequest.FromString,
+                    response_serializer=halfmoon_dot_cluster_dot_api_dot_halfmoon__pb2.Explanation.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -217,6 +234,33 @@ class Halfmoon:
             '/halfmoon.v1.Halfmoon/GetServerInfo',
             halfmoon_dot_cluster_dot_api_dot_halfmoon__pb2.GetServerInfoRequest.SerializeToString,
             halfmoon_dot_cluster_dot_api_dot_halfmoon__pb2.ServerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExplainDecision(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/halfmoon.v1.Halfmoon/ExplainDecision',
+            halfmoon_dot_cluster_dot_api_dot_halfmoon__pb2.ExplainRequest.SerializeToString,
+            halfmoon_dot_cluster_dot_api_dot_halfmoon__pb2.Explanation.FromString,
             options,
             channel_credentials,
             insecure,

@@ -66,6 +66,11 @@ def test_kv_streams_layer_by_layer_and_prefixes_are_reused_across_instances(
         published = ray.get(worker(cluster, "prefill-0").publish_time.remote("first"))
         received = ray.get(worker(cluster, "decode-2").receive_timings.remote("first"))
         loaded = counters(cluster, "prefill-1")["num_loaded_tokens"]
+        explained = client.explain("second")
+        with pytest.raises(ServerError) as unknown:
+            client.explain("never-sent")
+    assert "prefill=prefill-1 decode=decode-2" in explained and "predicted ttft" in explained
+    assert unknown.value.code == grpc.StatusCode.NOT_FOUND.name
     # Chunks are 32 tokens: layer 0 of the first chunk reached decode before prefill ended.
     assert received.first_layer_received_at < published
     assert loaded == (len(prefix) // 16) * 16
