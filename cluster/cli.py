@@ -13,6 +13,7 @@ BENCHMARKS = {
     "kvstore": "halfmoon.kvstore.bench",
     "router": "halfmoon.router.bench",
     "transfer": "halfmoon.cluster.bench_transfer",
+    "replay": "halfmoon.cluster.bench_replay",
 }
 # Commands whose own parser lives in their module; everything after the name is theirs.
 FORWARDED = {"simulate": "halfmoon.router.simulate", "profile": "halfmoon.cluster.measured_profile"}

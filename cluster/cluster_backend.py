@@ -185,7 +185,7 @@ class ClusterBackend:
         self.conductor.on_prefill_done(rid, now)
         cached = result.num_local_cached_tokens + result.num_loaded_tokens
         self.conductor.observe_prefill(
-            len(token_ids), cached, result.finished_at - result.arrived_at
+            len(token_ids), cached, result.finished_at - result.started_at
         )
         trace.num_cached_tokens, trace.num_loaded_tokens = cached, result.num_loaded_tokens
         self.conductor.on_decode_join(rid, now)

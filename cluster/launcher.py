@@ -51,6 +51,7 @@ class Cluster:
     router: ray.actor.ActorHandle | None = None
     ports: dict = field(default_factory=dict)
     info: WorkerInfo | None = None
+    profile: Profile | None = None
     owns_ray: bool = False
     redis: subprocess.Popen | None = None
     _counter: itertools.count = field(default_factory=itertools.count)
@@ -73,10 +74,11 @@ class Cluster:
         self.info = ray.get(first.actor.info.remote())
         self.store_config = self._store_config()
         self.ensure_stores()
+        self.profile = self._profile()
         self.router = (
             ray.remote(RouterActor)
             .options(name=f"halfmoon-router-{self.cluster_id}", num_cpus=0, max_concurrency=10_000)
-            .remote(self.config, self.info, self._profile())
+            .remote(self.config, self.info, self.profile)
         )
         self.ports = ray.get(self.router.start.remote())
         for worker in list(self.workers.values()):

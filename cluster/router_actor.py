@@ -138,6 +138,10 @@ class RouterActor:
             }
         return signals
 
+    async def profile(self) -> Profile:
+        """The Conductor's profile as refitted online from the live workers' timings."""
+        return self.backend.conductor.profile
+
     async def update_pool(self, pool: str, desired: int, actual: int) -> None:
         self.metrics.update_pool(pool, desired, actual)
 
@@ -153,7 +157,11 @@ class RouterActor:
         metrics.generated_tokens.inc(trace.num_output_tokens)
         metrics.cached_tokens.inc(trace.num_cached_tokens)
         if trace.num_prompt_tokens:
-            metrics.record_prefix_lookup("all", trace.num_prompt_tokens, trace.num_cached_tokens)
+            local = trace.num_cached_tokens - trace.num_loaded_tokens
+            metrics.record_prefix_lookup("device", trace.num_prompt_tokens, local)
+            if trace.prefill_instance is not None:
+                store_queried = trace.num_prompt_tokens - local
+                metrics.record_prefix_lookup("store", store_queried, trace.num_loaded_tokens)
         if trace.prefill_started_s is not None:
             metrics.queue_seconds.observe(trace.prefill_started_s - trace.arrived_s)
         if trace.first_token_s is None:
@@ -187,6 +195,12 @@ class RouterActor:
                 if worker.kind == "prefill":
                     for event in await worker.handle.drain_events.remote():
                         conductor.index.apply(event)
+                else:
+                    steps = await worker.handle.drain_decode_steps.remote()
+                    for batch, kv_tokens, seconds in steps:
+                        conductor.observe_decode_step(batch, kv_tokens, seconds)
+                    for num_bytes, seconds in await worker.handle.drain_transfers.remote():
+                        self.metrics.record_transfer("store", num_bytes, seconds)
             except RayActorError:
                 continue
             self.loads[worker.name] = load

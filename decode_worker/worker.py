@@ -49,6 +49,7 @@ class DecodeWorker:
         self.async_engine: AsyncEngine | None = None
         self.receives: dict[str, asyncio.Task] = {}
         self.stores: dict[str, object] = {}
+        self.transfers: list[tuple[int, float]] = []  # (bytes, seconds) of finished receives
         self.timings: OrderedDict[str, ReceiveTimings] = OrderedDict()
 
     def _engine(self) -> AsyncEngine:
@@ -129,6 +130,15 @@ class DecodeWorker:
             receive.cancel()
         return self._engine().abort(request_id)
 
+    async def drain_decode_steps(self) -> list[tuple[int, int, float]]:
+        """(batch, kv_tokens, seconds) of the decode steps since the last call."""
+        return self._engine().call(_take_decode_steps)
+
+    async def drain_transfers(self) -> list[tuple[int, float]]:
+        """(bytes, seconds from reservation to last layer) of each KV receive since last call."""
+        transfers, self.transfers = self.transfers, []
+        return transfers
+
     async def receive_timings(self, request_id: str) -> ReceiveTimings | None:
         return self.timings.get(request_id)
 
@@ -156,8 +166,15 @@ class DecodeWorker:
                 if not timings.first_layer_received_at:
                     timings.first_layer_received_at = time.time()
         timings.all_received_at = time.time()
+        self.transfers.append((timings.num_bytes, timings.all_received_at - timings.reserved_at))
 
     def _record(self, request_id: str, timings: ReceiveTimings) -> None:
         self.timings[request_id] = timings
         while len(self.timings) > RECENT_TIMINGS:
             self.timings.popitem(last=False)
+
+
+def _take_decode_steps(engine: LLMEngine) -> list[tuple[int, int, float]]:
+    steps = list(engine.decode_steps)
+    engine.decode_steps.clear()
+    return steps

@@ -6,6 +6,7 @@ import hashlib
 import itertools
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from halfmoon.engine.tokenizer import Prompt, load_tokenizer, tokenize_prompt
 from halfmoon.kvstore.keys import model_root_key
 
 log = logging.getLogger(__name__)
+DECODE_STEP_LOG = 256
 
 
 @dataclass(slots=True)
@@ -119,6 +121,8 @@ class LLMEngine:
         self.num_prompt_tokens_computed = 0
         self.num_generated_tokens = 0
         self.num_steps = 0
+        # (batch size, KV tokens, seconds) of recent pure-decode steps, for cost-model refits.
+        self.decode_steps: deque[tuple[int, int, float]] = deque(maxlen=DECODE_STEP_LOG)
 
     def add_request(
         self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
@@ -197,6 +201,7 @@ class LLMEngine:
                 self.num_prompt_tokens_computed += min(
                     item.num_new_tokens, item.seq.num_prompt_tokens - item.seq.num_computed_tokens
                 )
+        started = time.perf_counter()
         logits, sampled = self.runner.run(batch, self.hooks)
         for item in batch:
             item.seq.num_computed_tokens += item.num_new_tokens
@@ -204,6 +209,9 @@ class LLMEngine:
         if not sampled:
             return []
         result = sample(logits, sampled)
+        if all(item.num_new_tokens == 1 for item in batch):
+            kv_tokens = sum(item.seq.num_computed_tokens for item in batch)
+            self.decode_steps.append((len(batch), kv_tokens, time.perf_counter() - started))
         outputs = []
         for seq, token_id, logprobs in zip(sampled, result.token_ids, result.logprobs, strict=True):
             outputs.append(self._append_token(seq, token_id, logprobs))

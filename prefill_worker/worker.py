@@ -45,6 +45,7 @@ class PrefillResult:
     num_local_cached_tokens: int
     num_loaded_tokens: int
     arrived_at: float
+    started_at: float
     finished_at: float
     last_layer_published_at: float
 
@@ -67,6 +68,7 @@ class _Job:
     num_loaded_tokens: int = 0
     puts: list = field(default_factory=list)
     last_layer_published_at: float = 0.0
+    started_at: float = 0.0
 
 
 class PrefillWorker(KVHooks):
@@ -173,6 +175,7 @@ class PrefillWorker(KVHooks):
             num_local_cached_tokens=last.num_cached_tokens - job.num_loaded_tokens,
             num_loaded_tokens=job.num_loaded_tokens,
             arrived_at=arrived_at,
+            started_at=job.started_at or arrived_at,
             finished_at=time.time(),
             last_layer_published_at=job.last_layer_published_at,
         )
@@ -222,6 +225,8 @@ class PrefillWorker(KVHooks):
         caches = self.engine.runner.kv_caches[layer]
         for item in batch:
             job = self.jobs.get(item.seq.request_id)
+            if job is not None and not job.started_at:
+                job.started_at = time.time()
             if job is None or job.load is None:
                 continue
             kv: LayerKV = ray.get(job.load.layers[layer])

@@ -161,11 +161,15 @@ def test_metrics_scrape_counts_what_was_sent(tiny_model_dir):
                 is not None
             )
         )
+        transfer_key = ("halfmoon_kv_transfer_bytes_total", (("path", "store"),))
+        wait_until(lambda: scrape()[0].get(transfer_key, 0) > 0)
         samples, text = scrape()
     assert samples[("halfmoon_generated_tokens_total", ())] == sum(
         len(r.token_ids) for r in results
     )
     assert samples[("halfmoon_time_to_first_token_seconds_count", ())] == 6
+    queried = samples[("halfmoon_prefix_cache_queried_tokens_total", (("tier", "device"),))]
+    assert queried == sum(r.usage.prompt_tokens for r in results)
     dashboard = json.loads(Path("deploy/grafana/halfmoon.json").read_text())
     names = _dashboard_metric_names(dashboard)
     missing = [n for n in names if n not in text]

@@ -1,0 +1,212 @@
+"""`halfmoon bench replay`: replay a Mooncake trace on the live local cluster, and the
+simulator on the same scaled trace with the live workers' measured profile, side by side."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import ray
+
+from halfmoon.cluster.client import AsyncClient, ServerError
+from halfmoon.cluster.config import load_config
+from halfmoon.cluster.launcher import Cluster
+from halfmoon.router.config import RouterConfig
+from halfmoon.router.simulation import Simulation
+from halfmoon.router.trace import TraceRecord, read_trace
+
+TRACE_BLOCK_TOKENS = 512
+
+
+@dataclass(slots=True)
+class Figures:
+    requests: int
+    rejected: int
+    ttft_mean_s: float
+    ttft_p50_s: float
+    ttft_p90_s: float
+    ttft_p99_s: float
+    tbt_mean_s: float
+    hit_rate: float
+
+
+def scale_records(
+    records: list[TraceRecord], block_tokens: int, time_scale: float
+) -> list[TraceRecord]:
+    """Trace blocks of 512 tokens become blocks of `block_tokens`; arrivals are divided by
+    `time_scale` (the records arrive already in seconds)."""
+    factor = block_tokens / TRACE_BLOCK_TOKENS
+    start = records[0].arrival_s
+    return [
+        TraceRecord(
+            r.line_number,
+            (r.arrival_s - start) / time_scale,
+            max(1, min(len(r.hash_ids) * block_tokens, round(r.num_prompt_tokens * factor))),
+            max(1, round(r.num_output_tokens * factor)),
+            r.hash_ids,
+        )  # fmt: skip
+        for r in records
+    ]
+
+
+def prompt_tokens(record: TraceRecord, block_tokens: int, vocab_size: int) -> list[int]:
+    """Every hash id becomes a fixed block of token ids drawn from a generator seeded by it."""
+    tokens: list[int] = []
+    for hash_id in record.hash_ids:
+        rng = random.Random(hash_id)
+        tokens += [rng.randrange(6, vocab_size) for _ in range(block_tokens)]
+    return tokens[: record.num_prompt_tokens]
+
+
+async def replay_live(address: str, records, block_tokens: int, vocab_size: int) -> Figures:
+    ttfts, tbts, rejected, cached, prompt = [], [], 0, 0, 0
+    started = time.monotonic()
+
+    async def one(client: AsyncClient, record: TraceRecord) -> None:
+        nonlocal rejected, cached, prompt
+        await asyncio.sleep(max(0.0, record.arrival_s - (time.monotonic() - started)))
+        sent = time.monotonic()
+        stamps = []
+        try:
+            async with client.generate(
+                prompt_tokens(record, block_tokens, vocab_size),
+                max_tokens=record.num_output_tokens, ignore_eos=True, temperature=0.0,
+            ) as stream:  # fmt: skip
+                async for delta in stream:
+                    stamps.append(time.monotonic())
+                    if delta.usage is not None:
+                        cached += delta.usage.cached_tokens
+                        prompt += delta.usage.prompt_tokens
+        except ServerError as error:
+            if error.code != "RESOURCE_EXHAUSTED":
+                raise
+            rejected += 1
+            return
+        ttfts.append(stamps[0] - sent)
+        if len(stamps) > 1:
+            tbts.append((stamps[-1] - stamps[0]) / (len(stamps) - 1))
+
+    async with AsyncClient(address) as client:
+        await asyncio.gather(*(one(client, r) for r in records))
+    return _figures(len(records), rejected, ttfts, tbts, cached / max(prompt, 1))
+
+
+def simulate(cluster: Cluster, profile, records, block_tokens: int) -> Figures:
+    config = cluster.config
+    pools = cluster.pools
+    router = RouterConfig(
+        policy=config.router.policy, admission=config.router.admission,
+        ttft_slo_s=config.slo.ttft_s, tbt_slo_s=config.slo.tbt_s, block_size=block_tokens,
+        bypass_max_tokens=config.router.bypass_threshold_tokens,
+    )  # fmt: skip
+    cache_blocks = cluster.info.num_pages
+    sim = Simulation(router, profile, pools["prefill"].replicas, pools["decode"].replicas,
+                     cache_blocks)  # fmt: skip
+    summary = sim.run(records, progress=False)
+    return Figures(
+        summary.requests, summary.rejected, summary.ttft_mean_s, summary.ttft_p50_s,
+        summary.ttft_p90_s, summary.ttft_p99_s, summary.tbt_mean_s, summary.hit_rate,
+    )  # fmt: skip
+
+
+def _figures(n: int, rejected: int, ttfts: list[float], tbts: list[float], hit: float) -> Figures:
+    ordered = sorted(ttfts) or [0.0]
+
+    def pct(p: float) -> float:
+        return ordered[min(len(ordered) - 1, int(p * len(ordered)))]
+
+    tbt = statistics.fmean(tbts) if tbts else 0.0
+    return Figures(n, rejected, statistics.fmean(ordered), pct(0.5), pct(0.9), pct(0.99), tbt, hit)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="halfmoon bench replay",
+        description="Replay the first N requests of a Mooncake trace on a live local cluster "
+        "(hash ids -> seeded token blocks, lengths and times scaled) and simulate the same "
+        "scaled trace with the live workers' measured profile; prints both side by side.",
+    )
+    parser.add_argument("--trace", required=True, help="Mooncake-format JSONL trace")
+    parser.add_argument("--requests", type=int, default=120, help="first N requests (120)")
+    parser.add_argument(
+        "--block-tokens",
+        type=int,
+        default=16,
+        help="tokens per trace block after scaling (16; the trace has 512)",
+    )
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="arrival speed-up: live time = trace time / X (1.0)",
+    )
+    parser.add_argument("--prefill", type=int, default=1)
+    parser.add_argument("--decode", type=int, default=1)
+    parser.add_argument("--policy", default="conductor")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    raw, _ = read_trace(args.trace)
+    records = scale_records(raw[: args.requests], args.block_tokens, args.time_scale)
+    config = load_config(None, {
+        "server.grpc_port": 0, "server.metrics_port": 0, "prefill.replicas": args.prefill,
+        "decode.replicas": args.decode, "router.policy": args.policy,
+        "engine.block_size": args.block_tokens, "engine.prefill_chunk_size": 4 * args.block_tokens,
+        "engine.num_pages": 1024, "store.use_local_redis": False,
+    })  # fmt: skip
+    cluster = Cluster(config)
+    try:
+        ports = cluster.start()
+        live = asyncio.run(
+            replay_live(
+                f"127.0.0.1:{ports['grpc_port']}",
+                records,
+                args.block_tokens,
+                cluster.info.vocab_size,
+            )
+        )
+        refitted = ray.get(cluster.router.profile.remote())
+        at_start = simulate(cluster, cluster.profile, records, args.block_tokens)
+        simulated = simulate(cluster, refitted, records, args.block_tokens)
+    finally:
+        cluster.stop()
+        if ray.is_initialized():
+            ray.shutdown()
+    scale = {
+        "trace": args.trace,
+        "requests": len(records),
+        "block_tokens": args.block_tokens,
+        "token_scale": args.block_tokens / TRACE_BLOCK_TOKENS,
+        "time_scale": args.time_scale,
+        "prefill": args.prefill,
+        "decode": args.decode,
+        "policy": args.policy,
+    }
+    ratio = simulated.ttft_mean_s / live.ttft_mean_s if live.ttft_mean_s else float("nan")
+    result = {
+        "scale": scale,
+        "live": asdict(live),
+        "simulated": asdict(simulated),
+        "simulated_startup_profile": asdict(at_start),
+        "sim_over_live_ttft_mean": ratio,
+    }
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"scale: {json.dumps(scale)}")
+    print(
+        f"{'':>10} {'ttft_mean':>10} {'p50':>8} {'p90':>8} {'p99':>8} {'tbt_mean':>9} "
+        f"{'hit_rate':>8} {'rejected':>8}"
+    )
+    for name, f in (("live", live), ("sim", simulated), ("sim@start", at_start)):
+        print(
+            f"{name:>10} {f.ttft_mean_s:>10.4f} {f.ttft_p50_s:>8.4f} {f.ttft_p90_s:>8.4f} "
+            f"{f.ttft_p99_s:>8.4f} {f.tbt_mean_s:>9.5f} {f.hit_rate:>8.3f} {f.rejected:>8}"
+        )
+    print(f"simulated / live mean TTFT = {ratio:.3f} (goal within 0.75-1.25)", file=sys.stderr)
+    return 0
