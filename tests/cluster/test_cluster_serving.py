@@ -59,19 +59,26 @@ def test_kv_streams_layer_by_layer_and_prefixes_are_reused_across_instances(
     first, second = prefix + "first question", prefix + "second one"
     with running_cluster(
         tiny_model_dir,
-        **{"prefill.replicas": 2, "decode.replicas": 1, "router.policy": "round_robin"},
+        **{
+            "prefill.replicas": 2,
+            "decode.replicas": 1,
+            "router.policy": "round_robin",
+            "engine.prefill_chunk_size": 16,
+        },
     ) as (cluster, client):
         a = client.complete(first, max_tokens=6, temperature=0.0, request_id="first")
         b = client.complete(second, max_tokens=6, temperature=0.0, request_id="second")
-        published = ray.get(worker(cluster, "prefill-0").publish_time.remote("first"))
-        received = ray.get(worker(cluster, "decode-2").receive_timings.remote("first"))
+        # A long prompt in 16-token chunks: about 90 prefill steps, long enough that its
+        # first layer reaches decode while the prefill is still computing, even on a busy CPU.
+        client.complete("z" * 1500, max_tokens=2, request_id="long")
+        published = ray.get(worker(cluster, "prefill-0").publish_time.remote("long"))
+        received = ray.get(worker(cluster, "decode-2").receive_timings.remote("long"))
         loaded = counters(cluster, "prefill-1")["num_loaded_tokens"]
         explained = client.explain("second")
         with pytest.raises(ServerError) as unknown:
             client.explain("never-sent")
     assert "prefill=prefill-1 decode=decode-2" in explained and "predicted ttft" in explained
     assert unknown.value.code == grpc.StatusCode.NOT_FOUND.name
-    # Chunks are 32 tokens: layer 0 of the first chunk reached decode before prefill ended.
     assert received.first_layer_received_at < published
     assert loaded == (len(prefix) // 16) * 16
     assert b.usage.cached_tokens == loaded
