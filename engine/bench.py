@@ -113,7 +113,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--requests", type=int, default=64, help="number of requests (64)")
-    parser.add_argument("--batch-size", type=int, default=16, help="max batch size for all (16)")
+    parser.add_argument(
+        "--batch-size", type=int, default=64,
+        help="max batch size for all three: our max_num_seqs, the static batch size (64, the "
+        "engine's default max_num_seqs)",
+    )  # fmt: skip
     parser.add_argument("--scale", type=float, default=1.0, help="shrink lengths for a quick run")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1)")
     parser.add_argument("--seed", type=int, default=0)
