@@ -13,12 +13,10 @@ from collections.abc import AsyncIterator
 import ray
 import torch
 
-from halfmoon.engine.async_engine import AsyncEngine
 from halfmoon.engine.config import EngineConfig
 from halfmoon.engine.llm_engine import LLMEngine, RequestOutput
-from halfmoon.engine.profiling import ProfileSamples, profile_engine
 from halfmoon.engine.sampling_params import SamplingParams
-from halfmoon.engine.worker_info import WorkerInfo, WorkerLoad, worker_info, worker_load
+from halfmoon.engine.worker_base import EngineWorker
 from halfmoon.kernels import ops
 from halfmoon.kvstore.locate import local_store
 from halfmoon.kvstore.transfer import plan_transfer
@@ -37,42 +35,23 @@ class ReceiveTimings:
     num_bytes: int = 0
 
 
-class DecodeWorker:
+class DecodeWorker(EngineWorker):
     """Continuous-batching decode over KV received from the store; also serves colocated mode."""
 
+    kind = "decode"
+
     def __init__(self, name: str, config: EngineConfig, store=None, get_timeout_s: float = 30.0):
-        self.name = name
+        super().__init__(name, LLMEngine(config))
         self.store = store
         self.get_timeout_s = get_timeout_s
         self.chunk_tokens = config.prefill_chunk_size or config.max_num_batched_tokens
-        self.engine = LLMEngine(config)
-        self.async_engine: AsyncEngine | None = None
         self.receives: dict[str, asyncio.Task] = {}
         self.stores: dict[str, object] = {}
         self.transfers: list[tuple[int, float]] = []  # (bytes, seconds) of finished receives
         self.timings: OrderedDict[str, ReceiveTimings] = OrderedDict()
 
-    def _engine(self) -> AsyncEngine:
-        if self.async_engine is None:
-            self.async_engine = AsyncEngine(self.engine)
-        return self.async_engine
-
-    async def info(self) -> WorkerInfo:
-        return worker_info(self.name, "decode", self.engine)
-
-    async def load(self) -> WorkerLoad:
-        return self._engine().call(lambda engine: worker_load(self.name, "decode", engine))
-
-    async def profile(self) -> ProfileSamples:
-        """Time prefills and decode steps on this worker (a few seconds; run before serving)."""
-        return self._engine().call(profile_engine)
-
-    async def ping(self) -> str:
-        return self.name
-
-    async def counters(self) -> dict:
-        stats = self._engine().call(lambda engine: engine.stats())
-        return {**dataclasses.asdict(stats), "num_receiving": len(self.receives)}
+    def _extra_counters(self) -> dict:
+        return {"num_receiving": len(self.receives)}
 
     async def reserve(
         self,

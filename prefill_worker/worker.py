@@ -15,15 +15,13 @@ from dataclasses import dataclass, field
 import ray
 import torch
 
-from halfmoon.engine.async_engine import AsyncEngine
 from halfmoon.engine.config import EngineConfig
 from halfmoon.engine.hooks import KVHooks
 from halfmoon.engine.llm_engine import LLMEngine
-from halfmoon.engine.profiling import ProfileSamples, profile_engine
 from halfmoon.engine.sampling_params import SamplingParams
 from halfmoon.engine.scheduler import ScheduledSeq
 from halfmoon.engine.sequence import Sequence, TokenLogprobs
-from halfmoon.engine.worker_info import WorkerInfo, WorkerLoad, worker_info, worker_load
+from halfmoon.engine.worker_base import EngineWorker
 from halfmoon.kernels import ops
 from halfmoon.kvstore.index import BlockEvent
 from halfmoon.kvstore.keys import block_keys
@@ -71,18 +69,18 @@ class _Job:
     started_at: float = 0.0
 
 
-class PrefillWorker(KVHooks):
+class PrefillWorker(EngineWorker, KVHooks):
     """Prefill-only engine; its KV goes layer by layer to the store for the decode worker."""
+
+    kind = "prefill"
 
     def __init__(self, name: str, config: EngineConfig, store=None, get_timeout_s: float = 30.0):
         if config.prefill_chunk_size is None:
             raise ValueError("a prefill worker needs EngineConfig.prefill_chunk_size")
-        self.name = name
+        super().__init__(name, LLMEngine(config, hooks=self))
         self.store = store
         self.get_timeout_s = get_timeout_s
         self.chunk_tokens = config.prefill_chunk_size
-        self.engine = LLMEngine(config, hooks=self)
-        self.async_engine: AsyncEngine | None = None
         self.jobs: dict[str, _Job] = {}
         self.num_loaded_tokens = 0
         self.engine.pool.events = []
@@ -100,29 +98,8 @@ class PrefillWorker(KVHooks):
         """Name of the store node this worker publishes to (decode pulls from it)."""
         return local_store_name()
 
-    def _engine(self) -> AsyncEngine:
-        # Created on first use, inside the actor's event loop.
-        if self.async_engine is None:
-            self.async_engine = AsyncEngine(self.engine)
-        return self.async_engine
-
-    async def info(self) -> WorkerInfo:
-        return worker_info(self.name, "prefill", self.engine)
-
-    async def load(self) -> WorkerLoad:
-        return self._engine().call(lambda engine: worker_load(self.name, "prefill", engine))
-
-    async def profile(self) -> ProfileSamples:
-        """Time prefills and decode steps on this worker (a few seconds; run before serving)."""
-        return self._engine().call(profile_engine)
-
-    async def ping(self) -> str:
-        return self.name
-
-    async def counters(self) -> dict:
-        stats = self._engine().call(lambda engine: engine.stats())
+    def _extra_counters(self) -> dict:
         return {
-            **dataclasses.asdict(stats),
             "num_loaded_tokens": self.num_loaded_tokens,
             "forward_s": self.engine.runner.forward_s,
         }

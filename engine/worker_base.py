@@ -1,0 +1,49 @@
+"""What every worker actor has: its engine behind a step thread, and the calls the router and
+controller make on any worker (info, load, ping, profile, counters)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from halfmoon.engine.async_engine import AsyncEngine
+from halfmoon.engine.llm_engine import LLMEngine
+from halfmoon.engine.profiling import ProfileSamples, profile_engine
+from halfmoon.engine.worker_info import WorkerInfo, WorkerLoad, worker_info, worker_load
+
+
+class EngineWorker:
+    """Base of the prefill and decode workers; `kind` names the pool."""
+
+    kind = "worker"
+
+    def __init__(self, name: str, engine: LLMEngine) -> None:
+        self.name = name
+        self.engine = engine
+        self.async_engine: AsyncEngine | None = None
+
+    def _engine(self) -> AsyncEngine:
+        # Created on first use, inside the actor's event loop.
+        if self.async_engine is None:
+            self.async_engine = AsyncEngine(self.engine)
+        return self.async_engine
+
+    async def info(self) -> WorkerInfo:
+        return worker_info(self.name, self.kind, self.engine)
+
+    async def load(self) -> WorkerLoad:
+        return self._engine().call(lambda engine: worker_load(self.name, self.kind, engine))
+
+    async def profile(self) -> ProfileSamples:
+        """Time prefills and decode steps on this worker (a few seconds; run before serving)."""
+        return self._engine().call(profile_engine)
+
+    async def ping(self) -> str:
+        return self.name
+
+    async def counters(self) -> dict:
+        """Engine counters plus the worker's own (`_extra_counters`)."""
+        stats = self._engine().call(lambda engine: engine.stats())
+        return {**dataclasses.asdict(stats), **self._extra_counters()}
+
+    def _extra_counters(self) -> dict:
+        return {}
