@@ -162,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     cluster = Cluster(config)
     try:
         ports = cluster.start()
+        startup = ray.get(cluster.router.profile.remote())  # measured and calibrated, not refit
         live = asyncio.run(
             replay_live(
                 f"127.0.0.1:{ports['grpc_port']}",
@@ -171,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
         refitted = ray.get(cluster.router.profile.remote())
-        at_start = simulate(cluster, cluster.profile, records, args.block_tokens)
+        at_start = simulate(cluster, startup, records, args.block_tokens)
         simulated = simulate(cluster, refitted, records, args.block_tokens)
     finally:
         cluster.stop()

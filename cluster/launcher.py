@@ -83,6 +83,8 @@ class Cluster:
         self.ports = ray.get(self.router.start.remote())
         for worker in list(self.workers.values()):
             self._register(worker)
+        if self.config.router.profile is None and self.config.mode == "disaggregated":
+            ray.get(self.router.calibrate.remote())
         return self.ports
 
     def _profile(self) -> Profile | None:

@@ -6,14 +6,18 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import random
+import statistics
 import time
 from collections import deque
 from pathlib import Path
 
 from ray.exceptions import RayActorError
 
+from halfmoon.cluster.backend import GenerateInput
 from halfmoon.cluster.cluster_backend import ClusterBackend, RequestTrace, Worker
 from halfmoon.cluster.config import ClusterConfig
+from halfmoon.engine.sampling_params import SamplingParams
 from halfmoon.engine.tokenizer import load_tokenizer
 from halfmoon.engine.worker_info import WorkerInfo, WorkerLoad
 from halfmoon.router.conductor import Conductor
@@ -141,6 +145,28 @@ class RouterActor:
     async def profile(self) -> Profile:
         """The Conductor's profile as refitted online from the live workers' timings."""
         return self.backend.conductor.profile
+
+    async def calibrate(self, num_requests: int = 5, num_tokens: int = 48) -> float:
+        """Measure the per-request overhead outside prefill compute by sending short requests
+        through the whole pipeline; it goes into the Conductor's profile. Returns it."""
+        conductor = self.backend.conductor
+        rng = random.Random(0)
+        overheads = []
+        observer, self.backend.observer = self.backend.observer, None  # not client traffic
+        try:
+            for i in range(num_requests):
+                vocab = self.backend.info.vocab_size
+                prompt = [rng.randrange(6, vocab) for _ in range(num_tokens)]
+                request = GenerateInput(f"calibrate-{i}", prompt, SamplingParams(max_tokens=1))
+                started = time.monotonic()
+                async for _ in self.backend.generate(request):
+                    ttft_s = time.monotonic() - started
+                overheads.append(ttft_s - conductor.profile.cost.prefill_time(num_tokens, 0))
+        finally:
+            self.backend.observer = observer
+        overhead_s = max(0.0, statistics.median(overheads))
+        conductor.profile.request_overhead_s = overhead_s
+        return overhead_s
 
     async def update_pool(self, pool: str, desired: int, actual: int) -> None:
         self.metrics.update_pool(pool, desired, actual)

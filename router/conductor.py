@@ -206,7 +206,7 @@ class Conductor:
         plan = placement.plan
         decision.prefill_instance = placement.prefill_instance
         decision.decode_instance = placement.decode.instance
-        decision.predicted_ttft_s = placement.ttft_s
+        decision.predicted_ttft_s = placement.ttft_s + self.profile.request_overhead_s
         decision.predicted_queue_s = placement.queue_s
         decision.predicted_tbt_s = placement.tbt_s
         decision.cached_tokens = plan.cached_tokens

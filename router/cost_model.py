@@ -51,12 +51,13 @@ class CostModel:
     def prefill_time(self, new_tokens: float, cached_tokens: float = 0.0) -> float:
         """Seconds to prefill `new_tokens` on top of `cached_tokens` already held."""
         a, b, c, d = self.prefill_coef
-        return a + new_tokens * (b + c * new_tokens + d * cached_tokens)
+        # A fit over a narrow window can extrapolate below zero; time never runs backwards.
+        return max(0.0, a + new_tokens * (b + c * new_tokens + d * cached_tokens))
 
     def decode_step_time(self, batch_size: float, kv_tokens: float) -> float:
         """Seconds for one decode step of `batch_size` sequences reading `kv_tokens` of KV."""
         a, b, c = self.decode_coef
-        return a + b * batch_size + c * kv_tokens
+        return max(0.0, a + b * batch_size + c * kv_tokens)
 
     @classmethod
     def fit(

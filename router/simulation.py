@@ -154,14 +154,15 @@ class Simulation:
 
     def _first_token(self, rid: str, now: float, tail_s: float) -> None:
         outcome = self._outcomes[rid]
-        outcome.ttft_s = now - outcome.arrival_s
+        overhead_s = self.profile.request_overhead_s
+        outcome.ttft_s = now + overhead_s - outcome.arrival_s
         self.conductor.on_prefill_done(rid, now)
         self.conductor.observe_ttft(rid, outcome.ttft_s)
         record = self._records[rid]
         if record.num_output_tokens <= 1:
             self.conductor.on_finish(rid, now, record.num_output_tokens)
             return
-        self._push(now + tail_s, DECODE_JOIN, rid)
+        self._push(now + overhead_s + tail_s, DECODE_JOIN, rid)
 
     def _bypass(self, rid: str, now: float) -> None:
         self._bypassed += 1

@@ -71,18 +71,28 @@ def test_kv_streams_layer_by_layer_and_prefixes_are_reused_across_instances(
         # A long prompt in 16-token chunks: about 90 prefill steps, long enough that its
         # first layer reaches decode while the prefill is still computing, even on a busy CPU.
         client.complete("z" * 1500, max_tokens=2, request_id="long")
-        published = ray.get(worker(cluster, "prefill-0").publish_time.remote("long"))
+        placed = {rid: _placement(client.explain(rid)) for rid in ("first", "second", "long")}
+        published = ray.get(worker(cluster, placed["long"][0]).publish_time.remote("long"))
         received = ray.get(worker(cluster, "decode-2").receive_timings.remote("long"))
-        loaded = counters(cluster, "prefill-1")["num_loaded_tokens"]
-        explained = client.explain("second")
+        loaded = counters(cluster, placed["second"][0])["num_loaded_tokens"]
         with pytest.raises(ServerError) as unknown:
             client.explain("never-sent")
-    assert "prefill=prefill-1 decode=decode-2" in explained and "predicted ttft" in explained
+    assert placed["first"][0] != placed["second"][0], "round robin alternates prefill workers"
+    assert placed["second"][1] == "decode-2"
     assert unknown.value.code == grpc.StatusCode.NOT_FOUND.name
     assert received.first_layer_received_at < published
     assert loaded == (len(prefix) // 16) * 16
     assert b.usage.cached_tokens == loaded
     assert [a.token_ids, b.token_ids] == _expected(tiny_llm, [first, second], 6)
+
+
+def _placement(explanation: str) -> tuple[str, str]:
+    """(prefill, decode) worker names from `halfmoon status --explain` text."""
+    import re
+
+    match = re.search(r"prefill=(\S+) decode=(\S+)", explanation)
+    assert match and "predicted ttft" in explanation, explanation
+    return match.group(1), match.group(2)
 
 
 def test_cancel_and_deadline_release_every_page_and_lease(tiny_model_dir):
