@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from halfmoon.engine.errors import HalfmoonError
+from halfmoon.engine.llm_engine import RequestOutput
 from halfmoon.engine.sampling_params import SamplingParams
 from halfmoon.engine.sequence import TokenLogprobs
 from halfmoon.engine.tokenizer import Prompt
@@ -82,3 +83,14 @@ class Backend(Protocol):
     async def explain(self, request_id: str) -> str:
         """Why a recent request went where it did; `RequestNotFoundError` if not remembered."""
         ...
+
+
+def delta_from_output(out: RequestOutput, usage: Usage) -> TokenDelta:
+    """An engine output as the API's delta; `usage` is attached to the last one only."""
+    return TokenDelta(
+        token_ids=out.new_token_ids,
+        text=out.new_text,
+        finish_reason=out.finish_reason if out.finished else None,
+        usage=usage if out.finished else None,
+        logprobs=list(out.new_logprobs),
+    )

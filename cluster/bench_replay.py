@@ -15,9 +15,8 @@ from dataclasses import asdict, dataclass
 import ray
 
 from halfmoon.cluster.client import AsyncClient, ServerError
-from halfmoon.cluster.config import load_config
+from halfmoon.cluster.config import load_config, router_config
 from halfmoon.cluster.launcher import Cluster
-from halfmoon.router.config import RouterConfig
 from halfmoon.router.simulation import Simulation
 from halfmoon.router.trace import TraceRecord, read_trace
 
@@ -100,11 +99,7 @@ async def replay_live(address: str, records, block_tokens: int, vocab_size: int)
 def simulate(cluster: Cluster, profile, records, block_tokens: int) -> Figures:
     config = cluster.config
     pools = cluster.pools
-    router = RouterConfig(
-        policy=config.router.policy, admission=config.router.admission,
-        ttft_slo_s=config.slo.ttft_s, tbt_slo_s=config.slo.tbt_s, block_size=block_tokens,
-        bypass_max_tokens=config.router.bypass_threshold_tokens,
-    )  # fmt: skip
+    router = router_config(config, block_tokens)
     cache_blocks = cluster.info.num_pages
     sim = Simulation(router, profile, pools["prefill"].replicas, pools["decode"].replicas,
                      cache_blocks)  # fmt: skip

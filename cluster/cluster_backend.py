@@ -20,6 +20,7 @@ from halfmoon.cluster.backend import (
     RejectedError,
     TokenDelta,
     Usage,
+    delta_from_output,
 )
 from halfmoon.engine.errors import InvalidRequestError, OutOfPagesError, RequestNotFoundError
 from halfmoon.engine.llm_engine import RequestOutput
@@ -205,18 +206,10 @@ class ClusterBackend:
             await asyncio.sleep(ROOM_POLL_S)
 
     def _delta(self, out: RequestOutput, trace: RequestTrace) -> TokenDelta:
-        usage = None
-        if out.finished:
-            if trace.prefill_instance is None:  # prefilled where it decoded
-                trace.num_cached_tokens = out.num_cached_tokens
-            usage = Usage(trace.num_prompt_tokens, trace.num_output_tokens, trace.num_cached_tokens)
-        return TokenDelta(
-            out.new_token_ids,
-            out.new_text,
-            out.finish_reason if out.finished else None,
-            usage,
-            list(out.new_logprobs),
-        )
+        if out.finished and trace.prefill_instance is None:  # prefilled where it decoded
+            trace.num_cached_tokens = out.num_cached_tokens
+        usage = Usage(trace.num_prompt_tokens, trace.num_output_tokens, trace.num_cached_tokens)
+        return delta_from_output(out, usage)
 
     async def _abort_everywhere(self, rid: str, trace: RequestTrace) -> None:
         for name in (trace.prefill_instance, trace.decode_instance):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -23,6 +23,10 @@ from halfmoon.router.policies import POLICIES
 from halfmoon.router.profile import PROFILE_DIR
 
 MiB = 1 << 20
+
+
+if TYPE_CHECKING:
+    from halfmoon.router.config import RouterConfig
 
 
 class ConfigError(ValueError):
@@ -359,3 +363,17 @@ def _models_in(annotation: Any) -> list[type[BaseModel]]:
     elif typing.get_origin(annotation) not in (typing.Union, types.UnionType):
         return []
     return [model for arg in args for model in _models_in(arg)]
+
+
+def router_config(config: ClusterConfig, block_size: int) -> RouterConfig:
+    """The Conductor's settings for this cluster, keyed with the workers' `block_size`."""
+    from halfmoon.router.config import RouterConfig
+
+    return RouterConfig(
+        policy=config.router.policy,
+        admission=config.router.admission,
+        ttft_slo_s=config.slo.ttft_s,
+        tbt_slo_s=config.slo.tbt_s,
+        block_size=block_size,
+        bypass_max_tokens=config.router.bypass_threshold_tokens,
+    )

@@ -7,9 +7,7 @@ import itertools
 import logging
 import os
 import shutil
-import socket
 import subprocess
-import tempfile
 import uuid
 from dataclasses import dataclass, field
 
@@ -25,6 +23,7 @@ from halfmoon.engine.init_model import ensure_model
 from halfmoon.engine.worker_info import WorkerInfo
 from halfmoon.kvstore.config import StoreConfig
 from halfmoon.kvstore.layout import KvLayout
+from halfmoon.kvstore.redis_server import start_redis_server
 from halfmoon.kvstore.store_node import start_store_node, store_node_name
 from halfmoon.prefill_worker.worker import PrefillWorker
 from halfmoon.router.profile import Profile, load_profile
@@ -188,30 +187,8 @@ class Cluster:
         )
 
     def _start_local_redis(self) -> str:
-        port = free_port()
-        workdir = tempfile.mkdtemp(prefix="halfmoon-redis-")
-        self.redis = subprocess.Popen(
-            [
-                "redis-server",
-                "--port",
-                str(port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                workdir,
-                "--maxmemory",
-                "256mb",
-                "--maxmemory-policy",
-                "allkeys-lru",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        return f"redis://127.0.0.1:{port}/0"
+        self.redis, url = start_redis_server()
+        return url
 
     def _spawn(self, kind: str) -> WorkerHandle:
         pool = self.pools[kind]
@@ -236,10 +213,3 @@ class Cluster:
         self.ensure_stores()
         store_name = ray.get(worker.actor.store_name.remote()) if worker.kind == "prefill" else None
         ray.get(self.router.add_worker.remote(worker.name, worker.kind, worker.actor, store_name))
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 nobody is listening on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

@@ -6,7 +6,13 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import asdict
 
-from halfmoon.cluster.backend import GenerateInput, ModelInfo, TokenDelta, Usage
+from halfmoon.cluster.backend import (
+    GenerateInput,
+    ModelInfo,
+    TokenDelta,
+    Usage,
+    delta_from_output,
+)
 from halfmoon.engine.async_engine import AsyncEngine
 from halfmoon.engine.llm_engine import RequestOutput
 
@@ -25,7 +31,7 @@ class LocalBackend:
         async with aclosing(self.engine.stream(request.request_id)) as outputs:
             async for out in outputs:
                 num_tokens += len(out.new_token_ids)
-                yield _delta(out, num_tokens)
+                yield delta_from_output(out, _usage(out, num_tokens))
 
     async def abort(self, request_id: str) -> bool:
         return self.engine.abort(request_id)
@@ -48,12 +54,5 @@ class LocalBackend:
         return f"request {request_id}: served by the one local engine (no routing decision)"
 
 
-def _delta(out: RequestOutput, num_tokens: int) -> TokenDelta:
-    usage = Usage(out.num_prompt_tokens, num_tokens, out.num_cached_tokens)
-    return TokenDelta(
-        token_ids=out.new_token_ids,
-        text=out.new_text,
-        finish_reason=out.finish_reason if out.finished else None,
-        usage=usage if out.finished else None,
-        logprobs=out.new_logprobs,
-    )
+def _usage(out: RequestOutput, num_tokens: int) -> Usage:
+    return Usage(out.num_prompt_tokens, num_tokens, out.num_cached_tokens)

@@ -16,12 +16,11 @@ from ray.exceptions import RayActorError
 
 from halfmoon.cluster.backend import GenerateInput
 from halfmoon.cluster.cluster_backend import ClusterBackend, RequestTrace, Worker
-from halfmoon.cluster.config import ClusterConfig
+from halfmoon.cluster.config import ClusterConfig, router_config
 from halfmoon.engine.sampling_params import SamplingParams
 from halfmoon.engine.tokenizer import load_tokenizer
 from halfmoon.engine.worker_info import WorkerInfo, WorkerLoad
 from halfmoon.router.conductor import Conductor
-from halfmoon.router.config import RouterConfig
 from halfmoon.router.profile import Profile
 
 log = logging.getLogger(__name__)
@@ -37,18 +36,7 @@ class RouterActor:
 
         self.config = config
         self.metrics = Metrics()
-        router = config.router
-        conductor = Conductor(
-            RouterConfig(
-                policy=router.policy,
-                admission=router.admission,
-                ttft_slo_s=config.slo.ttft_s,
-                tbt_slo_s=config.slo.tbt_s,
-                block_size=info.block_size,
-                bypass_max_tokens=router.bypass_threshold_tokens,
-            ),
-            profile,
-        )
+        conductor = Conductor(router_config(config, info.block_size), profile)
         tokenizer = load_tokenizer(Path(info.model))
         self.backend = ClusterBackend(tokenizer, info, conductor, config.mode, self._observe)
         self.loads: dict[str, WorkerLoad] = {}

@@ -6,10 +6,7 @@ import argparse
 import asyncio
 import json
 import os
-import shutil
-import socket
 import subprocess
-import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
@@ -18,6 +15,7 @@ import torch
 
 from halfmoon.kvstore.config import StoreConfig
 from halfmoon.kvstore.layout import KvLayout, LayerKV, tensor_bytes
+from halfmoon.kvstore.redis_server import RedisServerError, start_redis_server
 from halfmoon.kvstore.redis_tier import RedisTier
 from halfmoon.kvstore.store import KvStore
 
@@ -180,27 +178,10 @@ class Echo:
 
 
 def start_redis() -> tuple[subprocess.Popen, str]:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise SystemExit("no redis-server on PATH; pass --redis-url or install redis-server")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    process = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", tempfile.mkdtemp(prefix="halfmoon-bench-"), "--maxmemory", "1gb",
-         "--maxmemory-policy", "allkeys-lru"],
-        stdout=subprocess.DEVNULL,
-    )  # fmt: skip
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return process, f"redis://127.0.0.1:{port}/0"
-        except OSError:
-            time.sleep(0.05)
-    process.terminate()
-    raise SystemExit(f"redis-server did not start on port {port}")
+    try:
+        return start_redis_server(maxmemory="1gb")
+    except RedisServerError as error:
+        raise SystemExit(f"{error}; or pass --redis-url") from error
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -24,7 +24,6 @@ from halfmoon.engine.sequence import Sequence, TokenLogprobs
 from halfmoon.engine.worker_base import EngineWorker
 from halfmoon.kernels import ops
 from halfmoon.kvstore.index import BlockEvent
-from halfmoon.kvstore.keys import block_keys
 from halfmoon.kvstore.layout import LayerKV
 from halfmoon.kvstore.locate import local_store, local_store_name
 from halfmoon.kvstore.transfer import TransferUnit, plan_transfer
@@ -128,7 +127,7 @@ class PrefillWorker(EngineWorker, KVHooks):
         )
         job.layerwise = layerwise
         self._store()
-        await self._find_stored_prefix(job, prompt_token_ids)
+        await self._find_stored_prefix(job, len(prompt_token_ids))
         self.jobs[request_id] = job
         first = dataclasses.replace(
             params, max_tokens=1, stop=[], stop_token_ids=[], ignore_eos=True
@@ -174,8 +173,9 @@ class PrefillWorker(EngineWorker, KVHooks):
     async def abort(self, request_id: str) -> bool:
         return self._engine().abort(request_id)
 
-    async def _find_stored_prefix(self, job: _Job, token_ids: list[int]) -> None:
-        keys = block_keys(self.engine.root_key, token_ids, self.engine.config.block_size)
+    async def _find_stored_prefix(self, job: _Job, num_tokens: int) -> None:
+        # The plan already holds every full block's key (a partial tail's key is private).
+        keys = _plan_keys(job)[: num_tokens // self.engine.config.block_size]
         hit = await self.store.cached_prefix.remote(keys)
         if hit:
             job.store_blocks = hit
@@ -189,9 +189,7 @@ class PrefillWorker(EngineWorker, KVHooks):
 
     def load_prefix(self, seq: Sequence, first_block: int, pages: list[int]) -> None:
         job = self.jobs[seq.request_id]
-        keys = [key for unit in job.units for key in unit.keys][
-            first_block : first_block + len(pages)
-        ]
+        keys = _plan_keys(job)[first_block : first_block + len(pages)]
         refs = [
             self.store.get_layer.remote(keys, layer, self.get_timeout_s)
             for layer in range(self.engine.model_config.num_layers)
@@ -267,3 +265,7 @@ class PrefillWorker(EngineWorker, KVHooks):
 def _take_events(engine: LLMEngine) -> list[tuple[str, bytes]]:
     events, engine.pool.events = engine.pool.events, []
     return events
+
+
+def _plan_keys(job: _Job) -> list[bytes]:
+    return [key for unit in job.units for key in unit.keys]

@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import os
-import shutil
-import socket
 import subprocess
 import tempfile
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -19,10 +16,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from halfmoon.kvstore.redis_server import free_port  # noqa: E402 - after the env setup
 
 
 @pytest.fixture(scope="session")
@@ -48,38 +42,12 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            pytest.fail("redis-server is not installed; `make test` installs it")
-        self.process = subprocess.Popen(
-            [
-                binary,
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                self.workdir,
-                "--maxmemory",
-                "256mb",
-                "--maxmemory-policy",
-                "allkeys-lru",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    return
-            except OSError:
-                time.sleep(0.05)
-        pytest.fail(f"redis-server did not start on port {self.port}")
+        from halfmoon.kvstore.redis_server import RedisServerError, start_redis_server
+
+        try:
+            self.process, _ = start_redis_server(self.port, self.workdir)
+        except RedisServerError as error:
+            pytest.fail(str(error))
 
     def stop(self) -> None:
         if self.process is not None:

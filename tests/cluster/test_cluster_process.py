@@ -32,7 +32,7 @@ def _wait_for_line(process: subprocess.Popen, needle: str, timeout_s: float = 12
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_serve_generate_and_shutdown_leave_no_ray_processes(tiny_model_dir, tmp_path, signum):
-    from halfmoon.cluster.launcher import free_port
+    from halfmoon.kvstore.redis_server import free_port
 
     before = _ray_pids()
     port, metrics_port = free_port(), free_port()

@@ -1,0 +1,47 @@
+"""A local redis-server on a loopback port: the Redis tier `halfmoon serve`, the benchmarks
+and the tests start when no Redis URL is given."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+
+
+class RedisServerError(RuntimeError):
+    """redis-server is missing or did not start."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 nobody is listening on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_redis_server(
+    port: int | None = None, workdir: str | None = None, maxmemory: str = "256mb"
+) -> tuple[subprocess.Popen, str]:
+    """Start redis-server (LRU eviction, no persistence) and wait until it accepts; returns
+    the process and its URL. Stop it with `process.terminate()`."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise RedisServerError("redis-server is not on PATH; `make test` / `make serve` install it")
+    port = port or free_port()
+    process = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--dir", workdir or tempfile.mkdtemp(prefix="halfmoon-redis-"),
+         "--maxmemory", maxmemory, "--maxmemory-policy", "allkeys-lru"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return process, f"redis://127.0.0.1:{port}/0"
+        except OSError:
+            time.sleep(0.05)
+    process.terminate()
+    raise RedisServerError(f"redis-server did not start on port {port}")
