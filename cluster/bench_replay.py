@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import random
 import statistics
@@ -17,7 +18,9 @@ import ray
 from halfmoon.cluster.client import AsyncClient, ServerError
 from halfmoon.cluster.config import load_config, router_config
 from halfmoon.cluster.launcher import Cluster
+from halfmoon.router.cost_model import CostModel
 from halfmoon.router.simulation import Simulation
+from halfmoon.router.step_simulation import StepSimulation
 from halfmoon.router.trace import TraceRecord, read_trace
 
 TRACE_BLOCK_TOKENS = 512
@@ -96,13 +99,21 @@ async def replay_live(address: str, records, block_tokens: int, vocab_size: int)
     return _figures(len(records), rejected, ttfts, tbts, cached / max(prompt, 1))
 
 
-def simulate(cluster: Cluster, profile, records, block_tokens: int) -> Figures:
+def simulate(cluster: Cluster, profile, records, block_tokens: int, router_profile=None) -> Figures:
+    """The replayed records on simulated instances timed by `profile`, the Conductor starting
+    from `router_profile` (default: the same) and refitting online, as the live one does."""
     config = cluster.config
     pools = cluster.pools
     router = router_config(config, block_tokens)
     cache_blocks = cluster.info.num_pages
-    sim = Simulation(router, profile, pools["prefill"].replicas, pools["decode"].replicas,
-                     cache_blocks)  # fmt: skip
+    sizes = (router, profile, pools["prefill"].replicas, pools["decode"].replicas, cache_blocks)
+    if profile.cost.chunk_tokens:  # the live engines prefill in chunks: step like them
+        engine = config.engine
+        sim = StepSimulation(
+            *sizes, engine.max_num_batched_tokens, engine.max_num_seqs, router_profile
+        )
+    else:
+        sim = Simulation(*sizes, router_profile)
     summary = sim.run(records, progress=False)
     return Figures(
         summary.requests, summary.rejected, summary.ttft_mean_s, summary.ttft_p50_s,
@@ -166,9 +177,15 @@ def main(argv: list[str] | None = None) -> int:
                 cluster.info.vocab_size,
             )
         )
+        steps = ray.get(cluster.router.observed_steps.remote())
         refitted = ray.get(cluster.router.profile.remote())
+        observed = dataclasses.replace(
+            startup,
+            cost=CostModel.fit_steps(steps, startup.cost.chunk_tokens),
+            handoff_s=refitted.handoff_s,
+        )
+        simulated = simulate(cluster, observed, records, args.block_tokens, startup)
         at_start = simulate(cluster, startup, records, args.block_tokens)
-        simulated = simulate(cluster, refitted, records, args.block_tokens)
     finally:
         cluster.stop()
         if ray.is_initialized():
@@ -190,6 +207,13 @@ def main(argv: list[str] | None = None) -> int:
         "simulated": asdict(simulated),
         "simulated_startup_profile": asdict(at_start),
         "sim_over_live_ttft_mean": ratio,
+        "profiles": {
+            "request_overhead_s": startup.request_overhead_s,
+            "handoff_s": observed.handoff_s,
+            "startup": startup.cost.to_dict(),
+            "observed_live": observed.cost.to_dict(),
+            "steps_observed": len(steps),
+        },
     }
     if args.json:
         print(json.dumps(result))
@@ -204,5 +228,11 @@ def main(argv: list[str] | None = None) -> int:
             f"{name:>10} {f.ttft_mean_s:>10.4f} {f.ttft_p50_s:>8.4f} {f.ttft_p90_s:>8.4f} "
             f"{f.ttft_p99_s:>8.4f} {f.tbt_mean_s:>9.5f} {f.hit_rate:>8.3f} {f.rejected:>8}"
         )
+    print(
+        f"sim: instances timed by the profile fitted to the {len(steps)} live engine steps, "
+        "the Conductor starting from the start-up profile; sim@start: start-up profile only; "
+        f"calibrated per-request overhead {startup.request_overhead_s * 1e3:.1f} ms, "
+        f"observed hand-off {observed.handoff_s * 1e3:.1f} ms"
+    )
     print(f"simulated / live mean TTFT = {ratio:.3f} (goal within 0.75-1.25)", file=sys.stderr)
     return 0

@@ -28,6 +28,8 @@ from halfmoon.engine.tokenizer import tokenize_prompt
 from halfmoon.engine.worker_info import WorkerInfo
 from halfmoon.kvstore.keys import block_keys
 from halfmoon.router.conductor import Conductor
+from halfmoon.router.decision import Decision
+from halfmoon.router.replication import Replication
 from halfmoon.router.request import RouteRequest
 
 log = logging.getLogger(__name__)
@@ -59,6 +61,7 @@ class RequestTrace:
     num_loaded_tokens: int = 0
     num_output_tokens: int = 0
     predicted_ttft_s: float | None = None
+    prefill_compute_s: float | None = None  # the prefill worker's first to last step
     outcome: str = "error"
     reason: str = ""
 
@@ -77,6 +80,7 @@ class ClusterBackend:
         self.traces: dict[str, RequestTrace] = {}
         self.stores: dict[str, ray.actor.ActorHandle] = {}
         self.max_wait_for_room_s = MAX_WAIT_FOR_ROOM_S
+        self.copies: set[asyncio.Task] = set()
 
     def add_worker(self, worker: Worker) -> None:
         self.workers[worker.name] = worker
@@ -112,7 +116,7 @@ class ClusterBackend:
                 finished = out.finished
                 if trace.first_token_s is None and out.new_token_ids:
                     trace.first_token_s = time.monotonic()
-                    self.conductor.observe_ttft(rid, trace.first_token_s - trace.arrived_s)
+                    self._observe_first_token(rid, trace)
                 trace.last_token_s = time.monotonic()
                 yield self._delta(out, trace)
             trace.outcome = "finished" if finished else "error"
@@ -134,6 +138,13 @@ class ClusterBackend:
             if self.observer is not None:
                 self.observer(trace)
             self.traces.pop(rid, None)
+
+    def _observe_first_token(self, rid: str, trace: RequestTrace) -> None:
+        ttft_s = trace.first_token_s - trace.arrived_s
+        self.conductor.observe_ttft(rid, ttft_s)
+        if trace.prefill_compute_s is not None:  # disaggregated: what it paid beyond compute
+            overhead_s = self.conductor.profile.request_overhead_s
+            self.conductor.observe_handoff(ttft_s - trace.prefill_compute_s - overhead_s)
 
     def _tokenize(self, request: GenerateInput) -> list[int]:
         token_ids = tokenize_prompt(self.tokenizer, request.prompt, self.info.vocab_size)
@@ -165,6 +176,7 @@ class ClusterBackend:
             if not self._alive("prefill") or not self._alive("decode"):
                 raise NoWorkerError(f"no worker can take request {rid}: {decision.reason}")
             raise RejectedError(f"request {rid} rejected: {decision.reason}")
+        self._replicate(decision)
         decode = self.workers[decision.decode_instance]
         trace.decode_instance = decode.name
         if decision.bypass:
@@ -185,14 +197,33 @@ class ClusterBackend:
         now = time.monotonic()
         self.conductor.on_prefill_done(rid, now)
         cached = result.num_local_cached_tokens + result.num_loaded_tokens
-        self.conductor.observe_prefill(
-            len(token_ids), cached, result.finished_at - result.started_at
-        )
+        # The cost model is refined from the workers' engine steps (RouterActor polls them).
+        trace.prefill_compute_s = result.finished_at - result.started_at
         trace.num_cached_tokens, trace.num_loaded_tokens = cached, result.num_loaded_tokens
         self.conductor.on_decode_join(rid, now)
         return decode.handle.generate.options(num_returns="streaming").remote(
             rid, result.first_token_id
         )
+
+    def _replicate(self, decision: Decision) -> None:
+        """Start the decision's hot-prefix copies beside the request, never in its way."""
+        for copy in decision.replications:
+            task = asyncio.get_running_loop().create_task(self._copy(copy))
+            self.copies.add(task)
+            task.add_done_callback(self.copies.discard)
+
+    async def _copy(self, copy: Replication) -> None:
+        source = copy.source[0]
+        holder = self.workers.get(source)
+        store_name = holder.store_name if holder is not None else source
+        try:
+            target = self.workers.get(copy.target)
+            if target is not None:
+                await target.handle.warm.remote(list(copy.keys), store_name)
+        except Exception:  # noqa: BLE001 - a failed copy costs hits, never a request
+            log.exception("copying %d hot blocks to %s failed", len(copy.keys), copy.target)
+        finally:
+            self.conductor.on_replicated(copy)
 
     async def _route_when_room(self, route: RouteRequest, trace: RequestTrace):
         """Route; while no decode worker has room for the KV, wait for some (up to

@@ -121,6 +121,11 @@ class RouterSection(Section):
     admission: Literal["none", "early_rejection", "prediction_early_rejection"] = "none"
     # Prefill on the decode worker when at most this many prompt tokens are uncached (0: never).
     bypass_threshold_tokens: int = Field(512, ge=0)
+    # Copy hot prefixes from the store into idle prefill workers' pages (router/replication.py).
+    replicate: bool = False
+    replicate_min_hits: int = Field(2, ge=1)
+    replicate_max_copies: int = Field(4, ge=1)
+    replicate_margin_s: float = Field(0.1, ge=0)
     # A cost-model profile: a YAML path, or a name from deploy/profiles; None: profile at start.
     profile: str | None = None
 
@@ -376,4 +381,8 @@ def router_config(config: ClusterConfig, block_size: int) -> RouterConfig:
         tbt_slo_s=config.slo.tbt_s,
         block_size=block_size,
         bypass_max_tokens=config.router.bypass_threshold_tokens,
+        replicate=config.router.replicate,
+        replicate_min_hits=config.router.replicate_min_hits,
+        replicate_max_copies=config.router.replicate_max_copies,
+        replicate_margin_s=config.router.replicate_margin_s,
     )

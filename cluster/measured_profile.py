@@ -4,6 +4,7 @@ profile, sizes from the model's KV layout, transfer figures from the store's loo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 from pathlib import Path
 
@@ -26,7 +27,9 @@ def measured_profile(
     kv_bytes_per_token = 2 * info.num_layers * info.num_kv_heads * info.head_dim * dtype_bytes
     return Profile(
         name=f"measured-{info.architecture}-{info.dtype}",
-        cost=CostModel.fit(prefill.prefill, decode.decode),
+        cost=dataclasses.replace(
+            CostModel.fit(prefill.prefill, decode.decode), chunk_tokens=prefill.chunk_tokens
+        ),
         kv_bytes_per_token=kv_bytes_per_token,
         num_layers=info.num_layers,
         network_bytes_per_s=LOOPBACK_BYTES_PER_S,

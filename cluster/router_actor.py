@@ -17,6 +17,7 @@ from ray.exceptions import RayActorError
 from halfmoon.cluster.backend import GenerateInput
 from halfmoon.cluster.cluster_backend import ClusterBackend, RequestTrace, Worker
 from halfmoon.cluster.config import ClusterConfig, router_config
+from halfmoon.engine.llm_engine import StepTiming
 from halfmoon.engine.sampling_params import SamplingParams
 from halfmoon.engine.tokenizer import load_tokenizer
 from halfmoon.engine.worker_info import WorkerInfo, WorkerLoad
@@ -25,6 +26,8 @@ from halfmoon.router.profile import Profile
 
 log = logging.getLogger(__name__)
 POLL_INTERVAL_S = 0.25
+# Engine steps kept for `observed_steps` (a replay fits its live profile from them).
+OBSERVED_STEPS = 50_000
 TRAFFIC_WINDOW_S = 60.0
 
 
@@ -41,6 +44,7 @@ class RouterActor:
         self.backend = ClusterBackend(tokenizer, info, conductor, config.mode, self._observe)
         self.loads: dict[str, WorkerLoad] = {}
         self.finished: deque[tuple[float, int, int, int]] = deque()  # (time, in, out, cached)
+        self.steps_observed: deque[StepTiming] = deque(maxlen=OBSERVED_STEPS)
         self.grpc_server = None
         self.metrics_server = None
         self._poller: asyncio.Task | None = None
@@ -134,26 +138,34 @@ class RouterActor:
         """The Conductor's profile as refitted online from the live workers' timings."""
         return self.backend.conductor.profile
 
+    async def observed_steps(self) -> list[StepTiming]:
+        """Every worker engine step polled since start (the last OBSERVED_STEPS of them)."""
+        return list(self.steps_observed)
+
     async def calibrate(self, num_requests: int = 5, num_tokens: int = 48) -> float:
         """Measure the per-request overhead outside prefill compute by sending short requests
         through the whole pipeline; it goes into the Conductor's profile. Returns it."""
         conductor = self.backend.conductor
         rng = random.Random(0)
         overheads = []
-        observer, self.backend.observer = self.backend.observer, None  # not client traffic
+        traces: list[RequestTrace] = []
+        observer, self.backend.observer = self.backend.observer, traces.append  # not client traffic
         try:
             for i in range(num_requests):
                 vocab = self.backend.info.vocab_size
                 prompt = [rng.randrange(6, vocab) for _ in range(num_tokens)]
                 request = GenerateInput(f"calibrate-{i}", prompt, SamplingParams(max_tokens=1))
-                started = time.monotonic()
                 async for _ in self.backend.generate(request):
-                    ttft_s = time.monotonic() - started
-                overheads.append(ttft_s - conductor.profile.cost.prefill_time(num_tokens, 0))
+                    pass
+                trace = traces[-1]
+                compute_s = trace.prefill_compute_s
+                if compute_s is None:  # prefilled on the decode worker: no split, use the model
+                    compute_s = conductor.profile.cost.prefill_time(num_tokens, 0)
+                overheads.append(trace.first_token_s - trace.arrived_s - compute_s)
         finally:
             self.backend.observer = observer
         overhead_s = max(0.0, statistics.median(overheads))
-        conductor.profile.request_overhead_s = overhead_s
+        conductor.set_request_overhead(overhead_s)
         return overhead_s
 
     async def update_pool(self, pool: str, desired: int, actual: int) -> None:
@@ -206,13 +218,13 @@ class RouterActor:
         for worker in list(self.backend.workers.values()):
             try:
                 load = await worker.handle.load.remote()
+                for step in await worker.handle.drain_steps.remote():
+                    conductor.observe_step(step)
+                    self.steps_observed.append(step)
                 if worker.kind == "prefill":
                     for event in await worker.handle.drain_events.remote():
                         conductor.index.apply(event)
                 else:
-                    steps = await worker.handle.drain_decode_steps.remote()
-                    for batch, kv_tokens, seconds in steps:
-                        conductor.observe_decode_step(batch, kv_tokens, seconds)
                     for num_bytes, seconds in await worker.handle.drain_transfers.remote():
                         self.metrics.record_transfer("store", num_bytes, seconds)
             except RayActorError:

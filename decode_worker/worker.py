@@ -6,8 +6,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator
 
 import ray
@@ -22,6 +23,7 @@ from halfmoon.kvstore.locate import local_store
 from halfmoon.kvstore.transfer import plan_transfer
 
 RECENT_TIMINGS = 1024
+RECEIVE_AHEAD = 8  # transfer units whose layers are requested ahead of the one being copied
 
 
 @dataclasses.dataclass(slots=True)
@@ -109,10 +111,6 @@ class DecodeWorker(EngineWorker):
             receive.cancel()
         return self._engine().abort(request_id)
 
-    async def drain_decode_steps(self) -> list[tuple[int, int, float]]:
-        """(batch, kv_tokens, seconds) of the decode steps since the last call."""
-        return self._engine().call(_take_decode_steps)
-
     async def drain_transfers(self) -> list[tuple[int, float]]:
         """(bytes, seconds from reservation to last layer) of each KV receive since last call."""
         transfers, self.transfers = self.transfers, []
@@ -131,11 +129,25 @@ class DecodeWorker(EngineWorker):
     async def _receive(self, store, request_id: str, units, pages: list[int]) -> None:
         caches = self.engine.runner.kv_caches
         timings = self.timings[request_id]
-        for unit in units:
+        # Gets for the next RECEIVE_AHEAD units are in flight at once (each waits in the store
+        # for its put), so a prompt whose KV is all published costs one round trip, not one
+        # per unit; the window bounds how long a get may wait for a chunk not computed yet.
+        pending: deque[list] = deque()
+        upcoming = iter(units)
+
+        def ask(unit) -> None:
             refs = [
                 store.get_layer.remote(unit.keys, layer, self.get_timeout_s)
                 for layer in range(len(caches))
             ]
+            pending.append([unit, refs])
+
+        for unit in itertools.islice(upcoming, RECEIVE_AHEAD):
+            ask(unit)
+        while pending:
+            unit, refs = pending.popleft()
+            if (following := next(upcoming, None)) is not None:
+                ask(following)
             unit_pages = torch.tensor(pages[unit.first_block : unit.first_block + len(unit.keys)])
             for layer, ref in enumerate(refs):
                 kv = await ref
@@ -151,9 +163,3 @@ class DecodeWorker(EngineWorker):
         self.timings[request_id] = timings
         while len(self.timings) > RECENT_TIMINGS:
             self.timings.popitem(last=False)
-
-
-def _take_decode_steps(engine: LLMEngine) -> list[tuple[int, int, float]]:
-    steps = list(engine.decode_steps)
-    engine.decode_steps.clear()
-    return steps

@@ -9,6 +9,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -33,7 +34,23 @@ from halfmoon.engine.tokenizer import Prompt, load_tokenizer, tokenize_prompt
 from halfmoon.kvstore.keys import model_root_key
 
 log = logging.getLogger(__name__)
-DECODE_STEP_LOG = 256
+STEP_LOG = 512
+
+
+class StepTiming(NamedTuple):
+    """One engine step: its prefill chunks as (new tokens, tokens before them), its decode
+    sequences and the KV tokens they read, and its wall time (`started` is perf_counter).
+
+    `waited_s` is how long the step started after the previous one ended while work was
+    pending (lock and interpreter contention between steps); 0 after an idle engine.
+    """
+
+    prefill_chunks: tuple[tuple[int, int], ...]
+    decode_seqs: int
+    decode_kv_tokens: int
+    seconds: float
+    started: float
+    waited_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -121,8 +138,9 @@ class LLMEngine:
         self.num_prompt_tokens_computed = 0
         self.num_generated_tokens = 0
         self.num_steps = 0
-        # (batch size, KV tokens, seconds) of recent pure-decode steps, for cost-model refits.
-        self.decode_steps: deque[tuple[int, int, float]] = deque(maxlen=DECODE_STEP_LOG)
+        # What each recent step computed and how long it took, for the router's cost model.
+        self.step_log: deque[StepTiming] = deque(maxlen=STEP_LOG)
+        self._busy_since: float | None = None  # end of the last step if it left work pending
 
     def add_request(
         self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
@@ -192,29 +210,40 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one batch; return what each request that progressed produced."""
+        started = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch:
+            self._busy_since = None
             return []
         self.num_steps += 1
+        chunks, decode_seqs, decode_kv = [], 0, 0
         for item in batch:
-            if item.seq.num_computed_tokens < item.seq.num_prompt_tokens:
+            seq = item.seq
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
                 self.num_prompt_tokens_computed += min(
-                    item.num_new_tokens, item.seq.num_prompt_tokens - item.seq.num_computed_tokens
+                    item.num_new_tokens, seq.num_prompt_tokens - seq.num_computed_tokens
                 )
-        started = time.perf_counter()
+                chunks.append((item.num_new_tokens, seq.num_computed_tokens))
+            else:
+                decode_seqs += 1
+                decode_kv += seq.num_computed_tokens + 1
         logits, sampled = self.runner.run(batch, self.hooks)
         for item in batch:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.pool.cache_full_blocks(item.seq)
-        if not sampled:
-            return []
-        result = sample(logits, sampled)
-        if all(item.num_new_tokens == 1 for item in batch):
-            kv_tokens = sum(item.seq.num_computed_tokens for item in batch)
-            self.decode_steps.append((len(batch), kv_tokens, time.perf_counter() - started))
         outputs = []
-        for seq, token_id, logprobs in zip(sampled, result.token_ids, result.logprobs, strict=True):
-            outputs.append(self._append_token(seq, token_id, logprobs))
+        if sampled:
+            result = sample(logits, sampled)
+            for seq, token_id, logprobs in zip(
+                sampled, result.token_ids, result.logprobs, strict=True
+            ):
+                outputs.append(self._append_token(seq, token_id, logprobs))
+        ended = time.perf_counter()
+        waited_s = started - self._busy_since if self._busy_since is not None else 0.0
+        self.step_log.append(
+            StepTiming(tuple(chunks), decode_seqs, decode_kv, ended - started, started, waited_s)
+        )
+        self._busy_since = ended if self.scheduler.has_work() else None
         return outputs
 
     def stats(self) -> EngineStats:

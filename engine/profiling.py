@@ -9,17 +9,22 @@ from dataclasses import dataclass, field
 from halfmoon.engine.llm_engine import LLMEngine
 from halfmoon.engine.sampling_params import SamplingParams
 
-PREFILL_LENGTHS = (16, 64, 128, 256, 512)
+# Short and odd lengths too: with small chunks every step would otherwise have the same size
+# and the n^2 term could not be told from the n term.
+PREFILL_LENGTHS = (5, 11, 16, 23, 40, 64, 128, 200, 256, 512)
 DECODE_BATCHES = (1, 4, 8)
 DECODE_CONTEXTS = (64, 256)
 
 
 @dataclass(slots=True)
 class ProfileSamples:
-    """(new_tokens, cached_tokens, seconds) prefills and (batch, kv_tokens, seconds) steps."""
+    """(new_tokens, tokens_before, seconds) prefill steps and (batch, kv_tokens, seconds)
+    decode steps. A chunked engine (`chunk_tokens` > 0) prefills a prompt in several steps,
+    each its own sample, so the fit is per step."""
 
     prefill: list[tuple[int, int, float]] = field(default_factory=list)
     decode: list[tuple[int, int, float]] = field(default_factory=list)
+    chunk_tokens: int = 0
 
 
 def profile_engine(engine: LLMEngine, seed: int = 0) -> ProfileSamples:
@@ -28,30 +33,33 @@ def profile_engine(engine: LLMEngine, seed: int = 0) -> ProfileSamples:
     rng = random.Random(seed)
     vocab = engine.model_config.vocab_size
     limit = engine.max_model_len - 2
-    samples = ProfileSamples()
+    samples = ProfileSamples(chunk_tokens=engine.config.prefill_chunk_size or 0)
     for length in (n for n in PREFILL_LENGTHS if n <= limit):
         prompt = [rng.randrange(vocab) for _ in range(length)]
-        samples.prefill.append((length, 0, _time_prefill(engine, prompt)))
+        samples.prefill += _time_prefill(engine, prompt)
         extended = prompt + [rng.randrange(vocab) for _ in range(min(length, limit - length))]
         if len(extended) > len(prompt):
-            cached = engine.config.block_size * (length // engine.config.block_size)
-            samples.prefill.append(
-                (len(extended) - cached, cached, _time_prefill(engine, extended))
-            )
+            samples.prefill += _time_prefill(engine, extended)
     for context in (c for c in DECODE_CONTEXTS if c + 8 <= limit):
         for batch in DECODE_BATCHES:
             samples.decode.append(
                 (batch, batch * context, _time_decode(engine, rng, batch, context))
             )
+    engine.step_log.clear()  # these steps ran alone; the router's live refit should not see them
     return samples
 
 
-def _time_prefill(engine: LLMEngine, prompt: list[int]) -> float:
+def _time_prefill(engine: LLMEngine, prompt: list[int]) -> list[tuple[int, int, float]]:
+    """(new tokens, tokens before, seconds) of each step that prefilled `prompt`."""
     engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
-    started = time.perf_counter()
+    engine.step_log.clear()
     while engine.has_unfinished_requests():
         engine.step()
-    return time.perf_counter() - started
+    return [
+        (*step.prefill_chunks[0], step.seconds)
+        for step in engine.step_log
+        if len(step.prefill_chunks) == 1 and not step.decode_seqs
+    ]
 
 
 def _time_decode(engine: LLMEngine, rng: random.Random, batch: int, context: int) -> float:

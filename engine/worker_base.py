@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from halfmoon.engine.async_engine import AsyncEngine
-from halfmoon.engine.llm_engine import LLMEngine
+from halfmoon.engine.llm_engine import LLMEngine, StepTiming
 from halfmoon.engine.profiling import ProfileSamples, profile_engine
 from halfmoon.engine.worker_info import WorkerInfo, WorkerLoad, worker_info, worker_load
 
@@ -45,5 +45,15 @@ class EngineWorker:
         stats = self._engine().call(lambda engine: engine.stats())
         return {**dataclasses.asdict(stats), **self._extra_counters()}
 
+    async def drain_steps(self) -> list[StepTiming]:
+        """The engine steps since the last call: what each computed and how long it took."""
+        return self._engine().call(_take_steps)
+
     def _extra_counters(self) -> dict:
         return {}
+
+
+def _take_steps(engine: LLMEngine) -> list[StepTiming]:
+    steps = list(engine.step_log)
+    engine.step_log.clear()
+    return steps

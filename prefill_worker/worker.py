@@ -27,8 +27,11 @@ from halfmoon.kvstore.index import BlockEvent
 from halfmoon.kvstore.layout import LayerKV
 from halfmoon.kvstore.locate import local_store, local_store_name
 from halfmoon.kvstore.transfer import TransferUnit, plan_transfer
+from halfmoon.prefill_worker.warm import adopt_blocks, uncached_blocks
 
 RECENT_REQUESTS = 1024
+# Blocks warmed per engine call: bounds the memory in flight and the pause of the step loop.
+WARM_CHUNK_BLOCKS = 64
 
 
 @dataclass(slots=True)
@@ -155,6 +158,34 @@ class PrefillWorker(EngineWorker, KVHooks):
             finished_at=time.time(),
             last_layer_published_at=job.last_layer_published_at,
         )
+
+    async def warm(self, block_keys: list[bytes], store_name: str | None = None) -> int:
+        """Load the stored KV of the prefix chain `block_keys` from the store node `store_name`
+        (default: this node's) into this worker's own pages as cached prefix pages, so later
+        requests with that prefix hit locally. Returns how many blocks were added."""
+        if not self.engine.pool.enable_caching:
+            return 0
+        engine = self._engine()
+        keys = engine.call(lambda e: uncached_blocks(e, list(block_keys)))
+        store = ray.get_actor(store_name) if store_name else self._store()
+        held = await store.cached_prefix.remote(keys)
+        if not held:
+            return 0
+        lease_id = await store.lease.remote(keys[:held])
+        adopted = 0
+        try:
+            for first in range(0, held, WARM_CHUNK_BLOCKS):
+                chunk = keys[first : min(first + WARM_CHUNK_BLOCKS, held)]
+                layers = await asyncio.gather(
+                    *[
+                        store.get_layer.remote(chunk, layer, self.get_timeout_s)
+                        for layer in range(self.engine.model_config.num_layers)
+                    ]
+                )
+                adopted += engine.call(lambda e, c=chunk, kv=layers: adopt_blocks(e, c, kv))
+        finally:
+            store.release.remote(lease_id)
+        return adopted
 
     async def publish_time(self, request_id: str) -> float | None:
         """When the last layer of the last chunk of a recent request was published."""

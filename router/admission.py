@@ -13,17 +13,20 @@ def admission_reason(
     decode_tokens: int,
     ttft_slo_s: float | None,
     tbt_slo_s: float | None,
+    overhead_s: float = 0.0,
 ) -> str:
     """Why `placement` must be rejected under `mode`, or "" to admit it.
 
     `early_rejection` judges TBT by the decode batch as last reported (Mooncake's early
     rejection); `prediction_early_rejection` by the batch predicted for when prefill ends.
+    `overhead_s` is what the request pays beyond queue and prefill (the profile's overheads).
     """
     if mode == "none":
         return ""
-    if ttft_slo_s is not None and placement.ttft_s > ttft_slo_s:
+    ttft_s = placement.ttft_s + overhead_s
+    if ttft_slo_s is not None and ttft_s > ttft_slo_s:
         return (
-            f"predicted TTFT {placement.ttft_s:.3f}s on {placement.prefill_instance} exceeds "
+            f"predicted TTFT {ttft_s:.3f}s on {placement.prefill_instance} exceeds "
             f"the TTFT SLO {ttft_slo_s:.3f}s"
         )
     if tbt_slo_s is None:

@@ -28,7 +28,9 @@ def bypass_placement(
             continue
         queue_s = max(view.bypass_until_s - ctx.now, 0.0) + step_s
         candidate = Placement(view.instance, queue_s, plan, view, step_s, [], bypass=True)
-        if candidate.ttft_s < placement.ttft_s and (best is None or candidate.ttft_s < best.ttft_s):
+        # A bypassed prompt skips the hand-off to decode that the disaggregated path pays.
+        disaggregated_s = placement.ttft_s + ctx.predictor.profile.handoff_s
+        if candidate.ttft_s < disaggregated_s and (best is None or candidate.ttft_s < best.ttft_s):
             best = candidate
     if best is None:
         return None

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-from collections import OrderedDict
-from collections.abc import Hashable
+from collections import OrderedDict, deque
+from collections.abc import Hashable, Sequence
 
 from halfmoon.kvstore.index import PrefixIndex
 from halfmoon.router.admission import admission_reason
 from halfmoon.router.bypass import bypass_placement
 from halfmoon.router.config import RouterConfig, check_slo
-from halfmoon.router.cost_model import CostModel
 from halfmoon.router.decision import Decision
 from halfmoon.router.errors import InvalidRequestError, RouterConfigError
 from halfmoon.router.online_fit import OnlineRefit
@@ -19,8 +18,11 @@ from halfmoon.router.policies import make_policy
 from halfmoon.router.prediction_error import PredictionErrorLog, PredictionErrorStats
 from halfmoon.router.predictor import Predictor, summarize_hits
 from halfmoon.router.profile import Profile
+from halfmoon.router.replication import Replication, Replicator
 from halfmoon.router.request import RouteRequest
 from halfmoon.router.views import Admitted, DecodeView, PrefillView
+
+HANDOFF_WINDOW = 256  # recent disaggregated requests whose hand-off time `handoff_s` averages
 
 
 @dataclasses.dataclass(slots=True)
@@ -39,7 +41,7 @@ class Conductor:
     ) -> None:
         self.config = config
         # The router refits its own copy, so the profile it was given stays as loaded.
-        cost = CostModel(profile.cost.prefill_coef, profile.cost.decode_coef)
+        cost = dataclasses.replace(profile.cost)
         self.profile = dataclasses.replace(profile, cost=cost)
         self.index = index if index is not None else PrefixIndex()
         self.predictor = Predictor(self.profile, config.block_size, config.fetch_margin_s)
@@ -52,6 +54,18 @@ class Conductor:
         self._inflight: dict[str, _InFlight] = {}
         self._output_tokens_sum = 0
         self._output_tokens_count = 0
+        self._handoffs: deque[float] = deque(maxlen=HANDOFF_WINDOW)
+        self._handoff_sum = 0.0
+        self.replicator: Replicator | None = None
+        if config.replicate:
+            self.replicator = Replicator(
+                config.block_size,
+                config.replicate_min_hits,
+                config.replicate_max_copies,
+                config.replicate_margin_s,
+                config.replicate_cooldown_s,
+                config.replicate_window_requests,
+            )
 
     def add_prefill(self, instance: Hashable) -> PrefillView:
         """Register a prefill instance."""
@@ -90,10 +104,11 @@ class Conductor:
             decision.rejected = True
             decision.reason = self._no_room_reason(reserve)
             return self._remember(decision)
+        locations = self.index.longest_prefix(request.block_keys)
         ctx = PlacementContext(
             request,
             now,
-            summarize_hits(self.index.longest_prefix(request.block_keys)),
+            summarize_hits(locations),
             list(self.prefill.values()),
             decode_views,
             self.predictor,
@@ -109,12 +124,20 @@ class Conductor:
             )
         self._fill(decision, placement)
         decision.reason = admission_reason(
-            self.config.admission, placement, self.predictor, decode_tokens, ttft_slo_s, tbt_slo_s
-        )
+            self.config.admission, placement, self.predictor, decode_tokens, ttft_slo_s,
+            tbt_slo_s, decision.predicted_ttft_s - placement.ttft_s,
+        )  # fmt: skip
         decision.rejected = bool(decision.reason)
         if not decision.rejected:
             self._commit(decision, request, now, placement, decode_tokens, reserve, expected_output)
+            if self.replicator is not None:
+                self._plan_replication(decision, request, ctx, placement, locations)
         return self._remember(decision)
+
+    def on_replicated(self, replication: Replication) -> None:
+        """A copy planned by `route` landed (or failed); the index learns of it from events."""
+        if self.replicator is not None:
+            self.replicator.on_replicated(replication)
 
     def explain(self, request_id: str) -> str:
         """The candidates, their predictions and why one won, for a recent request."""
@@ -155,6 +178,37 @@ class Conductor:
     def observe_decode_step(self, batch_size: int, kv_tokens: int, seconds: float) -> None:
         """A measured decode step time, for the online refit."""
         self.refit.observe_decode_step(batch_size, kv_tokens, seconds)
+
+    def observe_prefill_step(self, chunks: Sequence[tuple[int, int]], seconds: float) -> None:
+        """A measured engine step that computed only prefill `chunks` of (new tokens, tokens
+        before them), for the online refit."""
+        self.refit.observe_prefill_step(chunks, seconds)
+
+    def observe_step(self, step) -> None:
+        """A worker's `engine.llm_engine.StepTiming`: pure prefill and pure decode steps
+        refine the cost model; mixed steps (a bypassed prefill beside decodes) are skipped."""
+        step_s = step.seconds + step.waited_s  # the wait between busy steps is paid too
+        if step.prefill_chunks and not step.decode_seqs:
+            self.observe_prefill_step(step.prefill_chunks, step_s)
+        elif step.decode_seqs and not step.prefill_chunks:
+            self.observe_decode_step(step.decode_seqs, step.decode_kv_tokens, step_s)
+
+    def set_request_overhead(self, seconds: float) -> None:
+        """A calibrated per-request overhead (idle pipeline); the hand-off estimate restarts."""
+        self.profile.request_overhead_s = max(seconds, 0.0)
+        self.profile.handoff_s = 0.0
+        self._handoffs.clear()
+        self._handoff_sum = 0.0
+
+    def observe_handoff(self, seconds: float) -> None:
+        """A disaggregated request's TTFT minus its prefill compute and the base overhead:
+        the profile's `handoff_s` follows the mean of the recent ones."""
+        window, seconds = self._handoffs, max(seconds, 0.0)
+        if len(window) == window.maxlen:
+            self._handoff_sum -= window[0]
+        window.append(seconds)
+        self._handoff_sum += seconds
+        self.profile.handoff_s = max(self._handoff_sum / len(window), 0.0)
 
     def observe_ttft(self, request_id: str, actual_s: float) -> None:
         """The measured TTFT of a routed request, recorded next to its prediction."""
@@ -206,7 +260,10 @@ class Conductor:
         plan = placement.plan
         decision.prefill_instance = placement.prefill_instance
         decision.decode_instance = placement.decode.instance
-        decision.predicted_ttft_s = placement.ttft_s + self.profile.request_overhead_s
+        overhead_s = self.profile.request_overhead_s
+        if not placement.bypass:
+            overhead_s += self.profile.handoff_s
+        decision.predicted_ttft_s = placement.ttft_s + overhead_s
         decision.predicted_queue_s = placement.queue_s
         decision.predicted_tbt_s = placement.tbt_s
         decision.cached_tokens = plan.cached_tokens
@@ -237,6 +294,23 @@ class Conductor:
         self._inflight[rid] = _InFlight(
             decision, request.num_prompt_tokens, reserve, expected_output
         )
+
+    def _plan_replication(
+        self,
+        decision: Decision,
+        request: RouteRequest,
+        ctx: PlacementContext,
+        placement: Placement,
+        locations: dict,
+    ) -> None:
+        assert self.replicator is not None
+        served_by = None if placement.bypass else placement.prefill_instance
+        fetched = placement.plan.fetch_from is not None and not placement.bypass
+        copy = self.replicator.plan(
+            request.block_keys, locations, ctx.hits, self.prefill, served_by, fetched, ctx.now
+        )
+        if copy is not None:
+            decision.replications.append(copy)
 
     def _remember(self, decision: Decision) -> Decision:
         if self.config.explain_capacity > 0:

@@ -42,6 +42,19 @@ class RouterConfig:
     default_output_tokens: int = 256
     explain_capacity: int = 4096
     seed: int = 0
+    # Copy hot prefixes toward idle prefill instances (router/replication.py). Off: on the
+    # bundled traces and profiles it moves mean TTFT by under 0.3 % (docs/router.md).
+    replicate: bool = False
+    # A prefix is hot once this many of the recent requests reached it.
+    replicate_min_hits: int = 2
+    # "Recent" is the last 1x to 2x this many requests.
+    replicate_window_requests: int = 1000
+    # No copy once this many prefill instances hold the prefix.
+    replicate_max_copies: int = 4
+    # Copy only when the target's queue is this many seconds shorter than every holder's.
+    replicate_margin_s: float = 0.1
+    # A planned copy blocks another of the same prefix until it lands or this passes.
+    replicate_cooldown_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICY_NAMES:
@@ -72,3 +85,16 @@ class RouterConfig:
             raise RouterConfigError(
                 f"default_output_tokens = {self.default_output_tokens} must be positive"
             )
+        self._check_replication()
+
+    def _check_replication(self) -> None:
+        for name in ("replicate_min_hits", "replicate_window_requests", "replicate_max_copies"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise RouterConfigError(f"{name} = {value!r} must be a whole number >= 1")
+        for name in ("replicate_margin_s", "replicate_cooldown_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise RouterConfigError(f"{name} = {value!r} must be a number of seconds")
+            if not math.isfinite(value) or value < 0:
+                raise RouterConfigError(f"{name} = {value!r} must be a finite number >= 0")

@@ -1,5 +1,11 @@
 """Predicted step times: prefill as a small polynomial in new and cached tokens, decode as a
-linear function of batch size and KV tokens, both fitted by least squares."""
+linear function of batch size and KV tokens, both fitted by least squares.
+
+A prefill step may carry several chunks (of one or more requests); its time is the constant
+plus the per-chunk terms summed, so one set of coefficients times a whole unchunked prompt,
+a chunked prompt (`chunk_tokens` > 0: the sum over its chunks, as the engine runs it) and a
+batched step alike.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +23,29 @@ DECODE_TERMS = ("const_s", "per_seq_s", "per_kv_token_s")
 def prefill_features(new_tokens: float, cached_tokens: float) -> list[float]:
     """Terms of the prefill polynomial: 1, n, n^2 (causal attention), n * cached."""
     return [1.0, new_tokens, new_tokens * new_tokens, new_tokens * cached_tokens]
+
+
+def step_features(chunks: Iterable[tuple[float, float]]) -> list[float]:
+    """Prefill terms of one step computing `chunks` of (new tokens, tokens before them)."""
+    row = [1.0, 0.0, 0.0, 0.0]
+    for new, before in chunks:
+        row[1] += new
+        row[2] += new * new
+        row[3] += new * before
+    return row
+
+
+def chunk_spans(new_tokens: int, cached_tokens: int, chunk_tokens: int) -> list[tuple[int, int]]:
+    """The (new tokens, tokens before) chunks the engine computes a prompt in: each chunk ends
+    on a multiple of `chunk_tokens` (0: the whole remainder in one chunk)."""
+    if chunk_tokens <= 0:
+        return [(new_tokens, cached_tokens)] if new_tokens > 0 else []
+    spans, done, end = [], cached_tokens, cached_tokens + new_tokens
+    while done < end:
+        size = min(end - done, chunk_tokens - done % chunk_tokens)
+        spans.append((size, done))
+        done += size
+    return spans
 
 
 def decode_features(batch_size: float, kv_tokens: float) -> list[float]:
@@ -47,12 +76,40 @@ class CostModel:
 
     prefill_coef: tuple[float, float, float, float]
     decode_coef: tuple[float, float, float]
+    # The engine prefills in chunks ending on multiples of this (0: whole prompts at once).
+    chunk_tokens: int = 0
 
     def prefill_time(self, new_tokens: float, cached_tokens: float = 0.0) -> float:
         """Seconds to prefill `new_tokens` on top of `cached_tokens` already held."""
+        if (
+            self.chunk_tokens <= 0
+            or new_tokens <= self.chunk_tokens - cached_tokens % self.chunk_tokens
+        ):
+            a, b, c, d = self.prefill_coef
+            # A fit over a narrow window can extrapolate below zero; time never runs backwards.
+            return max(0.0, a + new_tokens * (b + c * new_tokens + d * cached_tokens))
+        spans = chunk_spans(int(new_tokens), int(cached_tokens), self.chunk_tokens)
+        return sum(self.prefill_step_time((span,)) for span in spans)
+
+    def prefill_step_time(self, chunks: Iterable[tuple[float, float]]) -> float:
+        """Seconds for one engine step computing prefill `chunks` of (new, tokens before)."""
         a, b, c, d = self.prefill_coef
-        # A fit over a narrow window can extrapolate below zero; time never runs backwards.
-        return max(0.0, a + new_tokens * (b + c * new_tokens + d * cached_tokens))
+        total = a
+        for new, before in chunks:
+            total += new * (b + c * new + d * before)
+        return max(0.0, total)
+
+    def step_time(
+        self, chunks: Sequence[tuple[float, float]], batch_size: float, kv_tokens: float
+    ) -> float:
+        """Seconds for one engine step of prefill `chunks` beside `batch_size` decoding
+        sequences reading `kv_tokens`: a mixed step pays one step constant, decode's."""
+        if not batch_size:
+            return self.prefill_step_time(chunks)
+        decode_s = self.decode_step_time(batch_size, kv_tokens)
+        if not chunks:
+            return decode_s
+        return decode_s + max(0.0, self.prefill_step_time(chunks) - self.prefill_coef[0])
 
     def decode_step_time(self, batch_size: float, kv_tokens: float) -> float:
         """Seconds for one decode step of `batch_size` sequences reading `kv_tokens` of KV."""
@@ -68,10 +125,28 @@ class CostModel:
         """Least-squares fit from (new, cached, seconds) and (batch, kv_tokens, seconds) samples."""
         return cls(fit_prefill(list(prefill_samples)), fit_decode(list(decode_samples)))
 
+    @classmethod
+    def fit_steps(cls, steps: Iterable, chunk_tokens: int = 0) -> CostModel:
+        """Least-squares fit from engine steps (`engine.llm_engine.StepTiming`): pure prefill
+        steps fit the prefill terms, pure decode steps the decode terms. A step's time counts
+        the wait before it while work was pending (`waited_s`): a request waits that too."""
+        rows, seconds, decode = [], [], []
+        for step in steps:
+            step_s = step.seconds + step.waited_s
+            if step.prefill_chunks and not step.decode_seqs:
+                rows.append(step_features(step.prefill_chunks))
+                seconds.append(step_s)
+            elif step.decode_seqs and not step.prefill_chunks:
+                decode.append((step.decode_seqs, step.decode_kv_tokens, step_s))
+        return cls(fit_prefill_rows(rows, seconds), fit_decode(decode), chunk_tokens)
+
     def to_dict(self) -> dict[str, dict[str, float]]:
         """The coefficients keyed by term name, as written in a profile."""
+        prefill = dict(zip(PREFILL_TERMS, self.prefill_coef, strict=True))
+        if self.chunk_tokens:
+            prefill["chunk_tokens"] = self.chunk_tokens
         return {
-            "prefill": dict(zip(PREFILL_TERMS, self.prefill_coef, strict=True)),
+            "prefill": prefill,
             "decode": dict(zip(DECODE_TERMS, self.decode_coef, strict=True)),
         }
 
@@ -80,8 +155,15 @@ class CostModel:
         """Build from a profile's `prefill` and `decode` sections."""
         prefill = _terms(data, "prefill", PREFILL_TERMS)
         decode = _terms(data, "decode", DECODE_TERMS)
+        chunk = data["prefill"].get("chunk_tokens", 0)
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
+            raise ProfileError(
+                f"profile `prefill.chunk_tokens` = {chunk!r} must be an integer >= 0"
+            )
         return cls(
-            (prefill[0], prefill[1], prefill[2], prefill[3]), (decode[0], decode[1], decode[2])
+            (prefill[0], prefill[1], prefill[2], prefill[3]),
+            (decode[0], decode[1], decode[2]),
+            chunk,
         )
 
 
@@ -91,7 +173,17 @@ def fit_prefill(
     """Prefill coefficients from (new_tokens, cached_tokens, seconds) samples."""
     _need(samples, len(PREFILL_TERMS), "prefill")
     rows = [prefill_features(n, c) for n, c, _ in samples]
-    a, b, c, d = _least_squares(rows, [s for *_, s in samples], weights)
+    return fit_prefill_rows(rows, [s for *_, s in samples], weights)
+
+
+def fit_prefill_rows(
+    rows: Sequence[Sequence[float]],
+    seconds: Sequence[float],
+    weights: Sequence[float] | None = None,
+) -> tuple[float, float, float, float]:
+    """Prefill coefficients from step feature rows (`step_features`) and their seconds."""
+    _need(rows, len(PREFILL_TERMS), "prefill")
+    a, b, c, d = _least_squares([list(r) for r in rows], list(seconds), weights)
     return (a, b, c, d)
 
 

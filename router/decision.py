@@ -6,6 +6,8 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from halfmoon.router.replication import Replication
+
 
 class Candidate(NamedTuple):
     """One instance the router considered and what it predicted there.
@@ -39,6 +41,7 @@ class Decision:
     rejected: bool = False
     reason: str = ""
     candidates: list[Candidate] = field(default_factory=list)
+    replications: list[Replication] = field(default_factory=list)
 
     def explain(self) -> str:
         """A human-readable account of the candidates and why this one won."""
@@ -59,6 +62,11 @@ class Decision:
                 f"  predicted ttft={self.predicted_ttft_s:.4f}s"
                 f" (queue {self.predicted_queue_s:.4f}s)"
                 f" tbt={self.predicted_tbt_s:.4f}s"
+            )
+        for copy in self.replications:
+            lines.append(
+                f"  replicate {len(copy.keys)} hot blocks ({copy.num_tokens} tokens to move)"
+                f" from {copy.source} to {copy.target}"
             )
         for cand in sorted(self.candidates, key=lambda c: (c.role, c.predicted_s)):
             lines.append(

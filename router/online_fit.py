@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from contextlib import suppress
 
 from halfmoon.router.cost_model import (
@@ -10,7 +11,9 @@ from halfmoon.router.cost_model import (
     PREFILL_TERMS,
     CostModel,
     fit_decode,
-    fit_prefill,
+    fit_prefill_rows,
+    prefill_features,
+    step_features,
 )
 from halfmoon.router.errors import ProfileError
 
@@ -27,20 +30,29 @@ class OnlineRefit:
         self.model = model
         self.every = every
         self._decay = 0.5 ** (1.0 / half_life)
-        self._prefill: deque[tuple[float, float, float]] = deque(maxlen=window)
+        self._prefill: deque[tuple[list[float], float]] = deque(maxlen=window)
         self._decode: deque[tuple[float, float, float]] = deque(maxlen=window)
         self._since_prefill = 0
         self._since_decode = 0
 
     def observe_prefill(self, new_tokens: int, cached_tokens: int, seconds: float) -> None:
-        """Record one measured prefill; refit the prefill terms when enough are new."""
-        self._prefill.append((float(new_tokens), float(cached_tokens), seconds))
+        """Record one measured prefill run as one step; refit when enough are new."""
+        self._add_prefill(prefill_features(new_tokens, cached_tokens), seconds)
+
+    def observe_prefill_step(self, chunks: Sequence[tuple[int, int]], seconds: float) -> None:
+        """Record one measured step of prefill `chunks` of (new tokens, tokens before)."""
+        self._add_prefill(step_features(chunks), seconds)
+
+    def _add_prefill(self, row: list[float], seconds: float) -> None:
+        self._prefill.append((row, seconds))
         self._since_prefill += 1
         if self._since_prefill >= self.every and len(self._prefill) >= 2 * len(PREFILL_TERMS):
             self._since_prefill = 0
             with suppress(ProfileError):
-                coef = fit_prefill(list(self._prefill), self._weights(len(self._prefill)))
-                self.model.prefill_coef = coef
+                rows = [row for row, _ in self._prefill]
+                seconds = [s for _, s in self._prefill]
+                weights = self._weights(len(rows))
+                self.model.prefill_coef = fit_prefill_rows(rows, seconds, weights)
 
     def observe_decode_step(self, batch_size: int, kv_tokens: int, seconds: float) -> None:
         """Record one measured decode step; refit the decode terms when enough are new."""

@@ -32,6 +32,10 @@ class Profile:
     # Fixed latency a request pays outside prefill compute (routing, reservation, the last
     # layer's transfer, joining the batch, the API): measured on live clusters, 0 if unknown.
     request_overhead_s: float = 0.0
+    # What a disaggregated request pays on top between its prefill's end and its first token
+    # (the last layers' transfer, the hand-off to decode, the join) and in routing under load;
+    # a bypassed prompt does not pay it. Refit online from live requests, 0 if unknown.
+    handoff_s: float = 0.0
 
     def transfer_time(self, num_tokens: int, remote: bool = True) -> float:
         """Seconds to move the KV of `num_tokens` from another instance (or from local host)."""
@@ -83,7 +87,8 @@ def load_profile(path: str | Path) -> Profile:
         decode_kv_capacity_tokens=int(values["decode_kv_capacity_tokens"]),
         cache_bytes_per_instance=values["cache_bytes_per_instance"],
         assumptions=dict(data.get("assumptions") or {}),
-        request_overhead_s=_overhead(path, data),
+        request_overhead_s=_overhead(path, data, "request_overhead_s"),
+        handoff_s=_overhead(path, data, "handoff_s"),
     )
 
 
@@ -92,12 +97,13 @@ def save_profile(profile: Profile, path: str | Path) -> None:
     data = {"name": profile.name, "assumptions": profile.assumptions}
     data.update({name: getattr(profile, name) for name in _FIELDS})
     data["request_overhead_s"] = profile.request_overhead_s
+    data["handoff_s"] = profile.handoff_s
     data.update(profile.cost.to_dict())
     Path(path).write_text(yaml.safe_dump(data, sort_keys=False))
 
 
-def _overhead(path: Path, data: dict) -> float:
-    value = float(data.get("request_overhead_s", 0.0))
+def _overhead(path: Path, data: dict, name: str) -> float:
+    value = float(data.get(name, 0.0))
     if not math.isfinite(value) or value < 0:
-        raise ProfileError(f"profile {path}: `request_overhead_s` = {value!r} must be >= 0")
+        raise ProfileError(f"profile {path}: `{name}` = {value!r} must be >= 0")
     return value

@@ -47,7 +47,7 @@ class Setup:
 
 SETUPS = (
     Setup("conversation_trace.jsonl", prefill=12, decode=2, time_scale=1.5),
-    Setup("synthetic_trace.jsonl", prefill=8, decode=2, time_scale=1.0),
+    Setup("synthetic_trace.jsonl", prefill=8, decode=2, time_scale=1.0, tbt_slo_s=0.025),
 )
 
 

@@ -43,6 +43,7 @@ class SimSummary:
     ttft_pred_error_mean_s: float
     wall_s: float
     bad_lines: int
+    replications: int = 0
 
     def to_dict(self) -> dict:
         """Plain dict for JSON output."""
@@ -61,7 +62,8 @@ class SimSummary:
                 f"SLO attainment {self.slo_attainment:.1%} (rejected requests count as missed)",
                 f"cache hit rate {self.hit_rate:.1%} of blocks "
                 f"(unbounded-cache bound {self.hit_rate_unbounded:.1%}); "
-                f"{self.fetches} remote fetches, {self.bypassed} bypassed to decode",
+                f"{self.fetches} remote fetches, {self.bypassed} bypassed to decode, "
+                f"{self.replications} hot-prefix replications",
                 f"throughput {self.throughput_rps:.2f} req/s, {self.output_tokens_per_s:.0f} "
                 f"output tok/s over {self.makespan_s:.0f}s simulated",
                 f"TTFT prediction error mean {self.ttft_pred_error_mean_s:.4f}s; "

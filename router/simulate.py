@@ -11,6 +11,7 @@ from halfmoon.router.errors import RouterConfigError, TraceFormatError
 from halfmoon.router.profile import DEFAULT_PROFILE, load_profile
 from halfmoon.router.sim_report import SimSummary
 from halfmoon.router.simulation import Simulation
+from halfmoon.router.step_simulation import StepSimulation
 from halfmoon.router.trace import read_trace
 
 
@@ -40,6 +41,39 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the random policy")
     parser.add_argument("--bypass-tokens", type=int, default=512, help="short-prompt bypass limit")
+    defaults = RouterConfig()
+    parser.add_argument(
+        "--replicate",
+        action=argparse.BooleanOptionalAction,
+        default=defaults.replicate,
+        help="copy hot prefixes toward idle prefill instances (RouterConfig.replicate)",
+    )
+    parser.add_argument(
+        "--replicate-min-hits",
+        type=int,
+        default=defaults.replicate_min_hits,
+        help="recent requests that make a prefix hot",
+    )
+    parser.add_argument(
+        "--replicate-max-copies",
+        type=int,
+        default=defaults.replicate_max_copies,
+        help="no copy once this many prefill instances hold the prefix",
+    )
+    parser.add_argument(
+        "--replicate-margin",
+        type=float,
+        default=defaults.replicate_margin_s,
+        help="seconds the target's queue must undercut the holders' queues by",
+    )
+    parser.add_argument(
+        "--max-batched-tokens",
+        type=int,
+        default=2048,
+        help="per-step token budget of each simulated engine, used when the profile's engine "
+        "prefills in chunks (prefill.chunk_tokens > 0): then every instance is stepped like "
+        "the engine (step_simulation.py)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--on-bad-line", choices=("skip", "fail"), default="skip")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
@@ -52,6 +86,8 @@ def simulate(args: argparse.Namespace) -> SimSummary:
         raise RouterConfigError(
             f"--prefill {args.prefill} --decode {args.decode}: need at least one of each"
         )
+    if args.max_batched_tokens < 1:
+        raise RouterConfigError(f"--max-batched-tokens {args.max_batched_tokens} must be >= 1")
     if not args.time_scale > 0:
         raise RouterConfigError(f"--time-scale {args.time_scale} must be a positive factor")
     config = RouterConfig(
@@ -62,6 +98,10 @@ def simulate(args: argparse.Namespace) -> SimSummary:
         block_size=args.block_size,
         bypass_max_tokens=args.bypass_tokens,
         seed=args.seed,
+        replicate=args.replicate,
+        replicate_min_hits=args.replicate_min_hits,
+        replicate_max_copies=args.replicate_max_copies,
+        replicate_margin_s=args.replicate_margin,
     )
     profile = load_profile(args.profile)
     cache_blocks = args.cache_blocks_per_instance
@@ -70,7 +110,11 @@ def simulate(args: argparse.Namespace) -> SimSummary:
     if cache_blocks < 0:
         raise RouterConfigError(f"--cache-blocks-per-instance {cache_blocks} must be >= 0")
     records, bad = read_trace(args.trace, args.time_scale, args.on_bad_line)
-    simulation = Simulation(config, profile, args.prefill, args.decode, cache_blocks)
+    sizes = (config, profile, args.prefill, args.decode, cache_blocks)
+    if profile.cost.chunk_tokens:  # the profile's engine prefills in chunks: step like it
+        simulation = StepSimulation(*sizes, args.max_batched_tokens)
+    else:
+        simulation = Simulation(*sizes)
     summary = simulation.run(records, progress=not args.no_progress)
     summary.bad_lines = len(bad)
     return summary

@@ -11,14 +11,17 @@ from tqdm import tqdm
 
 from halfmoon.router.conductor import Conductor
 from halfmoon.router.config import RouterConfig
+from halfmoon.router.decision import Decision
 from halfmoon.router.profile import Profile
+from halfmoon.router.replication import Replication
 from halfmoon.router.request import RouteRequest
 from halfmoon.router.sim_decode import Finished, SimDecode
 from halfmoon.router.sim_prefill import PrefillJob, SimPrefill
 from halfmoon.router.sim_report import SimSummary, percentile
 from halfmoon.router.trace import TraceRecord, unbounded_hit_rate
 
-ARRIVE, PREFILL_DONE, DECODE_JOIN, DECODE_STEP = range(4)
+ARRIVE, PREFILL_DONE, DECODE_JOIN, DECODE_STEP, REPLICATE_DONE = range(5)
+ENGINE_EVENTS = 10  # kinds from here on belong to the step-level simulation (step_simulation.py)
 
 
 @dataclass(slots=True)
@@ -39,11 +42,14 @@ class Simulation:
         num_prefill: int,
         num_decode: int,
         cache_blocks: int,
+        router_profile: Profile | None = None,
     ) -> None:
+        """Instances are timed by `profile`; the Conductor starts from `router_profile` (default
+        the same) and refits online from the simulated step times, as a live router does."""
         self.config = config
         self.profile = profile
         self.cost = profile.cost
-        self.conductor = Conductor(config, profile)
+        self.conductor = Conductor(config, router_profile or profile)
         index = self.conductor.index
         self.prefill = {}
         for i in range(num_prefill):
@@ -85,10 +91,17 @@ class Simulation:
                 self._prefill_done(self.prefill[name], now)
             elif kind == DECODE_JOIN:
                 self._decode_join(name, now)
+            elif kind == REPLICATE_DONE:
+                self._replicate_done(name, version)
+            elif kind >= ENGINE_EVENTS:
+                self._engine_event(kind, name, now)
             elif version == self.decode[name].version:
                 self._decode_step(name, now)
         bar.close()
-        return self._summary(records, time.perf_counter() - started)
+        summary = self._summary(records, time.perf_counter() - started)
+        replicator = self.conductor.replicator
+        summary.replications = replicator.num_completed if replicator is not None else 0
+        return summary
 
     def _arrive(self, rid: str, now: float) -> None:
         record = self._records[rid]
@@ -100,6 +113,7 @@ class Simulation:
         if decision.rejected:
             outcome.rejected = True
             return
+        self._replicate(decision, now)
         self._decode_of[rid] = decision.decode_instance
         if decision.bypass:
             self._bypass(rid, now)
@@ -120,6 +134,17 @@ class Simulation:
 
     def _start_prefill(self, instance: SimPrefill, now: float) -> None:
         job = instance.queue.popleft()
+        transfer_s = self._take_prefix(instance, job)
+        job.work_s = self.cost.prefill_time(
+            job.num_prompt_tokens - job.cached_tokens, job.cached_tokens
+        )
+        instance.running = job
+        self.conductor.on_prefill_start(job.request_id, now)
+        self._push(now + transfer_s + job.work_s, PREFILL_DONE, instance.name)
+
+    def _take_prefix(self, instance: SimPrefill, job: PrefillJob) -> float:
+        """Settle the cached prefix `job` starts from (its own, or fetched when deeper); sets
+        `job.cached_tokens` and returns the fetch's transfer seconds."""
         keys, prompt, block = job.keys, job.num_prompt_tokens, self.config.block_size
         instance.release(keys, job.local_leased)
         local = instance.prefix_depth(keys)
@@ -131,16 +156,10 @@ class Simulation:
                 cached_blocks = job.source_blocks
                 fetch_tokens = min(cached_blocks * block, prompt - 1) - local_tokens
                 self._fetches += 1
-        cached = min(cached_blocks * block, prompt - 1)
-        work_s = self.cost.prefill_time(prompt - cached, cached)
-        transfer_s = self.profile.transfer_time(fetch_tokens) if fetch_tokens > 0 else 0.0
         self._hit_blocks += cached_blocks
         self._total_blocks += len(keys)
-        job.work_s = work_s
-        job.cached_tokens = cached
-        instance.running = job
-        self.conductor.on_prefill_start(job.request_id, now)
-        self._push(now + transfer_s + work_s, PREFILL_DONE, instance.name)
+        job.cached_tokens = min(cached_blocks * block, prompt - 1)
+        return self.profile.transfer_time(fetch_tokens) if fetch_tokens > 0 else 0.0
 
     def _prefill_done(self, instance: SimPrefill, now: float) -> None:
         job = instance.running
@@ -152,9 +171,12 @@ class Simulation:
         if instance.queue:
             self._start_prefill(instance, now)
 
-    def _first_token(self, rid: str, now: float, tail_s: float) -> None:
+    def _first_token(self, rid: str, now: float, tail_s: float, handoff: bool = True) -> None:
         outcome = self._outcomes[rid]
         overhead_s = self.profile.request_overhead_s
+        if handoff:
+            overhead_s += self.profile.handoff_s
+            self.conductor.observe_handoff(self.profile.handoff_s)  # as the live router does
         outcome.ttft_s = now + overhead_s - outcome.arrival_s
         self.conductor.on_prefill_done(rid, now)
         self.conductor.observe_ttft(rid, outcome.ttft_s)
@@ -174,7 +196,7 @@ class Simulation:
         work_s = self.cost.prefill_time(prompt, 0)
         decode.stall(work_s)
         self.conductor.observe_prefill(prompt, 0, work_s)
-        self._first_token(rid, decode.clock_s, 0.0)
+        self._first_token(rid, decode.clock_s, 0.0, handoff=False)
 
     def _decode_join(self, rid: str, now: float) -> None:
         record = self._records[rid]
@@ -248,3 +270,18 @@ class Simulation:
             wall_s=wall_s,
             bad_lines=0,
         )
+
+    def _replicate(self, decision: Decision, now: float) -> None:
+        """Start the decision's hot-prefix copies; the source's blocks stay leased until each
+        lands, one transfer time later."""
+        for copy in decision.replications:
+            source = self.prefill[copy.source[0]]
+            depth = source.prefix_depth(copy.keys)
+            source.lease(copy.keys, depth)
+            when_s = now + self.profile.transfer_time(copy.num_tokens)
+            self._push(when_s, REPLICATE_DONE, copy, depth)
+
+    def _replicate_done(self, copy: Replication, leased: int) -> None:
+        self.prefill[copy.source[0]].release(copy.keys, leased)
+        self.prefill[copy.target].store(copy.keys[:leased])
+        self.conductor.on_replicated(copy)

@@ -69,3 +69,29 @@ def test_removed_instance_is_no_longer_a_candidate_or_a_holder():
     decision = conductor.route(request("r"), 0.0)
     assert decision.prefill_instance != "p1"
     assert decision.cached_tokens == 0
+
+
+def test_handoff_is_learned_online_and_counted_in_predictions_and_admission():
+    conductor = make_conductor(1, 1)
+    alone = conductor.route(request("a"), now=0.0).predicted_ttft_s  # 100 tokens: 0.1 s
+    conductor.set_request_overhead(0.01)
+    for seconds in (0.2, 0.4, -1.0):  # a negative measurement counts as zero
+        conductor.observe_handoff(seconds)
+    assert conductor.profile.handoff_s == pytest.approx(0.2)
+    again = conductor.route(request("b", first_key=500), now=0.0).predicted_ttft_s
+    assert again == pytest.approx(alone + 0.1 + 0.01 + 0.2)  # queued behind "a", + overheads
+    strict = make_conductor(1, 1, admission="early_rejection", ttft_slo_s=0.25)
+    strict.observe_handoff(0.2)
+    decision = strict.route(request("c"), now=0.0)
+    assert decision.rejected and "predicted TTFT 0.300s" in decision.reason
+    conductor.set_request_overhead(0.02)
+    assert conductor.profile.handoff_s == 0.0
+
+
+def test_a_bypassed_prompt_skips_the_handoff():
+    conductor = make_conductor(1, 1, bypass_max_tokens=512, bypass_max_stall_s=1.0)
+    before = conductor.route(request("a", num_blocks=5), now=0.0)
+    assert not before.bypass  # an idle prefill instance is as fast, with no hand-off to pay
+    conductor.observe_handoff(0.5)
+    after = conductor.route(request("b", num_blocks=5, first_key=100), now=0.0)
+    assert after.bypass

@@ -1,8 +1,10 @@
+import dataclasses
 import random
 
 import pytest
 
-from halfmoon.router.cost_model import CostModel
+from halfmoon.engine.llm_engine import StepTiming
+from halfmoon.router.cost_model import CostModel, chunk_spans
 from halfmoon.router.errors import ProfileError
 from halfmoon.router.online_fit import OnlineRefit
 from halfmoon.router.profile import DEFAULT_PROFILE, PROFILE_DIR, load_profile, save_profile
@@ -73,3 +75,71 @@ def test_profile_missing_a_field_names_it(tmp_path):
     path.write_text("kv_bytes_per_token: 10\n")
     with pytest.raises(ProfileError, match="lacks `num_layers`"):
         load_profile(path)
+
+
+CHUNKED = CostModel((0.004, 1e-4, 1e-7, 2e-8), (0.003, 4e-4, 2e-6), chunk_tokens=64)
+
+
+def test_chunk_spans_end_on_multiples_of_the_chunk():
+    assert chunk_spans(100, 0, 64) == [(64, 0), (36, 64)]
+    assert chunk_spans(100, 48, 64) == [(16, 48), (64, 64), (20, 128)]
+    assert chunk_spans(100, 0, 0) == [(100, 0)]
+    assert chunk_spans(0, 10, 64) == []
+
+
+def test_chunked_prefill_time_is_the_sum_of_its_steps():
+    total = sum(CHUNKED.prefill_step_time((span,)) for span in chunk_spans(300, 20, 64))
+    assert CHUNKED.prefill_time(300, 20) == pytest.approx(total)
+    assert CHUNKED.prefill_time(30, 0) == pytest.approx(CHUNKED.prefill_step_time([(30, 0)]))
+    # A step with two chunks pays the step constant once.
+    two = CHUNKED.prefill_step_time([(64, 0), (32, 0)])
+    assert two == pytest.approx(
+        CHUNKED.prefill_step_time([(64, 0)]) + CHUNKED.prefill_step_time([(32, 0)]) - 0.004
+    )
+
+
+def test_mixed_step_pays_decode_plus_the_prefill_terms():
+    mixed = CHUNKED.step_time([(64, 0)], 4, 1000)
+    expected = CHUNKED.decode_step_time(4, 1000) + CHUNKED.prefill_step_time([(64, 0)]) - 0.004
+    assert mixed == pytest.approx(expected)
+    assert CHUNKED.step_time([], 4, 1000) == pytest.approx(CHUNKED.decode_step_time(4, 1000))
+
+
+def test_fit_steps_recovers_per_step_coefficients():
+    rng = random.Random(3)
+    steps = []
+    for _ in range(80):
+        chunks = tuple((rng.randint(1, 64), rng.randint(0, 2000)) for _ in range(rng.randint(1, 4)))
+        steps.append(StepTiming(chunks, 0, 0, CHUNKED.prefill_step_time(chunks), 0.0, 0.0))
+    for _ in range(40):
+        batch, kv = rng.randint(1, 32), rng.randint(1, 20_000)
+        # Half of the time is spent waiting between steps: it counts.
+        seconds = CHUNKED.decode_step_time(batch, kv)
+        steps.append(StepTiming((), batch, kv, seconds / 2, 0.0, seconds / 2))
+    steps.append(StepTiming(((5, 0),), 3, 300, 99.0, 0.0, 0.0))  # mixed: ignored
+    fitted = CostModel.fit_steps(steps, chunk_tokens=64)
+    assert fitted.prefill_coef == pytest.approx(CHUNKED.prefill_coef, rel=1e-6)
+    assert fitted.decode_coef == pytest.approx(CHUNKED.decode_coef, rel=1e-6)
+    assert fitted.chunk_tokens == 64
+
+
+def test_online_refit_from_batched_prefill_steps():
+    model = CostModel(CHUNKED.prefill_coef, CHUNKED.decode_coef, 64)
+    slower = CostModel(tuple(3 * c for c in CHUNKED.prefill_coef), CHUNKED.decode_coef, 64)
+    refit = OnlineRefit(model, window=128, every=16)
+    rng = random.Random(4)
+    for _ in range(64):
+        chunks = [(rng.randint(1, 64), rng.randint(0, 1000)) for _ in range(rng.randint(1, 3))]
+        refit.observe_prefill_step(chunks, slower.prefill_step_time(chunks))
+    assert model.prefill_time(500, 100) == pytest.approx(slower.prefill_time(500, 100), rel=1e-6)
+
+
+def test_chunk_tokens_round_trip_and_bad_values(tmp_path):
+    profile = load_profile(DEFAULT_PROFILE)
+    chunked = dataclasses.replace(profile, cost=CHUNKED)
+    save_profile(chunked, tmp_path / "chunked.yaml")
+    assert load_profile(tmp_path / "chunked.yaml").cost == CHUNKED
+    text = (tmp_path / "chunked.yaml").read_text().replace("chunk_tokens: 64", "chunk_tokens: -1")
+    (tmp_path / "bad.yaml").write_text(text)
+    with pytest.raises(ProfileError, match="chunk_tokens"):
+        load_profile(tmp_path / "bad.yaml")
