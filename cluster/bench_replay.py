@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import math
 import random
 import statistics
 import sys
@@ -19,6 +20,7 @@ from halfmoon.cluster.client import AsyncClient, ServerError
 from halfmoon.cluster.config import load_config, router_config
 from halfmoon.cluster.launcher import Cluster
 from halfmoon.router.cost_model import CostModel
+from halfmoon.router.sim_report import percentile
 from halfmoon.router.simulation import Simulation
 from halfmoon.router.step_simulation import StepSimulation
 from halfmoon.router.trace import TraceRecord, read_trace
@@ -28,6 +30,8 @@ TRACE_BLOCK_TOKENS = 512
 
 @dataclass(slots=True)
 class Figures:
+    """The simulator's headline figures, for a live or a simulated run."""
+
     requests: int
     rejected: int
     ttft_mean_s: float
@@ -35,7 +39,10 @@ class Figures:
     ttft_p90_s: float
     ttft_p99_s: float
     tbt_mean_s: float
+    tbt_p99_s: float
+    slo_attainment: float
     hit_rate: float
+    throughput_rps: float
 
 
 def scale_records(
@@ -66,12 +73,16 @@ def prompt_tokens(record: TraceRecord, block_tokens: int, vocab_size: int) -> li
     return tokens[: record.num_prompt_tokens]
 
 
-async def replay_live(address: str, records, block_tokens: int, vocab_size: int) -> Figures:
-    ttfts, tbts, rejected, cached, prompt = [], [], 0, 0, 0
+async def replay_live(
+    address: str, records, block_tokens: int, vocab_size: int, slo: tuple[float, float]
+) -> Figures:
+    """Send every record at its arrival time; TTFT and TBT as the client sees them."""
+    served: list[tuple[float, float]] = []  # (TTFT, TBT or -1 for a single token)
+    rejected, cached, prompt, last = 0, 0, 0, 0.0
     started = time.monotonic()
 
     async def one(client: AsyncClient, record: TraceRecord) -> None:
-        nonlocal rejected, cached, prompt
+        nonlocal rejected, cached, prompt, last
         await asyncio.sleep(max(0.0, record.arrival_s - (time.monotonic() - started)))
         sent = time.monotonic()
         stamps = []
@@ -90,13 +101,22 @@ async def replay_live(address: str, records, block_tokens: int, vocab_size: int)
                 raise
             rejected += 1
             return
-        ttfts.append(stamps[0] - sent)
-        if len(stamps) > 1:
-            tbts.append((stamps[-1] - stamps[0]) / (len(stamps) - 1))
+        tbt = (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else -1.0
+        served.append((stamps[0] - sent, tbt))
+        last = max(last, stamps[-1] - started)
 
     async with AsyncClient(address) as client:
         await asyncio.gather(*(one(client, r) for r in records))
-    return _figures(len(records), rejected, ttfts, tbts, cached / max(prompt, 1))
+    ttft_slo, tbt_slo = slo
+    met = sum(1 for ttft, tbt in served if ttft <= ttft_slo and tbt <= tbt_slo)
+    ttfts = sorted(ttft for ttft, _ in served) or [0.0]
+    tbts = sorted(tbt for _, tbt in served if tbt >= 0) or [0.0]
+    return Figures(
+        len(records), rejected, statistics.fmean(ttfts), percentile(ttfts, 0.5),
+        percentile(ttfts, 0.9), percentile(ttfts, 0.99), statistics.fmean(tbts),
+        percentile(tbts, 0.99), met / max(len(records), 1), cached / max(prompt, 1),
+        len(served) / max(last - records[0].arrival_s, 1e-9),
+    )  # fmt: skip
 
 
 def simulate(cluster: Cluster, profile, records, block_tokens: int, router_profile=None) -> Figures:
@@ -117,18 +137,9 @@ def simulate(cluster: Cluster, profile, records, block_tokens: int, router_profi
     summary = sim.run(records, progress=False)
     return Figures(
         summary.requests, summary.rejected, summary.ttft_mean_s, summary.ttft_p50_s,
-        summary.ttft_p90_s, summary.ttft_p99_s, summary.tbt_mean_s, summary.hit_rate,
+        summary.ttft_p90_s, summary.ttft_p99_s, summary.tbt_mean_s, summary.tbt_p99_s,
+        summary.slo_attainment, summary.hit_rate, summary.throughput_rps,
     )  # fmt: skip
-
-
-def _figures(n: int, rejected: int, ttfts: list[float], tbts: list[float], hit: float) -> Figures:
-    ordered = sorted(ttfts) or [0.0]
-
-    def pct(p: float) -> float:
-        return ordered[min(len(ordered) - 1, int(p * len(ordered)))]
-
-    tbt = statistics.fmean(tbts) if tbts else 0.0
-    return Figures(n, rejected, statistics.fmean(ordered), pct(0.5), pct(0.9), pct(0.99), tbt, hit)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,6 +166,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill", type=int, default=1)
     parser.add_argument("--decode", type=int, default=1)
     parser.add_argument("--policy", default="conductor")
+    parser.add_argument(
+        "--admission",
+        default="none",
+        choices=("none", "early_rejection", "prediction_early_rejection"),
+        help="SLO admission of the live router and the simulated one (none)",
+    )
+    parser.add_argument("--ttft-slo", type=float, help="TTFT SLO in seconds (none)")
+    parser.add_argument("--tbt-slo", type=float, help="TBT SLO in seconds (none)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     raw, _ = read_trace(args.trace)
@@ -162,10 +181,13 @@ def main(argv: list[str] | None = None) -> int:
     config = load_config(None, {
         "server.grpc_port": 0, "server.metrics_port": 0, "prefill.replicas": args.prefill,
         "decode.replicas": args.decode, "router.policy": args.policy,
+        "router.admission": args.admission, "slo.ttft_s": args.ttft_slo,
+        "slo.tbt_s": args.tbt_slo,
         "engine.block_size": args.block_tokens, "engine.prefill_chunk_size": 4 * args.block_tokens,
         "engine.num_pages": 1024, "store.use_local_redis": False,
     })  # fmt: skip
     cluster = Cluster(config)
+    owns_ray = not ray.is_initialized()  # a caller's Ray (a test session's) stays up
     try:
         ports = cluster.start()
         startup = ray.get(cluster.router.profile.remote())  # measured and calibrated, not refit
@@ -175,20 +197,21 @@ def main(argv: list[str] | None = None) -> int:
                 records,
                 args.block_tokens,
                 cluster.info.vocab_size,
+                (args.ttft_slo or math.inf, args.tbt_slo or math.inf),
             )
         )
         steps = ray.get(cluster.router.observed_steps.remote())
         refitted = ray.get(cluster.router.profile.remote())
         observed = dataclasses.replace(
             startup,
-            cost=CostModel.fit_steps(steps, startup.cost.chunk_tokens),
+            cost=CostModel.fit_steps(steps, startup.cost.chunk_tokens, startup.cost),
             handoff_s=refitted.handoff_s,
         )
         simulated = simulate(cluster, observed, records, args.block_tokens, startup)
         at_start = simulate(cluster, startup, records, args.block_tokens)
     finally:
         cluster.stop()
-        if ray.is_initialized():
+        if owns_ray and ray.is_initialized():
             ray.shutdown()
     scale = {
         "trace": args.trace,
@@ -221,12 +244,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"scale: {json.dumps(scale)}")
     print(
         f"{'':>10} {'ttft_mean':>10} {'p50':>8} {'p90':>8} {'p99':>8} {'tbt_mean':>9} "
-        f"{'hit_rate':>8} {'rejected':>8}"
+        f"{'tbt_p99':>8} {'slo_met':>8} {'hit_rate':>8} {'rejected':>8} {'req/s':>6}"
     )
     for name, f in (("live", live), ("sim", simulated), ("sim@start", at_start)):
         print(
             f"{name:>10} {f.ttft_mean_s:>10.4f} {f.ttft_p50_s:>8.4f} {f.ttft_p90_s:>8.4f} "
-            f"{f.ttft_p99_s:>8.4f} {f.tbt_mean_s:>9.5f} {f.hit_rate:>8.3f} {f.rejected:>8}"
+            f"{f.ttft_p99_s:>8.4f} {f.tbt_mean_s:>9.5f} {f.tbt_p99_s:>8.4f} "
+            f"{f.slo_attainment:>8.3f} {f.hit_rate:>8.3f} {f.rejected:>8} {f.throughput_rps:>6.2f}"
         )
     print(
         f"sim: instances timed by the profile fitted to the {len(steps)} live engine steps, "

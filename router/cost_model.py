@@ -126,10 +126,15 @@ class CostModel:
         return cls(fit_prefill(list(prefill_samples)), fit_decode(list(decode_samples)))
 
     @classmethod
-    def fit_steps(cls, steps: Iterable, chunk_tokens: int = 0) -> CostModel:
+    def fit_steps(
+        cls, steps: Iterable, chunk_tokens: int = 0, fallback: CostModel | None = None
+    ) -> CostModel:
         """Least-squares fit from engine steps (`engine.llm_engine.StepTiming`): pure prefill
         steps fit the prefill terms, pure decode steps the decode terms. A step's time counts
-        the wait before it while work was pending (`waited_s`): a request waits that too."""
+        the wait before it while work was pending (`waited_s`): a request waits that too.
+
+        When the steps do not span a part's terms (a short run, one batch size), that part
+        keeps `fallback`'s coefficients; without a fallback it is a ProfileError."""
         rows, seconds, decode = [], [], []
         for step in steps:
             step_s = step.seconds + step.waited_s
@@ -138,7 +143,19 @@ class CostModel:
                 seconds.append(step_s)
             elif step.decode_seqs and not step.prefill_chunks:
                 decode.append((step.decode_seqs, step.decode_kv_tokens, step_s))
-        return cls(fit_prefill_rows(rows, seconds), fit_decode(decode), chunk_tokens)
+        try:
+            prefill = fit_prefill_rows(rows, seconds)
+        except ProfileError:
+            if fallback is None:
+                raise
+            prefill = fallback.prefill_coef
+        try:
+            decode_coef = fit_decode(decode)
+        except ProfileError:
+            if fallback is None:
+                raise
+            decode_coef = fallback.decode_coef
+        return cls(prefill, decode_coef, chunk_tokens)
 
     def to_dict(self) -> dict[str, dict[str, float]]:
         """The coefficients keyed by term name, as written in a profile."""

@@ -143,3 +143,17 @@ def test_chunk_tokens_round_trip_and_bad_values(tmp_path):
     (tmp_path / "bad.yaml").write_text(text)
     with pytest.raises(ProfileError, match="chunk_tokens"):
         load_profile(tmp_path / "bad.yaml")
+
+
+def test_fit_steps_keeps_the_fallback_for_a_part_the_steps_do_not_span():
+    rng = random.Random(5)
+    steps = [StepTiming((), 1, 100 * i, 0.01, 0.0, 0.0) for i in range(1, 9)]  # batch 1 only
+    for _ in range(20):
+        chunks = ((rng.randint(1, 64), rng.randint(0, 500)), (rng.randint(1, 64), 0))
+        steps.append(StepTiming(chunks, 0, 0, CHUNKED.prefill_step_time(chunks), 0.0, 0.0))
+    with pytest.raises(ProfileError):
+        CostModel.fit_steps(steps, 64)
+    fallback = CostModel((1.0, 1.0, 1.0, 1.0), (0.5, 0.5, 0.5), 64)
+    fitted = CostModel.fit_steps(steps, 64, fallback)
+    assert fitted.prefill_coef == pytest.approx(CHUNKED.prefill_coef, rel=1e-6)
+    assert fitted.decode_coef == fallback.decode_coef
