@@ -87,6 +87,46 @@ class PagePool:
                 if self.events is not None:
                     self.events.append(("stored", parent))
 
+    def uncached(self, keys: list[bytes]) -> list[bytes]:
+        """The keys of `keys` without a cached page; the cached ones become most recently
+        used, so adopting the rest does not evict them."""
+        missing = []
+        for key in keys:
+            page = self.key_to_page.get(key)
+            if page is None:
+                missing.append(key)
+            elif page in self.cached_free:
+                self.cached_free.move_to_end(page)
+        return missing
+
+    def adopt(self, keys: list[bytes]) -> list[tuple[int, int]]:
+        """Register a free page under each key of `keys` not cached yet, as if a request had
+        computed it and finished: cached, unreferenced, evictable. Returns (index in `keys`,
+        page) of each; the caller writes their KV before the next step. It evicts only cached
+        pages outside `keys`, never one of the chain it extends nor one it adopted itself."""
+        adopted: list[tuple[int, int]] = []
+        held = [self.key_to_page[key] for key in keys if key in self.key_to_page]
+        protected = 0
+        for page in held:
+            if page in self.cached_free:
+                self.cached_free.move_to_end(page)
+                protected += 1
+        budget = self.num_free_pages - protected
+        for index, key in enumerate(keys):
+            if len(adopted) == budget:
+                break
+            if key in self.key_to_page:
+                continue
+            page = self._allocate()
+            self.ref_counts[page] = 0
+            self.key_to_page[key] = page
+            self.page_to_key[page] = key
+            self.cached_free[page] = None
+            if self.events is not None:
+                self.events.append(("stored", key))
+            adopted.append((index, page))
+        return adopted
+
     def release(self, seq: Sequence) -> None:
         """Drop `seq`'s hold on its pages; the tail goes first so prefixes are evicted last."""
         for page in reversed(seq.block_table):

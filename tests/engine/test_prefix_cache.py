@@ -41,3 +41,26 @@ def test_finished_pages_stay_cached_until_evicted_lru(tiny_model_dir):
     )
     again = llm.generate([old], SamplingParams(max_tokens=1, temperature=0.0))[0]
     assert again.num_cached_tokens == 0, "the old prefix was the least recently used and evicted"
+
+
+def test_adopted_pages_extend_a_cached_chain_without_evicting_it():
+    from halfmoon.engine.page_pool import PagePool
+    from halfmoon.engine.sequence import Sequence
+
+    pool = PagePool(num_pages=4, block_size=2, root_key=b"root")
+    pool.events = []
+    seq = Sequence("s", [1, 2, 3], 3, SamplingParams(), 0.0)
+    pool.grow(seq, 3)
+    seq.num_computed_tokens = 3
+    pool.cache_full_blocks(seq)  # one full block cached
+    (head,) = seq.block_keys
+    pool.release(seq)
+    assert pool.uncached([head, b"a"]) == [b"a"]
+    adopted = pool.adopt([head, b"a", b"b", b"c", b"d"])
+    # Three pages were free; the chain's own head stays, so only three blocks are adopted.
+    assert [index for index, _ in adopted] == [1, 2, 3]
+    assert head in pool.key_to_page and b"d" not in pool.key_to_page
+    assert pool.num_free_pages == 4 and pool.num_used_pages == 0  # cached, unreferenced
+    assert pool.events[-3:] == [("stored", b"a"), ("stored", b"b"), ("stored", b"c")]
+    reader = Sequence("r", [1, 2, 9], 3, SamplingParams(), 0.0)
+    assert pool.attach_cached_prefix(reader) == 2
