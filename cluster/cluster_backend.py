@@ -62,6 +62,8 @@ class RequestTrace:
     num_output_tokens: int = 0
     predicted_ttft_s: float | None = None
     prefill_compute_s: float | None = None  # the prefill worker's first to last step
+    # The prefill's first token and its logprobs, streamed before the decode worker's output.
+    early_token: tuple | None = None
     outcome: str = "error"
     reason: str = ""
 
@@ -110,15 +112,26 @@ class ClusterBackend:
             token_ids = self._tokenize(request)
             trace.num_prompt_tokens = len(token_ids)
             stream = await self._start(request, token_ids, trace)
+            early = trace.early_token
+            if early is not None:  # the prefill's token goes out now, not after the hand-off
+                trace.num_output_tokens = 1
+                trace.first_token_s = trace.last_token_s = time.monotonic()
+                self._observe_first_token(rid, trace)
+                yield TokenDelta([early[0]], "", logprobs=[early[1]] if early[1] else [])
             async for ref in stream:
                 out: RequestOutput = await ref
-                trace.num_output_tokens += len(out.new_token_ids)
+                new_ids = out.new_token_ids
+                if early is not None and new_ids[:1] == [early[0]]:
+                    new_ids, early = new_ids[1:], None  # streamed already
+                trace.num_output_tokens += len(new_ids)
                 finished = out.finished
-                if trace.first_token_s is None and out.new_token_ids:
+                if trace.first_token_s is None and new_ids:
                     trace.first_token_s = time.monotonic()
                     self._observe_first_token(rid, trace)
                 trace.last_token_s = time.monotonic()
-                yield self._delta(out, trace)
+                delta = self._delta(out, trace)
+                delta.token_ids = new_ids
+                yield delta
             trace.outcome = "finished" if finished else "error"
         except RayActorError as error:
             raise NoWorkerError(f"a worker serving request {rid} died: {error}") from error
@@ -200,6 +213,7 @@ class ClusterBackend:
         # The cost model is refined from the workers' engine steps (RouterActor polls them).
         trace.prefill_compute_s = result.finished_at - result.started_at
         trace.num_cached_tokens, trace.num_loaded_tokens = cached, result.num_loaded_tokens
+        trace.early_token = (result.first_token_id, result.logprobs)
         self.conductor.on_decode_join(rid, now)
         return decode.handle.generate.options(num_returns="streaming").remote(
             rid, result.first_token_id

@@ -201,3 +201,22 @@ def _dashboard_metric_names(dashboard: dict) -> set[str]:
         for target in panel.get("targets", []):
             names |= set(re.findall(r"halfmoon_[a-z_]+", target.get("expr", "")))
     return {re.sub(r"_(bucket|sum|count)$", "", n) for n in names}
+
+
+def test_the_prefill_token_is_streamed_before_the_hand_off_to_decode(tiny_model_dir, tiny_llm):
+    prompt = "The first token comes from the prefill worker " * 3
+    settings = {"router.bypass_threshold_tokens": 0}
+    with running_cluster(tiny_model_dir, **settings) as (_, client):
+        stream = client.generate(prompt, max_tokens=6, temperature=0.0, logprobs=2)
+        with stream:
+            deltas = list(stream)
+    expected = tiny_llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0))[0]
+    first = deltas[0]
+    assert first.token_ids == expected.token_ids[:1] and first.text == ""
+    assert [lp.token_id for lp in first.logprobs] == expected.token_ids[:1]
+    assert sum((d.token_ids for d in deltas), []) == expected.token_ids
+    assert "".join(d.text for d in deltas) == expected.text
+    logprobs = [lp for d in deltas for lp in d.logprobs]
+    assert [lp.token_id for lp in logprobs] == expected.token_ids
+    assert all(len(lp.top) == 2 for lp in logprobs)
+    assert deltas[-1].usage.completion_tokens == 6
