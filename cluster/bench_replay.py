@@ -147,7 +147,9 @@ def main(argv: list[str] | None = None) -> int:
         prog="halfmoon bench replay",
         description="Replay the first N requests of a Mooncake trace on a live local cluster "
         "(hash ids -> seeded token blocks, lengths and times scaled) and simulate the same "
-        "scaled trace with the live workers' measured profile; prints both side by side.",
+        "scaled trace step by step with the live workers' profile as observed during the "
+        "replay (engine steps, hand-off time), and with the start-up profile alone; prints "
+        "the simulator's figures for all three side by side.",
     )
     parser.add_argument("--trace", required=True, help="Mooncake-format JSONL trace")
     parser.add_argument("--requests", type=int, default=120, help="first N requests (120)")
@@ -163,9 +165,9 @@ def main(argv: list[str] | None = None) -> int:
         default=1.0,
         help="arrival speed-up: live time = trace time / X (1.0)",
     )
-    parser.add_argument("--prefill", type=int, default=1)
-    parser.add_argument("--decode", type=int, default=1)
-    parser.add_argument("--policy", default="conductor")
+    parser.add_argument("--prefill", type=int, default=1, help="prefill workers (1)")
+    parser.add_argument("--decode", type=int, default=1, help="decode workers (1)")
+    parser.add_argument("--policy", default="conductor", help="routing policy (conductor)")
     parser.add_argument(
         "--admission",
         default="none",
@@ -174,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--ttft-slo", type=float, help="TTFT SLO in seconds (none)")
     parser.add_argument("--tbt-slo", type=float, help="TBT SLO in seconds (none)")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     raw, _ = read_trace(args.trace)
     records = scale_records(raw[: args.requests], args.block_tokens, args.time_scale)
