@@ -21,8 +21,7 @@ from halfmoon.cluster.config import load_config, router_config
 from halfmoon.cluster.launcher import Cluster
 from halfmoon.router.cost_model import CostModel
 from halfmoon.router.sim_report import percentile
-from halfmoon.router.simulation import Simulation
-from halfmoon.router.step_simulation import StepSimulation
+from halfmoon.router.step_simulation import make_simulation
 from halfmoon.router.trace import TraceRecord, read_trace
 
 TRACE_BLOCK_TOKENS = 512
@@ -126,14 +125,11 @@ def simulate(cluster: Cluster, profile, records, block_tokens: int, router_profi
     pools = cluster.pools
     router = router_config(config, block_tokens)
     cache_blocks = cluster.info.num_pages
-    sizes = (router, profile, pools["prefill"].replicas, pools["decode"].replicas, cache_blocks)
-    if profile.cost.chunk_tokens:  # the live engines prefill in chunks: step like them
-        engine = config.engine
-        sim = StepSimulation(
-            *sizes, engine.max_num_batched_tokens, engine.max_num_seqs, router_profile
-        )
-    else:
-        sim = Simulation(*sizes, router_profile)
+    engine = config.engine
+    sim = make_simulation(
+        router, profile, pools["prefill"].replicas, pools["decode"].replicas, cache_blocks,
+        engine.max_num_batched_tokens, engine.max_num_seqs, router_profile,
+    )  # fmt: skip
     summary = sim.run(records, progress=False)
     return Figures(
         summary.requests, summary.rejected, summary.ttft_mean_s, summary.ttft_p50_s,
@@ -189,7 +185,6 @@ def main(argv: list[str] | None = None) -> int:
         "engine.num_pages": 1024, "store.use_local_redis": False,
     })  # fmt: skip
     cluster = Cluster(config)
-    owns_ray = not ray.is_initialized()  # a caller's Ray (a test session's) stays up
     try:
         ports = cluster.start()
         startup = ray.get(cluster.router.profile.remote())  # measured and calibrated, not refit
@@ -212,9 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         simulated = simulate(cluster, observed, records, args.block_tokens, startup)
         at_start = simulate(cluster, startup, records, args.block_tokens)
     finally:
-        cluster.stop()
-        if owns_ray and ray.is_initialized():
-            ray.shutdown()
+        cluster.stop()  # shuts Ray down too when it started it; a caller's Ray stays up
     scale = {
         "trace": args.trace,
         "requests": len(records),

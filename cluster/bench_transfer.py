@@ -11,8 +11,6 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
-import ray
-
 from halfmoon.cluster.config import load_config
 from halfmoon.cluster.launcher import Cluster
 from halfmoon.engine.init_model import BENCH_SHAPE, default_model_dir, ensure_model
@@ -111,9 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(run(cluster, [1], args.chunk_tokens, 1, args.seed))  # warm up
         rows = asyncio.run(run(cluster, chunk_counts, args.chunk_tokens, args.repeats, args.seed))
     finally:
-        cluster.stop()
-        if ray.is_initialized():
-            ray.shutdown()
+        cluster.stop()  # shuts Ray down too when it started it
     return _report(rows, args.json)
 
 

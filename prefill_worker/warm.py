@@ -10,11 +10,6 @@ from halfmoon.kernels import ops
 from halfmoon.kvstore.layout import LayerKV
 
 
-def uncached_blocks(engine: LLMEngine, keys: list[bytes]) -> list[bytes]:
-    """The keys of `keys` with no page of their own yet (see `PagePool.uncached`)."""
-    return engine.pool.uncached(keys)
-
-
 def adopt_blocks(engine: LLMEngine, keys: list[bytes], layers: list[LayerKV]) -> int:
     """Copy the blocks of `keys` (K/V of every layer in `layers`) into pages the pool adopts
     as cached prefix pages (publishing `stored` events); returns how many were adopted.

@@ -27,7 +27,7 @@ from halfmoon.kvstore.index import BlockEvent
 from halfmoon.kvstore.layout import LayerKV
 from halfmoon.kvstore.locate import local_store, local_store_name
 from halfmoon.kvstore.transfer import TransferUnit, plan_transfer
-from halfmoon.prefill_worker.warm import adopt_blocks, uncached_blocks
+from halfmoon.prefill_worker.warm import adopt_blocks
 
 RECENT_REQUESTS = 1024
 # Blocks warmed per engine call: bounds the memory in flight and the pause of the step loop.
@@ -166,7 +166,7 @@ class PrefillWorker(EngineWorker, KVHooks):
         if not self.engine.pool.enable_caching:
             return 0
         engine = self._engine()
-        keys = engine.call(lambda e: uncached_blocks(e, list(block_keys)))
+        keys = engine.call(lambda e: e.pool.uncached(list(block_keys)))
         store = ray.get_actor(store_name) if store_name else self._store()
         held = await store.cached_prefix.remote(keys)
         if not held:

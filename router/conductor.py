@@ -10,6 +10,7 @@ from halfmoon.kvstore.index import PrefixIndex
 from halfmoon.router.admission import admission_reason
 from halfmoon.router.bypass import bypass_placement
 from halfmoon.router.config import RouterConfig, check_slo
+from halfmoon.router.cost_model import step_sample
 from halfmoon.router.decision import Decision
 from halfmoon.router.errors import InvalidRequestError, RouterConfigError
 from halfmoon.router.online_fit import OnlineRefit
@@ -187,11 +188,14 @@ class Conductor:
     def observe_step(self, step) -> None:
         """A worker's `engine.llm_engine.StepTiming`: pure prefill and pure decode steps
         refine the cost model; mixed steps (a bypassed prefill beside decodes) are skipped."""
-        step_s = step.seconds + step.waited_s  # the wait between busy steps is paid too
-        if step.prefill_chunks and not step.decode_seqs:
-            self.observe_prefill_step(step.prefill_chunks, step_s)
-        elif step.decode_seqs and not step.prefill_chunks:
-            self.observe_decode_step(step.decode_seqs, step.decode_kv_tokens, step_s)
+        sample = step_sample(step)
+        if sample is None:
+            return
+        kind, shape, step_s = sample
+        if kind == "prefill":
+            self.observe_prefill_step(shape, step_s)
+        else:
+            self.observe_decode_step(*shape, step_s)
 
     def set_request_overhead(self, seconds: float) -> None:
         """A calibrated per-request overhead (idle pipeline); the hand-off estimate restarts."""

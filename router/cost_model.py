@@ -35,6 +35,19 @@ def step_features(chunks: Iterable[tuple[float, float]]) -> list[float]:
     return row
 
 
+def step_sample(step) -> tuple[str, tuple, float] | None:
+    """What a logged engine step (`engine.llm_engine.StepTiming`) teaches the cost model:
+    ("prefill", its chunks, seconds) for a pure prefill step, ("decode", (batch, KV tokens),
+    seconds) for a pure decode step, None for a mixed one. The seconds count the wait before
+    the step while work was pending: a request waits that too."""
+    seconds = step.seconds + step.waited_s
+    if step.prefill_chunks and not step.decode_seqs:
+        return "prefill", step.prefill_chunks, seconds
+    if step.decode_seqs and not step.prefill_chunks:
+        return "decode", (step.decode_seqs, step.decode_kv_tokens), seconds
+    return None
+
+
 def chunk_spans(new_tokens: int, cached_tokens: int, chunk_tokens: int) -> list[tuple[int, int]]:
     """The (new tokens, tokens before) chunks the engine computes a prompt in: each chunk ends
     on a multiple of `chunk_tokens` (0: the whole remainder in one chunk)."""
@@ -130,19 +143,17 @@ class CostModel:
         cls, steps: Iterable, chunk_tokens: int = 0, fallback: CostModel | None = None
     ) -> CostModel:
         """Least-squares fit from engine steps (`engine.llm_engine.StepTiming`): pure prefill
-        steps fit the prefill terms, pure decode steps the decode terms. A step's time counts
-        the wait before it while work was pending (`waited_s`): a request waits that too.
+        steps fit the prefill terms, pure decode steps the decode terms (`step_sample`).
 
         When the steps do not span a part's terms (a short run, one batch size), that part
         keeps `fallback`'s coefficients; without a fallback it is a ProfileError."""
         rows, seconds, decode = [], [], []
-        for step in steps:
-            step_s = step.seconds + step.waited_s
-            if step.prefill_chunks and not step.decode_seqs:
-                rows.append(step_features(step.prefill_chunks))
+        for kind, shape, step_s in filter(None, map(step_sample, steps)):
+            if kind == "prefill":
+                rows.append(step_features(shape))
                 seconds.append(step_s)
-            elif step.decode_seqs and not step.prefill_chunks:
-                decode.append((step.decode_seqs, step.decode_kv_tokens, step_s))
+            else:
+                decode.append((*shape, step_s))
         try:
             prefill = fit_prefill_rows(rows, seconds)
         except ProfileError:

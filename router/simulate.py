@@ -10,8 +10,7 @@ from halfmoon.router.config import ADMISSION_MODES, POLICY_NAMES, RouterConfig
 from halfmoon.router.errors import RouterConfigError, TraceFormatError
 from halfmoon.router.profile import DEFAULT_PROFILE, load_profile
 from halfmoon.router.sim_report import SimSummary
-from halfmoon.router.simulation import Simulation
-from halfmoon.router.step_simulation import StepSimulation
+from halfmoon.router.step_simulation import make_simulation
 from halfmoon.router.trace import read_trace
 
 
@@ -110,11 +109,9 @@ def simulate(args: argparse.Namespace) -> SimSummary:
     if cache_blocks < 0:
         raise RouterConfigError(f"--cache-blocks-per-instance {cache_blocks} must be >= 0")
     records, bad = read_trace(args.trace, args.time_scale, args.on_bad_line)
-    sizes = (config, profile, args.prefill, args.decode, cache_blocks)
-    if profile.cost.chunk_tokens:  # the profile's engine prefills in chunks: step like it
-        simulation = StepSimulation(*sizes, args.max_batched_tokens)
-    else:
-        simulation = Simulation(*sizes)
+    simulation = make_simulation(
+        config, profile, args.prefill, args.decode, cache_blocks, args.max_batched_tokens
+    )
     summary = simulation.run(records, progress=not args.no_progress)
     summary.bad_lines = len(bad)
     return summary

@@ -172,19 +172,27 @@ class Simulation:
             self._start_prefill(instance, now)
 
     def _first_token(self, rid: str, now: float, tail_s: float, handoff: bool = True) -> None:
+        if self._record_first_token(rid, now, handoff):
+            self._push(now + self._overhead_s(handoff) + tail_s, DECODE_JOIN, rid)
+
+    def _record_first_token(self, rid: str, now: float, handoff: bool) -> bool:
+        """The prefill of `rid` ended at `now`: record its TTFT (with the overheads; `handoff`
+        for a disaggregated request) and tell the Conductor. False when it ends here."""
         outcome = self._outcomes[rid]
-        overhead_s = self.profile.request_overhead_s
         if handoff:
-            overhead_s += self.profile.handoff_s
             self.conductor.observe_handoff(self.profile.handoff_s)  # as the live router does
-        outcome.ttft_s = now + overhead_s - outcome.arrival_s
+        outcome.ttft_s = now + self._overhead_s(handoff) - outcome.arrival_s
         self.conductor.on_prefill_done(rid, now)
         self.conductor.observe_ttft(rid, outcome.ttft_s)
         record = self._records[rid]
         if record.num_output_tokens <= 1:
             self.conductor.on_finish(rid, now, record.num_output_tokens)
-            return
-        self._push(now + overhead_s + tail_s, DECODE_JOIN, rid)
+            return False
+        return True
+
+    def _overhead_s(self, handoff: bool) -> float:
+        profile = self.profile
+        return profile.request_overhead_s + (profile.handoff_s if handoff else 0.0)
 
     def _bypass(self, rid: str, now: float) -> None:
         self._bypassed += 1

@@ -112,13 +112,26 @@ class StepSimulation(Simulation):
         self._first_token(job.request_id, now, tail_s)
 
     def _bypass_prefilled(self, engine: SimEngine, job: StepJob, now: float) -> None:
+        # A bypassed prompt goes on decoding in the same engine, with no hand-off.
         rid = job.request_id
-        outcome = self._outcomes[rid]
-        outcome.ttft_s = now + self.profile.request_overhead_s - outcome.arrival_s
-        self.conductor.on_prefill_done(rid, now)
-        self.conductor.observe_ttft(rid, outcome.ttft_s)
-        if job.decode_steps <= 0:
-            self.conductor.on_finish(rid, now, self._records[rid].num_output_tokens)
-            return
-        engine.join(rid, job.num_prompt_tokens + 1, job.decode_steps, now)
-        self.conductor.on_decode_join(rid, now)
+        if self._record_first_token(rid, now, handoff=False):
+            engine.join(rid, job.num_prompt_tokens + 1, job.decode_steps, now)
+            self.conductor.on_decode_join(rid, now)
+
+
+def make_simulation(
+    config: RouterConfig,
+    profile: Profile,
+    num_prefill: int,
+    num_decode: int,
+    cache_blocks: int,
+    max_batched_tokens: int = 2048,
+    max_num_seqs: int = 64,
+    router_profile: Profile | None = None,
+) -> Simulation:
+    """A `StepSimulation` when the profile's engine prefills in chunks (as live workers do),
+    else the request-level `Simulation`, which suits whole traces on large clusters."""
+    sizes = (config, profile, num_prefill, num_decode, cache_blocks)
+    if profile.cost.chunk_tokens:
+        return StepSimulation(*sizes, max_batched_tokens, max_num_seqs, router_profile)
+    return Simulation(*sizes, router_profile)
