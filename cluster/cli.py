@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import re
 import sys
 
 BENCHMARKS = {
@@ -24,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="halfmoon",
         description="halfmoon: a Mooncake-style disaggregated LLM serving cluster.",
     )
+    parser.add_argument("--version", action="version", version=f"halfmoon {_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_serve(commands)
     _add_generate(commands)
@@ -40,6 +42,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("halfmoon")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+SIZE_UNITS = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "ki": 1 << 10, "mi": 1 << 20}
+SIZE_UNITS["gi"] = 1 << 30
+
+
+def parse_bytes(text: str) -> int:
+    """`4GiB`, `512MiB`, `2G` or a plain number of bytes, as bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmg]i?)?b?\s*", text.lower())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; write e.g. 4GiB or 512MiB")
+    number, unit = match.groups()
+    size = int(float(number) * SIZE_UNITS[unit or ""])
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1 byte")
+    return size
+
+
 def _add_serve(commands) -> None:
     cmd = commands.add_parser(
         "serve",
@@ -49,7 +76,42 @@ def _add_serve(commands) -> None:
         "config file; every default is in halfmoon.cluster.config (see deploy/configs/).",
     )
     cmd.add_argument("--config", help="YAML config (default: built-in defaults)")
-    cmd.add_argument("--model", help="checkpoint directory (default: the tiny generated model)")
+    cmd.add_argument(
+        "--model",
+        help="checkpoint directory, or a transformers model id already in the local Hugging Face "
+        "cache (nothing is downloaded); default: the tiny generated model",
+    )
+    cmd.add_argument(
+        "--served-model-name", help="the model name clients use (default: --model as given)"
+    )
+    cmd.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "float16", "bfloat16"],
+        help="weights and KV dtype (auto: float32 on CPU, the checkpoint's dtype on GPU)",
+    )
+    cmd.add_argument(
+        "--max-model-len",
+        type=int,
+        help="context length in tokens (default: the model's); prompts must be shorter",
+    )
+    cmd.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        help="share of a GPU's memory one worker may use for weights, activations and KV "
+        "(default 0.9, scaled by a fractional num_gpus)",
+    )
+    cmd.add_argument(
+        "--kv-cache-memory",
+        type=parse_bytes,
+        metavar="SIZE",
+        help="KV cache per worker, e.g. 4GiB or 512MiB (default: from free GPU memory; 2 GiB on "
+        "CPU)",
+    )
+    cmd.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        help="only 1 is supported: each worker runs on one device",
+    )
     cmd.add_argument("--prefill", type=int, help="prefill workers")
     cmd.add_argument("--decode", type=int, help="decode workers")
     cmd.add_argument("--mode", choices=["disaggregated", "colocated"])
@@ -80,6 +142,12 @@ def _add_status(commands) -> None:
 
 SERVE_OVERRIDES = {
     "model": "model",
+    "served_model_name": "served_model_name",
+    "dtype": "engine.dtype",
+    "max_model_len": "engine.max_model_len",
+    "gpu_memory_utilization": "engine.gpu_memory_utilization",
+    "kv_cache_memory": "engine.kv_cache_memory_bytes",
+    "tensor_parallel_size": "engine.tensor_parallel_size",
     "prefill": "prefill.replicas",
     "decode": "decode.replicas",
     "mode": "mode",
@@ -168,7 +236,8 @@ def _add_generate(commands) -> None:
     cmd.add_argument(
         "--json",
         action="store_true",
-        help="print one JSON object (token_ids, text, finish_reason, usage)",
+        help="print one JSON object (request_id, token_ids, text, finish_reason, usage); "
+        "otherwise the text streams to stdout and the request id goes to stderr",
     )
     cmd.set_defaults(run=_run_generate)
 
@@ -194,12 +263,11 @@ def _run_generate(args) -> int:
 
         return generate_remote(args)
     from halfmoon.engine import EngineConfig, LLMEngine, SamplingParams
-    from halfmoon.engine.init_model import ensure_model
+    from halfmoon.engine.model_source import resolve_model
 
     params = SamplingParams(**sampling_kwargs(args))
-    model = args.model or str(ensure_model())
-    engine = LLMEngine(EngineConfig(model=model))
-    engine.add_request(args.prompt, params, request_id="cli")
+    engine = LLMEngine(EngineConfig(model=str(resolve_model(args.model))))
+    request_id = engine.add_request(args.prompt, params)
     token_ids, text, last = [], "", None
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -208,16 +276,23 @@ def _run_generate(args) -> int:
             last = out
             if not args.json:
                 print(out.new_text, end="", flush=True)
-    if args.json:
-        print(json.dumps(completion_json(token_ids, text, last)))
-    else:
-        print()
+    print_result(request_id, token_ids, text, last, args.json)
     return 0
 
 
-def completion_json(token_ids: list[int], text: str, last) -> dict:
+def print_result(request_id: str, token_ids: list[int], text: str, last, as_json: bool) -> None:
+    """End `generate`'s output: the JSON object, or a newline and the request id on stderr."""
+    if as_json:
+        print(json.dumps(completion_json(request_id, token_ids, text, last)))
+        return
+    print()
+    print(f"request id: {request_id}", file=sys.stderr)
+
+
+def completion_json(request_id: str, token_ids: list[int], text: str, last) -> dict:
     """The shape `generate --json` prints, the same locally and from a server."""
     return {
+        "request_id": request_id,
         "token_ids": token_ids,
         "text": text,
         "finish_reason": last.finish_reason,

@@ -71,9 +71,18 @@ class RequestTrace:
 class ClusterBackend:
     """Routes with the Conductor (disaggregated) or least-loaded (colocated) and relays tokens."""
 
-    def __init__(self, tokenizer, info: WorkerInfo, conductor: Conductor, mode: str, observer=None):
+    def __init__(
+        self,
+        tokenizer,
+        info: WorkerInfo,
+        conductor: Conductor,
+        mode: str,
+        observer=None,
+        model_name: str | None = None,
+    ):
         self.tokenizer = tokenizer
         self.info = info
+        self.model_name = model_name or info.model
         self.conductor = conductor
         self.mode = mode
         self.observer = observer
@@ -283,7 +292,7 @@ class ClusterBackend:
     async def model_info(self) -> ModelInfo:
         info = self.info
         return ModelInfo(
-            info.model, info.architecture, info.vocab_size, info.max_model_len, info.block_size
+            self.model_name, info.architecture, info.vocab_size, info.max_model_len, info.block_size
         )
 
     async def server_info(self) -> dict:
@@ -312,7 +321,8 @@ class ClusterBackend:
         error = dataclasses.asdict(self.conductor.prediction_error())
         return {
             "mode": self.mode,
-            "model": self.info.model,
+            "model": self.model_name,
+            "model_path": self.info.model,
             "workers": loads,
             "stores": stores,
             "policy": self.conductor.config.policy,

@@ -23,6 +23,7 @@ from halfmoon.router.policies import POLICIES
 from halfmoon.router.profile import PROFILE_DIR
 
 MiB = 1 << 20
+DEFAULT_MODEL_NAME = "tiny-llama"
 
 
 if TYPE_CHECKING:
@@ -49,6 +50,26 @@ class EngineSection(Section):
     # Tokens per prefill chunk; each chunk's KV is published layer by layer.
     prefill_chunk_size: int = Field(64, ge=1)
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    # None: the model's own context (max_position_embeddings / sliding window), or less if the
+    # KV cache cannot hold it; a larger value than the model's is an error.
+    max_model_len: int | None = Field(None, ge=2)
+    # KV budget per worker; None sizes it from the device (below on CUDA, 2 GiB on CPU).
+    kv_cache_memory_bytes: int | None = Field(None, gt=0)
+    # Share of the GPU's memory one worker's weights, activations and KV may use; with a
+    # fractional num_gpus the launcher scales it by that fraction.
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    tensor_parallel_size: int = Field(1, ge=1)
+
+    @field_validator("tensor_parallel_size")
+    @classmethod
+    def _no_tensor_parallel(cls, size: int) -> int:
+        if size != 1:
+            raise PydanticCustomError(
+                "tensor_parallel",
+                "tensor parallelism is not supported yet: each worker runs on one device; "
+                "scale with more prefill/decode replicas instead (set 1)",
+            )
+        return size
 
     @model_validator(mode="after")
     def _chunk_fits(self) -> EngineSection:
@@ -185,8 +206,11 @@ class HealthSection(Section):
 class ClusterConfig(Section):
     """Everything `halfmoon serve` needs; the defaults run a tiny model on one machine."""
 
-    # None: the tiny model generated on first use.
+    # A checkpoint directory or a model id in the local Hugging Face cache; None: the tiny
+    # model generated on first use.
     model: str | None = None
+    # The model name clients use (OpenAI `model`, ModelInfo); None: `model` as given.
+    served_model_name: str | None = Field(None, min_length=1)
     mode: Literal["disaggregated", "colocated"] = "disaggregated"
     engine: EngineSection = Field(default_factory=EngineSection)
     prefill: PoolConfig = Field(default_factory=PoolConfig)
@@ -262,6 +286,11 @@ class ClusterConfig(Section):
                     f"{replicas} is outside autoscaling.{pool}'s "
                     f"[{policy.min_replicas}, {policy.max_replicas}]; start within the bounds",
                 )
+
+
+def served_name(config: ClusterConfig) -> str:
+    """The name clients see for the model."""
+    return config.served_model_name or config.model or DEFAULT_MODEL_NAME
 
 
 def _no_tbt(policy: DecodePlannerPolicy, slo_tbt_s: float | None) -> bool:

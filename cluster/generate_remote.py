@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from types import SimpleNamespace
 
-from halfmoon.cluster.cli import completion_json, sampling_kwargs
+from halfmoon.cluster.cli import print_result, sampling_kwargs
 from halfmoon.cluster.client import Client, Completion, ServerError
 
 
@@ -20,10 +19,7 @@ def generate_remote(args) -> int:
             return _report(error, args.server)
         except KeyboardInterrupt:
             return 130
-    if args.json:
-        print(json.dumps(completion_json(result.token_ids, result.text, _last(result))))
-    else:
-        print()
+    print_result(result.request_id, result.token_ids, result.text, _last(result), args.json)
     return 0
 
 

@@ -3,6 +3,7 @@ router actor. The controller (cluster/controller.py) keeps it healthy and sized.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -19,7 +20,7 @@ from halfmoon.cluster.measured_profile import measured_profile
 from halfmoon.cluster.router_actor import RouterActor
 from halfmoon.decode_worker.worker import DecodeWorker
 from halfmoon.engine.config import EngineConfig
-from halfmoon.engine.init_model import ensure_model
+from halfmoon.engine.model_source import resolve_model
 from halfmoon.engine.worker_info import WorkerInfo
 from halfmoon.kvstore.config import StoreConfig
 from halfmoon.kvstore.layout import KvLayout
@@ -63,8 +64,8 @@ class Cluster:
 
     def start(self) -> dict:
         """Start everything; returns the bound ports (`grpc_port`, `metrics_port`)."""
+        model = str(resolve_model(self.config.model))  # a missing model fails before Ray starts
         self._init_ray()
-        model = str(ensure_model(self.config.model))
         self.engine_config = self._engine_config(model)
         for kind, pool in self.pools.items():
             for _ in range(pool.replicas):
@@ -171,7 +172,16 @@ class Cluster:
             max_num_seqs=engine.max_num_seqs,
             prefill_chunk_size=engine.prefill_chunk_size,
             dtype=engine.dtype,
+            max_model_len=engine.max_model_len,
+            kv_cache_memory_bytes=engine.kv_cache_memory_bytes,
+            gpu_memory_utilization=engine.gpu_memory_utilization,
         )
+
+    def _pool_engine_config(self, pool: PoolConfig) -> EngineConfig:
+        """Workers sharing a GPU (fractional num_gpus) split its memory by their fraction."""
+        share = min(pool.num_gpus, 1.0) if pool.num_gpus > 0 else 1.0
+        utilization = self.engine_config.gpu_memory_utilization * share
+        return dataclasses.replace(self.engine_config, gpu_memory_utilization=utilization)
 
     def _store_config(self) -> StoreConfig:
         store = self.config.store
@@ -203,7 +213,7 @@ class Cluster:
                 max_concurrency=10_000,
                 max_restarts=0,
             )
-            .remote(name, self.engine_config, None, self.config.store.get_timeout_s)
+            .remote(name, self._pool_engine_config(pool), None, self.config.store.get_timeout_s)
         )
         worker = self.workers[name] = WorkerHandle(name, kind, actor)
         return worker

@@ -16,7 +16,7 @@ from ray.exceptions import RayActorError
 
 from halfmoon.cluster.backend import GenerateInput
 from halfmoon.cluster.cluster_backend import ClusterBackend, RequestTrace, Worker
-from halfmoon.cluster.config import ClusterConfig, router_config
+from halfmoon.cluster.config import ClusterConfig, router_config, served_name
 from halfmoon.engine.llm_engine import StepTiming
 from halfmoon.engine.sampling_params import SamplingParams
 from halfmoon.engine.tokenizer import load_tokenizer
@@ -41,7 +41,9 @@ class RouterActor:
         self.metrics = Metrics()
         conductor = Conductor(router_config(config, info.block_size), profile)
         tokenizer = load_tokenizer(Path(info.model))
-        self.backend = ClusterBackend(tokenizer, info, conductor, config.mode, self._observe)
+        self.backend = ClusterBackend(
+            tokenizer, info, conductor, config.mode, self._observe, served_name(config)
+        )
         self.loads: dict[str, WorkerLoad] = {}
         self.finished: deque[tuple[float, int, int, int]] = deque()  # (time, in, out, cached)
         self.steps_observed: deque[StepTiming] = deque(maxlen=OBSERVED_STEPS)

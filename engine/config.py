@@ -17,7 +17,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     max_model_len: int | None = None
-    kv_cache_bytes: int = 2 << 30
+    # KV budget: None sizes it from the device (CUDA: this share of its memory; CPU: 2 GiB).
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
     dtype: str = "auto"
     device: str = "auto"
     enable_prefix_caching: bool = True
@@ -42,6 +44,20 @@ class EngineConfig:
                 "prefill_chunk_size",
                 chunk,
                 f"must be None or a multiple of block_size={self.block_size}",
+            )
+        if self.max_model_len is not None and (
+            not isinstance(self.max_model_len, int) or self.max_model_len < 2
+        ):
+            raise InvalidRequestError(
+                "max_model_len", self.max_model_len, "must be None or an integer >= 2"
+            )
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise InvalidRequestError(
+                "kv_cache_memory_bytes", self.kv_cache_memory_bytes, "must be None or > 0 bytes"
+            )
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise InvalidRequestError(
+                "gpu_memory_utilization", self.gpu_memory_utilization, "must be in (0, 1]"
             )
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise InvalidRequestError(

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from halfmoon.engine.config import EngineConfig
-from halfmoon.engine.init_model import ensure_model
 from halfmoon.engine.llm_engine import LLMEngine
+from halfmoon.engine.model_source import resolve_model
 from halfmoon.engine.sampling_params import SamplingParams
 from halfmoon.engine.sequence import TokenLogprobs
 from halfmoon.engine.tokenizer import Prompt
@@ -28,10 +28,11 @@ class CompletionOutput:
 
 
 class LLM:
-    """Batch generation with continuous batching; `model=None` uses the tiny default model."""
+    """Batch generation with continuous batching; `model` is a checkpoint directory or a model id
+    in the local Hugging Face cache, None the tiny default model."""
 
     def __init__(self, model: str | None = None, **engine_args) -> None:
-        model_dir = model if model is not None else str(ensure_model())
+        model_dir = str(resolve_model(model))
         self.engine = LLMEngine(EngineConfig(model=model_dir, **engine_args))
         self.tokenizer = self.engine.tokenizer
 

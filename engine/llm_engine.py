@@ -22,8 +22,15 @@ from halfmoon.engine.errors import (
     RequestNotFoundError,
 )
 from halfmoon.engine.hooks import KVHooks
+from halfmoon.engine.kv_sizing import (
+    activation_bytes,
+    cuda_memory,
+    kv_budget_bytes,
+    page_bytes,
+    plan_num_pages,
+)
 from halfmoon.engine.loader import checkpoint_files
-from halfmoon.engine.model_config import load_model_config
+from halfmoon.engine.model_config import ModelConfig, load_model_config
 from halfmoon.engine.model_runner import ModelRunner
 from halfmoon.engine.page_pool import PagePool
 from halfmoon.engine.sampler import sample
@@ -98,16 +105,10 @@ class LLMEngine:
         self.device = _pick_device(config.device)
         self.dtype = _pick_dtype(config.dtype, model_dir, self.device)
         self.tokenizer = load_tokenizer(model_dir)
-        page_bytes = 2 * cfg.num_layers * config.block_size * cfg.num_kv_heads * cfg.head_dim
-        page_bytes *= self.dtype.itemsize
-        max_len = min(cfg.max_model_len, config.max_model_len or cfg.max_model_len)
-        pages_per_seq = -(-max_len // config.block_size)
-        self.num_pages = config.num_pages or max(
-            pages_per_seq + 1,
-            min(config.max_num_seqs * pages_per_seq, config.kv_cache_bytes // page_bytes),
-        )
-        self.max_model_len = min(max_len, self.num_pages * config.block_size)
+        self.runner = ModelRunner(model_dir, cfg, config.block_size, self.dtype, self.device)
+        self.num_pages, self.max_model_len = _size_kv(config, cfg, self.dtype, self.runner)
         cfg.max_model_len = self.max_model_len
+        self.runner.allocate_kv(self.num_pages, self.max_model_len)
         self.root_key = model_root_key(
             _model_identity(model_dir),
             str(self.dtype),
@@ -125,9 +126,6 @@ class LLMEngine:
             config.max_num_seqs,
             config.prefill_chunk_size,
             hooks,
-        )
-        self.runner = ModelRunner(
-            model_dir, cfg, self.num_pages, config.block_size, self.dtype, self.device
         )
         self.eos_token_ids = set(cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -321,6 +319,41 @@ def _model_identity(model_dir: Path) -> str:
     with checkpoint_files(model_dir)[0].open("rb") as weights:
         digest.update(weights.read(1 << 16))
     return f"{model_dir.resolve().name}@{digest.hexdigest()[:16]}"
+
+
+def _size_kv(
+    config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype, runner: ModelRunner
+) -> tuple[int, int]:
+    """(num_pages, max_model_len): the pages the budget allows and the context they can hold."""
+    if config.max_model_len is not None and config.max_model_len > cfg.max_model_len:
+        raise ModelLoadError(
+            f"max_model_len={config.max_model_len} exceeds the model's context of "
+            f"{cfg.max_model_len} tokens (max_position_embeddings / sliding window); lower it"
+        )
+    max_len = config.max_model_len or cfg.max_model_len
+    pages_per_seq = -(-max_len // config.block_size)
+    num_pages = config.num_pages
+    if num_pages is None:
+        activations = activation_bytes(cfg, config.max_num_batched_tokens, config.max_num_seqs)
+        memory = cuda_memory(runner.device, runner.weights_bytes)
+        budget = kv_budget_bytes(
+            config.kv_cache_memory_bytes, config.gpu_memory_utilization, memory, activations
+        )
+        capped = memory is None and config.kv_cache_memory_bytes is None
+        bytes_per_page = page_bytes(cfg, config.block_size, dtype)
+        num_pages = plan_num_pages(
+            budget, bytes_per_page, pages_per_seq, config.max_num_seqs, capped
+        )
+    capacity = num_pages * config.block_size
+    if config.max_model_len is not None and capacity < config.max_model_len:
+        raise ModelLoadError(
+            f"the KV cache holds {capacity} tokens ({num_pages} pages), fewer than "
+            f"max_model_len={config.max_model_len}; give it more memory (--kv-cache-memory, "
+            "--gpu-memory-utilization) or lower --max-model-len"
+        )
+    if capacity < max_len:
+        log.info("context limited to %d tokens by the KV cache (%d pages)", capacity, num_pages)
+    return num_pages, min(max_len, capacity)
 
 
 def _pick_device(name: str) -> torch.device:

@@ -22,13 +22,7 @@ class ModelRunner:
     """Owns the model weights and the KV pages; runs one step's forward pass."""
 
     def __init__(
-        self,
-        model_dir: Path,
-        cfg: ModelConfig,
-        num_pages: int,
-        block_size: int,
-        dtype: torch.dtype,
-        device: torch.device,
+        self, model_dir: Path, cfg: ModelConfig, block_size: int, dtype: torch.dtype, device
     ) -> None:
         self.cfg, self.block_size, self.device = cfg, block_size, device
         self.forward_s = 0.0  # time inside the model's forward passes, for overhead figures
@@ -39,10 +33,17 @@ class ModelRunner:
             model.lm_head.weight = model.embed_tokens.weight
         load_weights(model, model_dir)
         self.model = model.eval()
+        self.weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        self.cos_sin: torch.Tensor | None = None
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def allocate_kv(self, num_pages: int, max_model_len: int) -> None:
+        """Allocate the KV pages and the rotary table once the weights' size is known."""
+        cfg, dtype, device = self.cfg, self.model.embed_tokens.weight.dtype, self.device
         self.cos_sin = cos_sin_cache(
-            cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_model_len
+            cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_model_len
         ).to(device)
-        shape = (num_pages, block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (num_pages, self.block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches = [
             (
                 torch.zeros(shape, dtype=dtype, device=device),

@@ -40,13 +40,19 @@ def profile_engine(engine: LLMEngine, seed: int = 0) -> ProfileSamples:
         extended = prompt + [rng.randrange(vocab) for _ in range(min(length, limit - length))]
         if len(extended) > len(prompt):
             samples.prefill += _time_prefill(engine, extended)
-    for context in (c for c in DECODE_CONTEXTS if c + 8 <= limit):
+    for context in _decode_contexts(limit - 8):
         for batch in DECODE_BATCHES:
             samples.decode.append(
                 (batch, batch * context, _time_decode(engine, rng, batch, context))
             )
     engine.step_log.clear()  # these steps ran alone; the router's live refit should not see them
     return samples
+
+
+def _decode_contexts(limit: int) -> list[int]:
+    """Two or more distinct contexts within `limit`, so the fit can tell batch from KV size."""
+    contexts = sorted({max(1, min(c, limit)) for c in DECODE_CONTEXTS})
+    return contexts if len(contexts) > 1 else [max(1, contexts[0] // 2), contexts[0]]
 
 
 def _time_prefill(engine: LLMEngine, prompt: list[int]) -> list[tuple[int, int, float]]:

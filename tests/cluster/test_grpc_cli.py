@@ -31,8 +31,16 @@ def test_generate_json_from_a_server_equals_generate_local(server, tiny_model_di
     args = ("--max-tokens", "8", "--json", "Hello there")
     remote = run_cli("--server", server.address, *args)
     local = run_cli("--local", "--model", str(tiny_model_dir), *args)
+    assert remote.pop("request_id") and local.pop("request_id")  # each side names its own
     assert remote == local
     assert set(remote) >= {"token_ids", "text", "finish_reason", "usage"}
+
+
+def test_generate_prints_the_request_id_that_status_explains(server, capsys):
+    assert main(["generate", "--server", server.address, "--max-tokens", "2", "Hi"]) == 0
+    request_id = capsys.readouterr().err.strip().removeprefix("request id: ")
+    assert main(["status", "--server", server.address, "--explain", request_id]) == 0
+    assert request_id in capsys.readouterr().out
 
 
 def test_generate_streams_text_from_a_server(server, tiny_llm, capsys):

@@ -1,0 +1,86 @@
+"""How many KV pages a worker gets: an explicit count, an explicit byte budget, or a share of the
+device's memory (CUDA) after the weights and the step's activations; on CPU a fixed budget."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from halfmoon.engine.errors import ModelLoadError
+from halfmoon.engine.model_config import ModelConfig
+
+GiB = 1 << 30
+# RAM the KV cache may take on CPU when no budget is given (vLLM's CPU backend defaults to 4 GiB).
+CPU_KV_CACHE_BYTES = 2 * GiB
+
+
+@dataclass(slots=True)
+class DeviceMemory:
+    """A device's memory as `torch.cuda.mem_get_info` reports it, plus what the weights took."""
+
+    total_bytes: int
+    free_bytes: int
+    weights_bytes: int
+
+
+def page_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one page: K and V of `block_size` tokens in every layer."""
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+
+
+def activation_bytes(cfg: ModelConfig, max_batched_tokens: int, max_seqs: int) -> int:
+    """A generous bound on one step's activations: a few hidden-sized and MLP-sized buffers per
+    token, and fp32 logits for every sampled sequence."""
+    per_token = 8 * cfg.hidden_size + 3 * cfg.intermediate_size
+    return 4 * (per_token * max_batched_tokens + 2 * max_seqs * cfg.vocab_size)
+
+
+def kv_budget_bytes(
+    kv_cache_memory_bytes: int | None,
+    gpu_memory_utilization: float,
+    memory: DeviceMemory | None,
+    activations_bytes: int,
+) -> int:
+    """The bytes the KV cache may take; `memory` is None on CPU."""
+    if kv_cache_memory_bytes is not None:
+        return kv_cache_memory_bytes
+    if memory is None:
+        return CPU_KV_CACHE_BYTES
+    share = int(gpu_memory_utilization * memory.total_bytes)
+    budget = share - memory.weights_bytes - activations_bytes
+    # Other processes on the GPU (fractional num_gpus) may already hold part of our share.
+    budget = min(budget, memory.free_bytes - activations_bytes)
+    if budget <= 0:
+        raise ModelLoadError(
+            f"no GPU memory left for the KV cache: {gpu_memory_utilization:.2f} of "
+            f"{memory.total_bytes / GiB:.1f} GiB minus {memory.weights_bytes / GiB:.2f} GiB of "
+            f"weights and {activations_bytes / GiB:.2f} GiB of activations, "
+            f"{memory.free_bytes / GiB:.2f} GiB free; raise --gpu-memory-utilization, "
+            "lower max_num_batched_tokens, or set --kv-cache-memory"
+        )
+    return budget
+
+
+def plan_num_pages(
+    budget_bytes: int, bytes_per_page: int, pages_per_seq: int, max_seqs: int, capped: bool
+) -> int:
+    """Pages that fit the budget; `capped` stops at what `max_seqs` full sequences need (on CPU
+    memory is shared and zeroed pages are not free)."""
+    pages = budget_bytes // bytes_per_page
+    if capped:
+        pages = min(pages, max_seqs * pages_per_seq)
+    if pages < 2:
+        raise ModelLoadError(
+            f"a KV budget of {budget_bytes} bytes holds {pages} pages of {bytes_per_page} bytes; "
+            "at least 2 are needed: raise --kv-cache-memory or --gpu-memory-utilization"
+        )
+    return pages
+
+
+def cuda_memory(device: torch.device, weights_bytes: int) -> DeviceMemory | None:
+    """The device's memory now, or None off CUDA."""
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    return DeviceMemory(total, free, weights_bytes)
