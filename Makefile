@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: serve test test-fast lint format system-deps clean
+.PHONY: serve test test-fast test-gpu wheelhouse lint format system-deps clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -24,6 +24,16 @@ test: $(STAMP) system-deps
 
 test-fast: $(STAMP) system-deps
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+# GPU suite: `gpu`-marked tests and compiled Triton kernels on a CUDA host (skipped without one).
+# On the device machine (no internet) it runs from the wheelhouse carried as .whl/.
+test-gpu:
+	@if [ -d .whl ]; then bash deploy/gpu/test-gpu.sh $(PYTEST_ARGS); \
+	else $(MAKE) -s $(STAMP) && bash deploy/gpu/test-gpu.sh $(PYTEST_ARGS); fi
+
+# Wheels and .debs the GPU host lacks (Python 3.12, x86_64), into .whl/ (ignored by git).
+wheelhouse: $(STAMP)
+	bash deploy/gpu/wheelhouse.sh
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -8,6 +8,8 @@ import json
 import re
 import sys
 
+from halfmoon.cluster.version import package_version
+
 BENCHMARKS = {
     "engine": "halfmoon.engine.bench",
     "kernels": "halfmoon.kernels.bench",
@@ -25,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="halfmoon",
         description="halfmoon: a Mooncake-style disaggregated LLM serving cluster.",
     )
-    parser.add_argument("--version", action="version", version=f"halfmoon {_version()}")
+    parser.add_argument("--version", action="version", version=f"halfmoon {package_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_serve(commands)
     _add_generate(commands)
@@ -40,15 +42,6 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser("simulate", help="simulate the router on a trace (`simulate --help`)")
     commands.add_parser("profile", help="measure this machine's router profile (`profile --help`)")
     return parser
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("halfmoon")
-    except PackageNotFoundError:
-        return "unknown (not installed)"
 
 
 SIZE_UNITS = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "ki": 1 << 10, "mi": 1 << 20}

@@ -7,7 +7,6 @@ import functools
 import json
 import logging
 from collections.abc import AsyncIterator
-from importlib.metadata import version
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -18,6 +17,7 @@ from halfmoon.cluster.api import halfmoon_pb2_grpc as pb_grpc
 from halfmoon.cluster.backend import Backend
 from halfmoon.cluster.grpc_convert import delta_to_proto, input_from_proto, model_info_to_proto
 from halfmoon.cluster.grpc_errors import abort_with
+from halfmoon.cluster.version import package_version
 from halfmoon.engine.errors import HalfmoonError, InvalidRequestError
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ class HalfmoonServicer(pb_grpc.HalfmoonServicer):
     async def GetServerInfo(self, request: pb.GetServerInfoRequest, context) -> pb.ServerInfo:
         info = await self.backend.server_info()
         return pb.ServerInfo(
-            version=version("halfmoon"),
+            version=package_version(),
             mode=str(info.get("mode", "")),
             model=str(info.get("model", "")),
             json=json.dumps(info, default=str),

@@ -12,13 +12,11 @@ from collections import OrderedDict, deque
 from collections.abc import AsyncIterator
 
 import ray
-import torch
 
 from halfmoon.engine.config import EngineConfig
 from halfmoon.engine.llm_engine import LLMEngine, RequestOutput
 from halfmoon.engine.sampling_params import SamplingParams
 from halfmoon.engine.worker_base import EngineWorker
-from halfmoon.kernels import ops
 from halfmoon.kvstore.locate import local_store
 from halfmoon.kvstore.transfer import plan_transfer
 
@@ -127,7 +125,7 @@ class DecodeWorker(EngineWorker):
         return self.stores[name]
 
     async def _receive(self, store, request_id: str, units, pages: list[int]) -> None:
-        caches = self.engine.runner.kv_caches
+        kv_cache = self.engine.kv
         timings = self.timings[request_id]
         # Gets for the next RECEIVE_AHEAD units are in flight at once (each waits in the store
         # for its put), so a prompt whose KV is all published costs one round trip, not one
@@ -138,7 +136,7 @@ class DecodeWorker(EngineWorker):
         def ask(unit) -> None:
             refs = [
                 store.get_layer.remote(unit.keys, layer, self.get_timeout_s)
-                for layer in range(len(caches))
+                for layer in range(kv_cache.num_layers)
             ]
             pending.append([unit, refs])
 
@@ -148,11 +146,10 @@ class DecodeWorker(EngineWorker):
             unit, refs = pending.popleft()
             if (following := next(upcoming, None)) is not None:
                 ask(following)
-            unit_pages = torch.tensor(pages[unit.first_block : unit.first_block + len(unit.keys)])
+            unit_pages = pages[unit.first_block : unit.first_block + len(unit.keys)]
             for layer, ref in enumerate(refs):
                 kv = await ref
-                ops.scatter_pages(caches[layer][0], unit_pages, kv.k)
-                ops.scatter_pages(caches[layer][1], unit_pages, kv.v)
+                kv_cache.write_layer(layer, unit_pages, kv)
                 timings.num_bytes += kv.nbytes
                 if not timings.first_layer_received_at:
                     timings.first_layer_received_at = time.time()

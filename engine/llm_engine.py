@@ -22,6 +22,7 @@ from halfmoon.engine.errors import (
     RequestNotFoundError,
 )
 from halfmoon.engine.hooks import KVHooks
+from halfmoon.engine.kv_cache import PagedKvCache
 from halfmoon.engine.kv_sizing import (
     activation_bytes,
     cuda_memory,
@@ -109,6 +110,7 @@ class LLMEngine:
         self.num_pages, self.max_model_len = _size_kv(config, cfg, self.dtype, self.runner)
         cfg.max_model_len = self.max_model_len
         self.runner.allocate_kv(self.num_pages, self.max_model_len)
+        self.kv = PagedKvCache(self.runner.kv_caches)
         self.root_key = model_root_key(
             _model_identity(model_dir),
             str(self.dtype),
@@ -194,6 +196,18 @@ class LLMEngine:
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         return seq
+
+    def record_page_events(self) -> None:
+        """Keep the events `take_page_events` returns (a prefill worker reports its pages)."""
+        self.pool.events = []
+
+    def take_page_events(self) -> list[tuple[str, bytes]]:
+        """(`stored` or `evicted`, block key) of every block that entered or left this engine's
+        pages since the last call (none unless `record_page_events` was called)."""
+        events = self.pool.events or []
+        if self.pool.events is not None:
+            self.pool.events = []
+        return events
 
     def abort(self, request_id: str) -> None:
         """Stop a request now and free its pages."""

@@ -24,6 +24,7 @@ class WorkerInfo:
     dtype: str
     num_pages: int
     root_key: bytes
+    device: str = "cpu"  # the device type its weights and KV are on: cpu or cuda
 
 
 def worker_info(name: str, kind: str, engine: LLMEngine) -> WorkerInfo:
@@ -42,6 +43,7 @@ def worker_info(name: str, kind: str, engine: LLMEngine) -> WorkerInfo:
         dtype=str(engine.dtype).removeprefix("torch."),
         num_pages=engine.num_pages,
         root_key=engine.root_key,
+        device=engine.device.type,
     )
 
 

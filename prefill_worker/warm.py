@@ -3,10 +3,7 @@ of the Conductor's hot-prefix replication); runs on the engine's step thread."""
 
 from __future__ import annotations
 
-import torch
-
 from halfmoon.engine.llm_engine import LLMEngine
-from halfmoon.kernels import ops
 from halfmoon.kvstore.layout import LayerKV
 
 
@@ -17,10 +14,8 @@ def adopt_blocks(engine: LLMEngine, keys: list[bytes], layers: list[LayerKV]) ->
     adopted = engine.pool.adopt(keys)
     if not adopted:
         return 0
-    device = engine.runner.kv_caches[0][0].device
-    rows = torch.tensor([row for row, _ in adopted])
-    pages = torch.tensor([page for _, page in adopted], device=device)
-    for (k_cache, v_cache), kv in zip(engine.runner.kv_caches, layers, strict=True):
-        ops.scatter_pages(k_cache, pages, kv.k[rows].to(device))
-        ops.scatter_pages(v_cache, pages, kv.v[rows].to(device))
+    rows = [row for row, _ in adopted]
+    pages = [page for _, page in adopted]
+    for layer, kv in enumerate(layers):
+        engine.kv.write_layer(layer, pages, LayerKV(kv.k[rows], kv.v[rows]))
     return len(adopted)

@@ -13,7 +13,6 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import ray
-import torch
 
 from halfmoon.engine.config import EngineConfig
 from halfmoon.engine.hooks import KVHooks
@@ -22,7 +21,6 @@ from halfmoon.engine.sampling_params import SamplingParams
 from halfmoon.engine.scheduler import ScheduledSeq
 from halfmoon.engine.sequence import Sequence, TokenLogprobs
 from halfmoon.engine.worker_base import EngineWorker
-from halfmoon.kernels import ops
 from halfmoon.kvstore.index import BlockEvent
 from halfmoon.kvstore.layout import LayerKV
 from halfmoon.kvstore.locate import local_store, local_store_name
@@ -53,7 +51,7 @@ class PrefillResult:
 @dataclass(slots=True)
 class _PrefixLoad:
     first_block: int
-    pages: torch.Tensor
+    pages: list[int]
     layers: list  # one ObjectRef per layer
 
 
@@ -85,7 +83,7 @@ class PrefillWorker(EngineWorker, KVHooks):
         self.chunk_tokens = config.prefill_chunk_size
         self.jobs: dict[str, _Job] = {}
         self.num_loaded_tokens = 0
-        self.engine.pool.events = []
+        self.engine.record_page_events()
         self.published_at: OrderedDict[str, float] = OrderedDict()
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()
         threading.Thread(target=self._send_forever, name="kv-publisher", daemon=True).start()
@@ -198,7 +196,7 @@ class PrefillWorker(EngineWorker, KVHooks):
 
     async def drain_events(self) -> list[BlockEvent]:
         """Blocks that entered or left this worker's own pages (the device tier) since last call."""
-        events = self._engine().call(_take_events)
+        events = self._engine().call(LLMEngine.take_page_events)
         return [BlockEvent(kind, self.name, "device", [key]) for kind, key in events]
 
     async def abort(self, request_id: str) -> bool:
@@ -225,10 +223,9 @@ class PrefillWorker(EngineWorker, KVHooks):
             self.store.get_layer.remote(keys, layer, self.get_timeout_s)
             for layer in range(self.engine.model_config.num_layers)
         ]
-        job.load = _PrefixLoad(first_block, torch.tensor(pages), refs)
+        job.load = _PrefixLoad(first_block, pages, refs)
 
     def before_layer(self, layer: int, batch: list[ScheduledSeq]) -> None:
-        caches = self.engine.runner.kv_caches[layer]
         for item in batch:
             job = self.jobs.get(item.seq.request_id)
             if job is not None and not job.started_at:
@@ -236,8 +233,7 @@ class PrefillWorker(EngineWorker, KVHooks):
             if job is None or job.load is None:
                 continue
             kv: LayerKV = ray.get(job.load.layers[layer])
-            ops.scatter_pages(caches[0], job.load.pages, kv.k)
-            ops.scatter_pages(caches[1], job.load.pages, kv.v)
+            self.engine.kv.write_layer(layer, job.load.pages, kv)
             if layer == len(job.load.layers) - 1:
                 loaded = len(job.load.pages) * self.engine.config.block_size
                 job.num_loaded_tokens += loaded
@@ -271,19 +267,17 @@ class PrefillWorker(EngineWorker, KVHooks):
 
     def _publish(self, job: _Job, seq: Sequence, unit: TransferUnit, layer: int) -> None:
         # Snapshot the pages here (a small copy); the publisher thread does the slow send.
-        caches = self.engine.runner.kv_caches[layer]
-        pages = torch.tensor(seq.block_table[unit.first_block : unit.first_block + len(unit.keys)])
-        kv = LayerKV(ops.gather_pages(caches[0], pages), ops.gather_pages(caches[1], pages))
-        self.outbox.put((job, unit.keys, layer, kv))
+        pages = seq.block_table[unit.first_block : unit.first_block + len(unit.keys)]
+        self.outbox.put((job, unit.keys, layer, self.engine.kv.read_layer(layer, pages)))
 
     def _send_forever(self) -> None:
         """Publisher thread: hands snapshots to the store so the step loop never waits on it."""
         while True:
-            job, keys, layer, kv = self.outbox.get()
+            job, keys, layer, snapshot = self.outbox.get()
             if keys is None:
-                kv.set_result(None)  # a flush marker: everything queued before it is sent
+                snapshot.set_result(None)  # a flush marker: everything queued before it is sent
                 continue
-            job.puts.append(self.store.put_layer.remote(keys, layer, kv))
+            job.puts.append(self.store.put_layer.remote(keys, layer, snapshot.wait()))
 
     async def _flush(self, job: _Job) -> None:
         """Wait until every layer of `job` was sent and stored."""
@@ -291,11 +285,6 @@ class PrefillWorker(EngineWorker, KVHooks):
         self.outbox.put((job, None, -1, sent))
         await asyncio.wrap_future(sent)
         await asyncio.gather(*job.puts)
-
-
-def _take_events(engine: LLMEngine) -> list[tuple[str, bytes]]:
-    events, engine.pool.events = engine.pool.events, []
-    return events
 
 
 def _plan_keys(job: _Job) -> list[bytes]:

@@ -9,14 +9,27 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
+import torch
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+HAS_CUDA = torch.cuda.is_available()
 # Triton kernels run under the interpreter on machines without CUDA; set before triton loads.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 from halfmoon.kvstore.redis_server import free_port  # noqa: E402 - after the env setup
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Tests marked `gpu` need CUDA: without it they are skipped, so `make test` runs anywhere."""
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run `make test-gpu` on a GPU host)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

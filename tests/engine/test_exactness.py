@@ -18,15 +18,15 @@ def _prompts(vocab_size: int) -> list[list[int]]:
     return [[rng.randrange(6, vocab_size) for _ in range(n)] for n in PROMPT_LENGTHS]
 
 
-def _reference(model_dir, prompts):
+def _reference(model_dir, prompts, device="cpu"):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
     model.generation_config.eos_token_id = None  # like ignore_eos: never stop early
     tokens, logits = [], []
     with torch.no_grad():
         for prompt in prompts:
-            ids = torch.tensor([prompt])
+            ids = torch.tensor([prompt], device=device)
             logits.append(model(ids).logits[0, -1])
             out = model.generate(
                 ids,
@@ -74,3 +74,23 @@ def test_greedy_tokens_and_logits_match_transformers_with_chunking_and_preemptio
     assert llm.engine.stats().num_preemptions > 0, "the page pool should be small enough to preempt"
     for out, ref in zip(outputs, expected_logits, strict=True):
         torch.testing.assert_close(captured[out.request_id], ref, atol=1e-4, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_greedy_tokens_on_cuda_in_fp32_match_transformers_on_cuda(checkpoints, arch):
+    model_dir = checkpoints[arch]
+    llm = LLM(
+        str(model_dir),
+        device="cuda",
+        dtype="float32",
+        block_size=16,
+        num_pages=24,
+        max_num_batched_tokens=96,
+        max_num_seqs=8,
+    )
+    prompts = _prompts(llm.engine.model_config.vocab_size)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    outputs = llm.generate(prompts, params)
+    expected_tokens, _ = _reference(model_dir, prompts, device="cuda")
+    assert [o.token_ids for o in outputs] == expected_tokens

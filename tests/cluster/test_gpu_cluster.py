@@ -1,0 +1,62 @@
+"""The live cluster with its KV on CUDA: one GPU shared by every worker (fractional num_gpus)."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+from cluster_kit import counters, running_cluster
+from test_cluster_serving import PROMPTS, _generate_concurrently, _placement, wait_until
+
+from halfmoon.engine import LLM, SamplingParams
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("ray_session")]
+ON_GPU = {"prefill.num_gpus": 0.3, "decode.num_gpus": 0.3, "engine.dtype": "float32"}
+
+
+@pytest.fixture(scope="module")
+def cuda_llm(tiny_model_dir):
+    return LLM(str(tiny_model_dir), device="cuda", dtype="float32")
+
+
+def _expected(llm, prompts, max_tokens=8):
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    return [out.token_ids for out in llm.generate(prompts, params)]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(
+    "shape",
+    [{"prefill.replicas": 1, "decode.replicas": 1}, {"mode": "colocated", "decode.replicas": 2}],
+    ids=["1p1d", "colocated"],
+)
+def test_greedy_outputs_on_cuda_equal_the_offline_engine(tiny_model_dir, cuda_llm, shape):
+    with running_cluster(tiny_model_dir, **ON_GPU, **shape) as (cluster, client):
+        devices = {ray.get(w.actor.info.remote()).device for w in cluster.workers.values()}
+        results = _generate_concurrently(client, PROMPTS)
+    assert devices == {"cuda"}
+    assert [r.token_ids for r in results] == _expected(cuda_llm, PROMPTS)
+
+
+@pytest.mark.timeout(600)
+def test_a_prefix_is_reused_from_the_store_and_an_abort_mid_transfer_leaks_nothing(
+    tiny_model_dir, cuda_llm
+):
+    prefix = "The same long system prompt, " * 6
+    first, second = prefix + "first question", prefix + "second one"
+    shape = {"prefill.replicas": 2, "router.policy": "round_robin", "engine.prefill_chunk_size": 16}
+    with running_cluster(tiny_model_dir, **ON_GPU, **shape) as (cluster, client):
+        a = client.complete(first, max_tokens=6, temperature=0.0, request_id="first")
+        b = client.complete(second, max_tokens=6, temperature=0.0, request_id="second")
+        second_prefill = _placement(client.explain("second"))[0]
+        loaded = counters(cluster, second_prefill)["num_loaded_tokens"]
+        stream = client.generate("z" * 1500, max_tokens=4, request_id="aborted")
+        stream.cancel()  # while its layers are still moving
+        client.complete("after", max_tokens=2)
+        for name in cluster.workers:
+            wait_until(lambda n=name: counters(cluster, n)["num_used_pages"] == 0)
+            assert counters(cluster, name)["num_running"] == 0
+        store = next(iter(cluster.stores.values()))
+        assert ray.get(store.stats.remote()).host.leased_blocks == 0
+    assert loaded == (len(prefix) // 16) * 16
+    assert b.usage.cached_tokens == loaded
+    assert [a.token_ids, b.token_ids] == _expected(cuda_llm, [first, second], 6)
