@@ -105,6 +105,12 @@ def _add_serve(commands) -> None:
         type=int,
         help="only 1 is supported: each worker runs on one device",
     )
+    cmd.add_argument(
+        "--enforce-eager",
+        action="store_const",
+        const=True,
+        help="run decode steps eagerly instead of replaying CUDA graphs (GPU only; for debugging)",
+    )
     cmd.add_argument("--prefill", type=int, help="prefill workers")
     cmd.add_argument("--decode", type=int, help="decode workers")
     cmd.add_argument("--mode", choices=["disaggregated", "colocated"])
@@ -141,6 +147,7 @@ SERVE_OVERRIDES = {
     "gpu_memory_utilization": "engine.gpu_memory_utilization",
     "kv_cache_memory": "engine.kv_cache_memory_bytes",
     "tensor_parallel_size": "engine.tensor_parallel_size",
+    "enforce_eager": "engine.enforce_eager",
     "prefill": "prefill.replicas",
     "decode": "decode.replicas",
     "mode": "mode",

@@ -59,6 +59,8 @@ class EngineSection(Section):
     # fractional num_gpus the launcher scales it by that fraction.
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     tensor_parallel_size: int = Field(1, ge=1)
+    # False: decode steps replay CUDA graphs captured at start (GPU only); True: always eager.
+    enforce_eager: bool = False
 
     @field_validator("tensor_parallel_size")
     @classmethod

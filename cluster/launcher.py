@@ -175,6 +175,7 @@ class Cluster:
             max_model_len=engine.max_model_len,
             kv_cache_memory_bytes=engine.kv_cache_memory_bytes,
             gpu_memory_utilization=engine.gpu_memory_utilization,
+            enforce_eager=engine.enforce_eager,
         )
 
     def _pool_engine_config(self, pool: PoolConfig) -> EngineConfig:

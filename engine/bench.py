@@ -1,4 +1,8 @@
-"""`halfmoon bench engine`: our engine against transformers on the same 64 requests."""
+"""`halfmoon bench engine`: our engine against transformers on the same requests.
+
+CPU: a ~50M model, 64 requests (prompts 32-512, outputs 16-128), fp32, one thread.
+CUDA: the ~0.9B shape of the GPU issues, 256 requests (prompts 128-1024, 128 outputs), bf16.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +17,12 @@ from pathlib import Path
 
 import torch
 
-from halfmoon.engine.init_model import BENCH_SHAPE, default_model_dir, ensure_model
+from halfmoon.engine.init_model import (
+    BENCH_SHAPE,
+    GPU_BENCH_SHAPE,
+    default_model_dir,
+    ensure_model,
+)
 
 
 @dataclass(slots=True)
@@ -26,20 +35,55 @@ class Workload:
         return sum(self.output_lens)
 
 
-def make_workload(num_requests: int, vocab_size: int, seed: int, scale: float) -> Workload:
-    """Prompts of 32-512 tokens, outputs of 16-128 tokens, both times `scale`."""
+@dataclass(frozen=True, slots=True)
+class Setup:
+    """What one device's benchmark runs: model shape and dtype, request count and lengths."""
+
+    model_name: str
+    shape: object
+    dtype: torch.dtype
+    num_requests: int
+    prompt_lens: tuple[int, int]
+    output_lens: tuple[int, int]
+
+
+SETUPS = {
+    "cpu": Setup("bench-50m", BENCH_SHAPE, torch.float32, 64, (32, 512), (16, 128)),
+    "cuda": Setup("bench-0.9b", GPU_BENCH_SHAPE, torch.bfloat16, 256, (128, 1024), (128, 128)),
+}
+
+
+def make_workload(
+    num_requests: int,
+    vocab_size: int,
+    seed: int,
+    scale: float,
+    prompt_lens: tuple[int, int] = (32, 512),
+    output_lens: tuple[int, int] = (16, 128),
+) -> Workload:
+    """Prompt and output lengths drawn uniformly from the given ranges, times `scale`."""
     rng = random.Random(seed)
-    prompt_lens = [max(4, int(rng.randint(32, 512) * scale)) for _ in range(num_requests)]
-    output_lens = [max(2, int(rng.randint(16, 128) * scale)) for _ in range(num_requests)]
+    prompt_lens = [max(4, int(rng.randint(*prompt_lens) * scale)) for _ in range(num_requests)]
+    output_lens = [max(2, int(rng.randint(*output_lens) * scale)) for _ in range(num_requests)]
     prompts = [[rng.randrange(6, vocab_size) for _ in range(n)] for n in prompt_lens]
     return Workload(prompts, output_lens)
 
 
-def run_ours(model_dir: Path, work: Workload, batch_size: int) -> tuple[float, float]:
+def run_ours(
+    model_dir: Path, work: Workload, batch_size: int, device: str = "cpu", eager: bool = False
+) -> tuple[float, float]:
     """(wall seconds, seconds inside model forward passes) for our engine."""
     from halfmoon.engine import LLM, SamplingParams
 
-    llm = LLM(str(model_dir), max_num_seqs=batch_size, max_num_batched_tokens=2048)
+    dtype = str(SETUPS[device].dtype).removeprefix("torch.")
+    llm = LLM(
+        str(model_dir),
+        max_num_seqs=batch_size,
+        max_num_batched_tokens=2048,
+        device=device,
+        dtype=dtype,
+        enforce_eager=eager,
+    )
     params = [
         SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in work.output_lens
     ]
@@ -52,34 +96,40 @@ def run_ours(model_dir: Path, work: Workload, batch_size: int) -> tuple[float, f
     return wall, llm.engine.runner.forward_s
 
 
-def _hf_model(model_dir: Path):
+def _hf_model(model_dir: Path, device: str = "cpu"):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    dtype = SETUPS[device].dtype
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     model.generation_config.eos_token_id = None
     return model
 
 
-def run_hf_static(model_dir: Path, work: Workload, batch_size: int) -> float:
+def run_hf_static(model_dir: Path, work: Workload, batch_size: int, device: str = "cpu") -> float:
     """Wall seconds for `generate` over static, left-padded batches of `batch_size` requests."""
-    model = _hf_model(model_dir)
+    model = _hf_model(model_dir, device)
     started = time.perf_counter()
     with torch.no_grad():
         for start in range(0, len(work.prompts), batch_size):
             prompts = work.prompts[start : start + batch_size]
             width = max(len(p) for p in prompts)
-            ids = torch.tensor([[2] * (width - len(p)) + p for p in prompts])
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+            ids = torch.tensor([[2] * (width - len(p)) + p for p in prompts], device=device)
+            mask = torch.tensor(
+                [[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device
+            )
             new = max(work.output_lens[start : start + batch_size])
             model.generate(
                 ids, attention_mask=mask, do_sample=False, max_new_tokens=new, pad_token_id=2
             )
+    _sync(device)
     return time.perf_counter() - started
 
 
-def run_hf_continuous(model_dir: Path, work: Workload, batch_size: int) -> float | None:
+def run_hf_continuous(
+    model_dir: Path, work: Workload, batch_size: int, device: str = "cpu"
+) -> float | None:
     """Wall seconds for transformers' own continuous batching, or None where it is missing."""
-    model = _hf_model(model_dir)
+    model = _hf_model(model_dir, device)
     if not hasattr(model, "init_continuous_batching"):
         return None
     from transformers import GenerationConfig
@@ -105,6 +155,11 @@ def run_hf_continuous(model_dir: Path, work: Workload, batch_size: int) -> float
     return wall
 
 
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="halfmoon bench engine",
@@ -112,7 +167,16 @@ def main(argv: list[str] | None = None) -> int:
         "transformers continuous batching, on the same requests, one process, one thread.",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--requests", type=int, default=64, help="number of requests (64)")
+    parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="cpu: ~50M model in fp32, 64 requests; cuda: ~0.9B model in bf16, 256 requests",
+    )
+    parser.add_argument("--requests", type=int, help="number of requests (64 on CPU, 256 on CUDA)")
+    parser.add_argument(
+        "--eager", action="store_true", help="also time our engine without CUDA graphs (cuda)"
+    )
     parser.add_argument(
         "--batch-size", type=int, default=64,
         help="max batch size for all three: our max_num_seqs, the static batch size (64, the "
@@ -123,31 +187,50 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-hf-cb", action="store_true", help="skip transformers CB")
     args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA GPU is visible to torch")
+    setup = SETUPS[args.device]
+    args.requests = args.requests or setup.num_requests
     torch.set_num_threads(args.threads)
-    model_dir = ensure_model(default_model_dir().with_name("bench-50m"), BENCH_SHAPE)
+    model_dir = ensure_model(default_model_dir().with_name(setup.model_name), setup.shape)
     from halfmoon.engine.init_model import build_tokenizer
 
-    work = make_workload(args.requests, len(build_tokenizer()), args.seed, args.scale)
+    work = make_workload(
+        args.requests,
+        len(build_tokenizer()),
+        args.seed,
+        args.scale,
+        setup.prompt_lens,
+        setup.output_lens,
+    )
     log = sys.stderr
     print(
         f"model {model_dir} ({_num_params(model_dir) / 1e6:.1f}M params), {args.requests} "
         f"requests, {work.num_output_tokens} output tokens, batch {args.batch_size}, "
-        f"{args.threads} thread(s), device cpu",
+        f"{args.threads} thread(s), device {args.device}, {setup.dtype}",
         file=log,
     )
-    ours_s, forward_s = run_ours(model_dir, work, args.batch_size)
+    ours_s, forward_s = run_ours(model_dir, work, args.batch_size, args.device)
     print(f"ours: {ours_s:.1f}s", file=log)
-    static_s = run_hf_static(model_dir, work, args.batch_size)
+    eager_s = None
+    if args.eager and args.device == "cuda":
+        eager_s, _ = run_ours(model_dir, work, args.batch_size, args.device, eager=True)
+        print(f"ours, eager: {eager_s:.1f}s", file=log)
+    static_s = run_hf_static(model_dir, work, args.batch_size, args.device)
     print(f"hf static: {static_s:.1f}s", file=log)
-    cb_s = None if args.skip_hf_cb else run_hf_continuous(model_dir, work, args.batch_size)
+    cb_s = None
+    if not args.skip_hf_cb:
+        cb_s = run_hf_continuous(model_dir, work, args.batch_size, args.device)
     print(f"hf continuous batching: {cb_s if cb_s is None else round(cb_s, 1)}s", file=log)
     tokens = work.num_output_tokens
     result = {
-        "device": "cpu",
+        "device": args.device,
+        "dtype": str(setup.dtype).removeprefix("torch."),
         "threads": args.threads,
         "requests": args.requests,
         "output_tokens": tokens,
         "ours_tok_s": tokens / ours_s,
+        "ours_eager_tok_s": tokens / eager_s if eager_s else None,
         "hf_static_tok_s": tokens / static_s,
         "hf_cb_tok_s": tokens / cb_s if cb_s else None,
         "ratio_vs_hf_static": static_s / ours_s,

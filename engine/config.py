@@ -24,6 +24,8 @@ class EngineConfig:
     device: str = "auto"
     enable_prefix_caching: bool = True
     prefill_chunk_size: int | None = None
+    # False replays decode steps from CUDA graphs on a GPU; True always runs them eagerly.
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):

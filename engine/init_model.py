@@ -38,6 +38,16 @@ BENCH_SHAPE = TinyModelShape(
     max_position_embeddings=4096,
 )
 
+# The ~0.9B shape the GPU figures in the issues were measured at (`bench engine --device cuda`).
+GPU_BENCH_SHAPE = TinyModelShape(
+    hidden_size=2048,
+    intermediate_size=5632,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    max_position_embeddings=4096,
+)
+
 
 def default_model_dir() -> Path:
     """`$HALFMOON_CACHE/tiny-llama`, by default `~/.cache/halfmoon/tiny-llama`."""

@@ -111,6 +111,8 @@ class LLMEngine:
         cfg.max_model_len = self.max_model_len
         self.runner.allocate_kv(self.num_pages, self.max_model_len)
         self.kv = PagedKvCache(self.runner.kv_caches)
+        if self.device.type == "cuda" and not config.enforce_eager and hooks is None:
+            self.runner.enable_decode_graphs(config.max_num_seqs, self.max_model_len, capture=True)
         self.root_key = model_root_key(
             _model_identity(model_dir),
             str(self.dtype),

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from halfmoon.engine.cuda_graphs import DecodeBatch, DecodeGraphs
 from halfmoon.engine.hooks import KVHooks
 from halfmoon.engine.loader import load_weights
 from halfmoon.engine.model import CausalLM
@@ -36,6 +37,7 @@ class ModelRunner:
         self.weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         self.cos_sin: torch.Tensor | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.decode_graphs: DecodeGraphs | None = None
 
     def allocate_kv(self, num_pages: int, max_model_len: int) -> None:
         """Allocate the KV pages and the rotary table once the weights' size is known."""
@@ -52,12 +54,24 @@ class ModelRunner:
             for _ in range(cfg.num_layers)
         ]
 
+    def enable_decode_graphs(self, max_batch: int, max_model_len: int, capture: bool) -> None:
+        """Serve decode-only steps of up to `max_batch` sequences from static buffers, replayed
+        as CUDA graphs when `capture` (the caller decides: CUDA and not `enforce_eager`)."""
+        max_blocks = -(-max_model_len // self.block_size)
+        self.decode_graphs = DecodeGraphs(
+            self.model, self.kv_caches, self.cos_sin, max_batch, max_blocks, capture
+        )
+
     @torch.inference_mode()
     def run(
         self, batch: list[ScheduledSeq], hooks: KVHooks | None = None
     ) -> tuple[torch.Tensor, list[Sequence]]:
         """Forward `batch`; return the logits of every sequence whose known tokens are now all
         computed (it samples next), and those sequences."""
+        if hooks is None and self.decode_graphs is not None:
+            graphed = self._run_decode_graph(batch)
+            if graphed is not None:
+                return graphed
         batch = sorted(batch, key=lambda item: item.num_new_tokens == 1)  # prefill runs first
         token_ids, positions, meta, sample_rows, sampled = self._prepare(batch)
         started = time.perf_counter()
@@ -69,6 +83,28 @@ class ModelRunner:
         logits = self.model.logits(hidden[sample_rows])
         self.forward_s += time.perf_counter() - started
         return logits, [batch[i].seq for i in sampled]
+
+    def _run_decode_graph(self, batch: list[ScheduledSeq]):
+        """This step through the decode graphs; None unless it is decode-only and fits them."""
+        if any(item.num_new_tokens != 1 for item in batch):
+            return None
+        bs = self.block_size
+        starts = [item.seq.num_computed_tokens for item in batch]
+        tables = [item.seq.block_table for item in batch]
+        decode = DecodeBatch(
+            token_ids=[item.seq.token_ids[s] for item, s in zip(batch, starts, strict=True)],
+            positions=starts,
+            slots=[table[s // bs] * bs + s % bs for table, s in zip(tables, starts, strict=True)],
+            block_tables=tables,
+        )
+        if not self.decode_graphs.fits(decode):
+            return None
+        started = time.perf_counter()
+        hidden = self.decode_graphs.run(decode)
+        rows = [i for i, item in enumerate(batch) if starts[i] + 1 == len(item.seq)]
+        logits = self.model.logits(hidden[rows] if len(rows) < len(batch) else hidden)
+        self.forward_s += time.perf_counter() - started
+        return logits, [batch[i].seq for i in rows]
 
     def _prepare(self, batch: list[ScheduledSeq]):
         device, bs = self.device, self.block_size
