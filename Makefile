@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: serve test test-fast test-gpu wheelhouse lint format system-deps clean
+.PHONY: serve test test-fast test-gpu bench-gpu wheelhouse lint format system-deps clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -30,6 +30,11 @@ test-fast: $(STAMP) system-deps
 test-gpu:
 	@if [ -d .whl ]; then bash deploy/gpu/test-gpu.sh $(PYTEST_ARGS); \
 	else $(MAKE) -s $(STAMP) && bash deploy/gpu/test-gpu.sh $(PYTEST_ARGS); fi
+
+# GPU benchmarks (bench step, kernels, engine --device cuda): JSON and logs into $(OUT) or bench-gpu/.
+bench-gpu:
+	@if [ -d .whl ]; then bash deploy/gpu/bench-gpu.sh; \
+	else $(MAKE) -s $(STAMP) && bash deploy/gpu/bench-gpu.sh; fi
 
 # Wheels and .debs the GPU host lacks (Python 3.12, x86_64), into .whl/ (ignored by git).
 wheelhouse: $(STAMP)

@@ -12,6 +12,7 @@ from halfmoon.cluster.version import package_version
 
 BENCHMARKS = {
     "engine": "halfmoon.engine.bench",
+    "step": "halfmoon.engine.bench_step",
     "kernels": "halfmoon.kernels.bench",
     "kvstore": "halfmoon.kvstore.bench",
     "router": "halfmoon.router.bench",

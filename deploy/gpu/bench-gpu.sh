@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The GPU benchmarks of issues 12 and 13, each ours against its baseline in one run; JSON
+# results and logs go to $OUT (default bench-gpu/). Needs a CUDA host.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+source deploy/gpu/env.sh
+if [ -z "$HALFMOON_GPU" ]; then
+  echo "bench-gpu: no CUDA GPU here (and/or no .whl wheelhouse); nothing to measure" >&2
+  exit 0
+fi
+out=${OUT:-bench-gpu}
+mkdir -p "$out"
+run() {  # NAME ARGS...: `halfmoon bench ARGS`, JSON to $out/NAME.json, log to $out/NAME.log
+  local name=$1
+  shift
+  echo "== bench $*" >&2
+  "$HALFMOON_PY" -m halfmoon.cluster.cli bench "$@" >"$out/$name.json" 2>"$out/$name.log" ||
+    echo "bench $name failed (see $out/$name.log)" >&2
+  cat "$out/$name.json"
+}
+run step step --device cuda --json
+run step-eager step --device cuda --eager --json
+run kernels kernels --json
+run engine engine --device cuda --eager --json
