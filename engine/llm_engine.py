@@ -111,8 +111,6 @@ class LLMEngine:
         cfg.max_model_len = self.max_model_len
         self.runner.allocate_kv(self.num_pages, self.max_model_len)
         self.kv = PagedKvCache(self.runner.kv_caches)
-        if self.device.type == "cuda" and not config.enforce_eager and hooks is None:
-            self.runner.enable_decode_graphs(config.max_num_seqs, self.max_model_len, capture=True)
         self.root_key = model_root_key(
             _model_identity(model_dir),
             str(self.dtype),
@@ -143,6 +141,19 @@ class LLMEngine:
         # What each recent step computed and how long it took, for the router's cost model.
         self.step_log: deque[StepTiming] = deque(maxlen=STEP_LOG)
         self._busy_since: float | None = None  # end of the last step if it left work pending
+        if self.device.type == "cuda":
+            self._warm_up(hooks is None)
+
+    def _warm_up(self, graphs: bool) -> None:
+        """Compile every kernel specialisation now, then capture the decode graphs (decode
+        engines only, unless `enforce_eager`), so no request waits for a compiler."""
+        from halfmoon.engine.warmup import warm_up
+
+        warm_up(self)
+        if graphs and not self.config.enforce_eager:
+            self.runner.enable_decode_graphs(
+                self.config.max_num_seqs, self.max_model_len, capture=True
+            )
 
     def add_request(
         self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None

@@ -116,7 +116,8 @@ class ModelRunner:
                 for item, s, n in zip(batch, starts, counts, strict=True)
             )
         )
-        width = max(len(item.seq.block_table) for item in batch)
+        # Widths rounded up to 16 pages: one kernel specialisation instead of one per width.
+        width = -(-max(len(item.seq.block_table) for item in batch) // 16) * 16
         tables = torch.tensor(
             [item.seq.block_table + [0] * (width - len(item.seq.block_table)) for item in batch],
             dtype=torch.int32,
