@@ -138,8 +138,9 @@ class OpenAIRequest(BaseModel):
         if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
             raise InvalidRequestError("logprobs", logprobs, f"must be in [0, {MAX_LOGPROBS}]")
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        max_tokens = self.wanted_max_tokens()
         return SamplingParams(
-            max_tokens=self.wanted_max_tokens() or max_model_len,
+            max_tokens=max_model_len if max_tokens is None else max_tokens,
             stop=stop or [],
             stop_token_ids=self.stop_token_ids or [],
             logprobs=logprobs,
@@ -188,7 +189,9 @@ class ChatCompletionRequest(OpenAIRequest):
     store: Any = None
 
     def wanted_max_tokens(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
 
     def wanted_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:

@@ -39,7 +39,7 @@ def test_serve_generate_and_shutdown_leave_no_ray_processes(tiny_model_dir, tmp_
     env = {**os.environ, "RAY_ADDRESS": "local", "HALFMOON_CACHE": str(tmp_path)}
     serve = subprocess.Popen(
         [sys.executable, "-m", "halfmoon.cluster.cli", "serve", "--model", str(tiny_model_dir),
-         "--port", str(port), "--metrics-port", str(metrics_port)],
+         "--port", str(port), "--metrics-port", str(metrics_port), "--http-port", "off"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )  # fmt: skip
     try:
