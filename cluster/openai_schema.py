@@ -7,7 +7,7 @@ their neutral value (e.g. `presence_penalty: 0`), so a client relying on one lea
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -70,6 +70,7 @@ class OpenAIRequest(BaseModel):
     """Fields both endpoints share, halfmoon's extras included."""
 
     model_config = ConfigDict(extra="forbid")
+    logprobs_field: ClassVar[str] = "logprobs"  # the field that counts top tokens
 
     model: str | None = None
     stream: bool = False
@@ -136,7 +137,9 @@ class OpenAIRequest(BaseModel):
             raise InvalidRequestError("seed", kwargs["seed"], "must be an integer >= 0")
         logprobs = self.wanted_logprobs()
         if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-            raise InvalidRequestError("logprobs", logprobs, f"must be in [0, {MAX_LOGPROBS}]")
+            raise InvalidRequestError(
+                self.logprobs_field, logprobs, f"must be in [0, {MAX_LOGPROBS}]"
+            )
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         max_tokens = self.wanted_max_tokens()
         return SamplingParams(
@@ -176,6 +179,7 @@ class CompletionRequest(OpenAIRequest):
 class ChatCompletionRequest(OpenAIRequest):
     """`POST /v1/chat/completions`: messages through the model's chat template."""
 
+    logprobs_field: ClassVar[str] = "top_logprobs"
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
