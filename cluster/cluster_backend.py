@@ -116,6 +116,8 @@ class ClusterBackend:
 
     async def generate(self, request: GenerateInput) -> AsyncIterator[TokenDelta]:
         rid = request.request_id
+        if rid in self.traces:  # a second one would abort the first when it ends
+            raise InvalidRequestError("request_id", rid, "a request with this id is in flight")
         trace = self.traces[rid] = RequestTrace(time.monotonic())
         finished = False
         try:

@@ -5,6 +5,7 @@ objects, X-Request-Id, /health, /metrics, and a client disconnect aborting the r
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx2 as httpx
@@ -212,6 +213,20 @@ def test_models_health_and_metrics(served, oai):
     assert unhealthy.status_code == 503
     assert unhealthy.json()["reason"] == "no live decode worker (1 prefill, 0 decode)"
     assert httpx.get(base + "/health").status_code == 200
+
+
+def test_a_request_id_in_flight_cannot_be_reused(served, oai):
+    _, client, base = served
+    headers = {"X-Request-Id": "twice"}
+    body = {"model": MODEL, "prompt": "first", "stream": True, **LONG}
+    with httpx.stream("POST", base + "/v1/completions", json=body, headers=headers) as first:
+        events = (line for line in first.iter_lines() if line.startswith("data: "))
+        next(events)
+        with pytest.raises(openai.BadRequestError) as caught:
+            oai.completions.create(model=MODEL, prompt="second", extra_headers=headers)
+        assert caught.value.body["param"] == "request_id"
+        assert "error" not in json.loads(next(events).removeprefix("data: "))
+    _wait_until(lambda: client.server_info().details["in_flight"] == 0)
 
 
 @pytest.mark.slow
