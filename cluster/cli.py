@@ -69,8 +69,8 @@ def _add_serve(commands) -> None:
         help="start the cluster: router, prefill and decode pools, KV store, gRPC and OpenAI APIs",
         description="Start halfmoon on Ray (in-process by default, or join a cluster with "
         "--address auto) and serve the gRPC API and the OpenAI-compatible HTTP API until "
-        "SIGINT/SIGTERM. Flags override the "
-        "config file; every default is in halfmoon.cluster.config (see deploy/configs/).",
+        "SIGINT/SIGTERM. Flags override the config file; every default is in "
+        "halfmoon.cluster.config (see deploy/configs/).",
     )
     cmd.add_argument("--config", help="YAML config (default: built-in defaults)")
     cmd.add_argument(
@@ -125,8 +125,11 @@ def _add_serve(commands) -> None:
         metavar="PORT|off",
         help="OpenAI-compatible HTTP API port (default 8000; 0 picks a free one; off: none)",
     )
-    _add_api_key(cmd, "require this key from clients: `Authorization: Bearer KEY` on HTTP, "
-                 "the same `authorization` metadata on gRPC")  # fmt: skip
+    _add_api_key(
+        cmd,
+        "require this key from clients: `Authorization: Bearer KEY` on HTTP, the same "
+        "`authorization` metadata on gRPC (prefer the environment variable: flags show in ps)",
+    )
     cmd.add_argument("--address", help="Ray address; `auto` joins a running cluster (ray up)")
     cmd.set_defaults(run=_run_serve)
 
