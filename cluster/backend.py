@@ -1,7 +1,8 @@
-"""What the gRPC frontend serves from: the cluster (router actor) or a single local engine.
+"""What the frontends serve from: the cluster (router actor) or a single local engine.
 
-The servicer only talks to a `Backend`; errors raised here are mapped to gRPC status codes
-in one place (`cluster/grpc_errors.py`).
+The gRPC servicer and the OpenAI HTTP API only talk to a `Backend`; errors raised here are
+mapped to gRPC status codes in `cluster/grpc_errors.py` and to HTTP statuses in
+`cluster/http_errors.py`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,14 @@ class RejectedError(HalfmoonError):
 
 class NoWorkerError(HalfmoonError):
     """No worker can take the request now (none alive, or none with room): UNAVAILABLE."""
+
+
+class UnauthenticatedError(HalfmoonError):
+    """The API key is missing or wrong: UNAUTHENTICATED (HTTP 401)."""
+
+
+class ModelNotFoundError(HalfmoonError):
+    """The request names a model this server does not serve: NOT_FOUND (HTTP 404)."""
 
 
 @dataclass(slots=True)
@@ -64,7 +73,7 @@ class ModelInfo:
 
 
 class Backend(Protocol):
-    """The serving side of the gRPC API."""
+    """The serving side of the gRPC and OpenAI HTTP APIs."""
 
     def generate(self, request: GenerateInput) -> AsyncIterator[TokenDelta]:
         """Stream a request's deltas; closing the iterator early aborts the request."""
@@ -82,6 +91,11 @@ class Backend(Protocol):
 
     async def explain(self, request_id: str) -> str:
         """Why a recent request went where it did; `RequestNotFoundError` if not remembered."""
+        ...
+
+    async def health(self) -> tuple[bool, str]:
+        """Whether a request could be served now (every pool it needs has a live worker), and
+        why not."""
         ...
 
 

@@ -177,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     raw, _ = read_trace(args.trace)
     records = scale_records(raw[: args.requests], args.block_tokens, args.time_scale)
     config = load_config(None, {
-        "server.grpc_port": 0, "server.metrics_port": 0, "prefill.replicas": args.prefill,
+        "server.grpc_port": 0, "server.metrics_port": 0, "server.http_port": "off",
+        "prefill.replicas": args.prefill,
         "decode.replicas": args.decode, "router.policy": args.policy,
         "router.admission": args.admission, "slo.ttft_s": args.ttft_slo,
         "slo.tbt_s": args.tbt_slo,

@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     model = args.model or str(ensure_model(default_model_dir().with_name("bench-50m"), BENCH_SHAPE))
     config = load_config(None, {
-        "model": model, "server.grpc_port": 0, "server.metrics_port": 0,
+        "model": model, "server.grpc_port": 0, "server.metrics_port": 0, "server.http_port": "off",
         "engine.prefill_chunk_size": args.chunk_tokens, "engine.num_pages": 256,
         "engine.max_num_batched_tokens": max(2048, args.chunk_tokens),
         "store.use_local_redis": False,

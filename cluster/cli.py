@@ -5,10 +5,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import re
 import sys
 
 from halfmoon.cluster.version import package_version
+
+API_KEY_ENV = "HALFMOON_API_KEY"
 
 BENCHMARKS = {
     "engine": "halfmoon.engine.bench",
@@ -64,10 +67,11 @@ def parse_bytes(text: str) -> int:
 def _add_serve(commands) -> None:
     cmd = commands.add_parser(
         "serve",
-        help="start the cluster: router, prefill and decode pools, KV store, gRPC API",
+        help="start the cluster: router, prefill and decode pools, KV store, gRPC and OpenAI APIs",
         description="Start halfmoon on Ray (in-process by default, or join a cluster with "
-        "--address auto) and serve the gRPC API until SIGINT/SIGTERM. Flags override the "
-        "config file; every default is in halfmoon.cluster.config (see deploy/configs/).",
+        "--address auto) and serve the gRPC API and the OpenAI-compatible HTTP API until "
+        "SIGINT/SIGTERM. Flags override the config file; every default is in "
+        "halfmoon.cluster.config (see deploy/configs/).",
     )
     cmd.add_argument("--config", help="YAML config (default: built-in defaults)")
     cmd.add_argument(
@@ -122,8 +126,36 @@ def _add_serve(commands) -> None:
     cmd.add_argument("--host", help="address to bind (default 127.0.0.1)")
     cmd.add_argument("--port", type=int, help="gRPC port (default 50051)")
     cmd.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (default 9400)")
+    cmd.add_argument(
+        "--http-port",
+        type=_http_port,
+        metavar="PORT|off",
+        help="OpenAI-compatible HTTP API port (default 8000; 0 picks a free one; off: none)",
+    )
+    _add_api_key(
+        cmd,
+        "require this key from clients: `Authorization: Bearer KEY` on HTTP, the same "
+        "`authorization` metadata on gRPC (prefer the environment variable: flags show in ps)",
+    )
     cmd.add_argument("--address", help="Ray address; `auto` joins a running cluster (ray up)")
     cmd.set_defaults(run=_run_serve)
+
+
+def _http_port(text: str) -> int | str:
+    if text == "off":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number or off") from None
+
+
+def _add_api_key(cmd, purpose: str) -> None:
+    cmd.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV) or None,
+        help=f"{purpose} (default: ${API_KEY_ENV}; unset: none)",
+    )
 
 
 def _add_status(commands) -> None:
@@ -135,8 +167,10 @@ def _add_status(commands) -> None:
     cmd.add_argument(
         "--explain",
         metavar="REQUEST_ID",
-        help="show the router's candidates, predictions and choice for a request",
+        help="show the router's candidates, predictions and choice for a request (its id "
+        "from `generate`, or the X-Request-Id header of an HTTP response)",
     )
+    _add_api_key(cmd, "the server's API key")
     cmd.set_defaults(run=_run_status)
 
 
@@ -156,6 +190,8 @@ SERVE_OVERRIDES = {
     "host": "server.host",
     "port": "server.grpc_port",
     "metrics_port": "server.metrics_port",
+    "http_port": "server.http_port",
+    "api_key": "server.api_key",
     "address": "ray.address",
 }
 
@@ -176,10 +212,11 @@ def _run_status(args) -> int:
     from halfmoon.cluster.client import Client, ServerError
 
     try:
+        client = Client(args.server, api_key=args.api_key)
         if args.explain:
-            print(Client(args.server).explain(args.explain))
+            print(client.explain(args.explain))
             return 0
-        info = Client(args.server).server_info()
+        info = client.server_info()
     except ServerError as error:
         print(f"halfmoon status: {error}", file=sys.stderr)
         return 1
@@ -234,6 +271,7 @@ def _add_generate(commands) -> None:
     cmd.add_argument("--seed", type=int, default=None)
     cmd.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     cmd.add_argument("--ignore-eos", action="store_true")
+    _add_api_key(cmd, "the server's API key")
     cmd.add_argument(
         "--json",
         action="store_true",

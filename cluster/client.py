@@ -12,6 +12,7 @@ import grpc
 
 from halfmoon.cluster.api import halfmoon_pb2 as pb
 from halfmoon.cluster.api import halfmoon_pb2_grpc as pb_grpc
+from halfmoon.cluster.auth import bearer_metadata
 from halfmoon.cluster.backend import ModelInfo, TokenDelta, Usage
 from halfmoon.cluster.grpc_convert import delta_from_proto, model_info_from_proto, request_to_proto
 from halfmoon.cluster.grpc_errors import ServerError
@@ -109,12 +110,14 @@ class AsyncStream:
 
 
 class Client:
-    """Blocking client: `generate` streams deltas, `complete` returns the whole result."""
+    """Blocking client: `generate` streams deltas, `complete` returns the whole result;
+    `api_key` is sent with every call when the server requires one."""
 
-    def __init__(self, address: str = DEFAULT_ADDRESS) -> None:
+    def __init__(self, address: str = DEFAULT_ADDRESS, api_key: str | None = None) -> None:
         self.address = address
         self._channel = grpc.insecure_channel(address)
         self._stub = pb_grpc.HalfmoonStub(self._channel)
+        self._metadata = bearer_metadata(api_key)
 
     def generate(
         self,
@@ -129,7 +132,8 @@ class Client:
         """Start a request (text, token ids or chat messages); `sampling` as in SamplingParams."""
         request_id = request_id or uuid.uuid4().hex
         request = request_to_proto(request_id, prompt, sampling, ttft_slo_s, tbt_slo_s)
-        return Stream(self._stub.Generate(request, timeout=timeout), request_id)
+        call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
+        return Stream(call, request_id)
 
     def complete(self, prompt: Prompt, **kwargs) -> Completion:
         """Run a request to the end; takes `generate`'s arguments."""
@@ -166,10 +170,9 @@ class Client:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    @staticmethod
-    def _unary(method, request, timeout: float | None):
+    def _unary(self, method, request, timeout: float | None):
         try:
-            return method(request, timeout=timeout)
+            return method(request, timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as error:
             raise ServerError.from_rpc(error) from None
 
@@ -177,10 +180,11 @@ class Client:
 class AsyncClient:
     """asyncio client with the same methods as `Client`, as coroutines and async streams."""
 
-    def __init__(self, address: str = DEFAULT_ADDRESS) -> None:
+    def __init__(self, address: str = DEFAULT_ADDRESS, api_key: str | None = None) -> None:
         self.address = address
         self._channel = grpc.aio.insecure_channel(address)
         self._stub = pb_grpc.HalfmoonStub(self._channel)
+        self._metadata = bearer_metadata(api_key)
 
     def generate(
         self,
@@ -195,7 +199,8 @@ class AsyncClient:
         """Start a request (text, token ids or chat messages); `sampling` as in SamplingParams."""
         request_id = request_id or uuid.uuid4().hex
         request = request_to_proto(request_id, prompt, sampling, ttft_slo_s, tbt_slo_s)
-        return AsyncStream(self._stub.Generate(request, timeout=timeout), request_id)
+        call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
+        return AsyncStream(call, request_id)
 
     async def complete(self, prompt: Prompt, **kwargs) -> Completion:
         """Run a request to the end; takes `generate`'s arguments."""
@@ -226,10 +231,9 @@ class AsyncClient:
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
-    @staticmethod
-    async def _unary(method, request, timeout: float | None):
+    async def _unary(self, method, request, timeout: float | None):
         try:
-            return await method(request, timeout=timeout)
+            return await method(request, timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as error:
             raise ServerError.from_rpc(error) from None
 

@@ -44,6 +44,7 @@ class Worker:
     handle: ray.actor.ActorHandle
     store_name: str | None = None
     draining: bool = False
+    responsive: bool = True  # False while the router's polls of it fail
 
 
 @dataclass(slots=True)
@@ -115,6 +116,8 @@ class ClusterBackend:
 
     async def generate(self, request: GenerateInput) -> AsyncIterator[TokenDelta]:
         rid = request.request_id
+        if rid in self.traces:  # a second one would abort the first when it ends
+            raise InvalidRequestError("request_id", rid, "a request with this id is in flight")
         trace = self.traces[rid] = RequestTrace(time.monotonic())
         finished = False
         try:
@@ -188,8 +191,10 @@ class ClusterBackend:
                 rid, token_ids, params
             )
         keys = block_keys(self.info.root_key, token_ids, self.info.block_size)
+        # The engine stops at the context length, so no request holds KV beyond it.
+        max_output_tokens = min(params.max_tokens, self.info.max_model_len - len(token_ids))
         route = RouteRequest(
-            rid, keys, len(token_ids), params.max_tokens, trace.arrived_s,
+            rid, keys, len(token_ids), max_output_tokens, trace.arrived_s,
             ttft_slo_s=request.ttft_slo_s, tbt_slo_s=request.tbt_slo_s,
         )  # fmt: skip
         decision = await self._route_when_room(route, trace)
@@ -329,6 +334,15 @@ class ClusterBackend:
             "in_flight": len(self.traces),
             "ttft_prediction_error": error,
         }
+
+    async def health(self) -> tuple[bool, str]:
+        kinds = ("decode",) if self.mode == "colocated" else ("prefill", "decode")
+        counts = {kind: sum(w.responsive for w in self._alive(kind)) for kind in kinds}
+        missing = [kind for kind, count in counts.items() if count == 0]
+        live = ", ".join(f"{count} {kind}" for kind, count in counts.items())
+        if missing:
+            return False, f"no live {' or '.join(missing)} worker ({live})"
+        return True, f"serving ({live})"
 
     def _alive(self, kind: str) -> list[Worker]:
         return [w for w in self.workers.values() if w.kind == kind and not w.draining]

@@ -9,7 +9,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from halfmoon.cluster.autoscaling_policy import (
@@ -176,18 +184,34 @@ class RouterSection(Section):
 
 
 class ServerSection(Section):
-    """Where the gRPC API and the Prometheus endpoint listen (port 0: any free port)."""
+    """Where the gRPC API, the OpenAI HTTP API and the Prometheus endpoint listen (port 0: any
+    free port), and the API key clients must present."""
 
     host: str = "127.0.0.1"
     grpc_port: int = Field(50051, ge=0, le=65535)
     metrics_port: int = Field(9400, ge=0, le=65535)
+    # The OpenAI-compatible HTTP API; null or off: not served.
+    http_port: int | None = Field(8000, ge=0, le=65535)
+    # When set, HTTP needs `Authorization: Bearer KEY` and gRPC the same `authorization` metadata.
+    api_key: SecretStr | None = Field(None, min_length=1)
+
+    @field_validator("http_port", mode="before")
+    @classmethod
+    def _http_off(cls, port: Any) -> Any:
+        # YAML reads a bare `off` as False.
+        return None if port is False or port == "off" else port
 
     @model_validator(mode="after")
     def _distinct_ports(self) -> ServerSection:
-        if self.grpc_port and self.grpc_port == self.metrics_port:
-            raise invalid(
-                "metrics_port", f"{self.metrics_port} is also grpc_port; give each its own port"
-            )
+        named = [
+            ("grpc_port", self.grpc_port),
+            ("metrics_port", self.metrics_port),
+            ("http_port", self.http_port),
+        ]
+        for i, (name, port) in enumerate(named):
+            for other, other_port in named[:i]:
+                if port and port == other_port:
+                    raise invalid(name, f"{port} is also {other}; give each its own port")
         return self
 
 

@@ -8,7 +8,12 @@ import uuid
 
 import grpc
 
-from halfmoon.cluster.backend import NoWorkerError, RejectedError
+from halfmoon.cluster.backend import (
+    ModelNotFoundError,
+    NoWorkerError,
+    RejectedError,
+    UnauthenticatedError,
+)
 from halfmoon.engine.errors import (
     HalfmoonError,
     InvalidRequestError,
@@ -22,6 +27,8 @@ ERROR_KEY = "halfmoon-error"
 STATUS_BY_ERROR: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
     (RequestNotFoundError, grpc.StatusCode.NOT_FOUND),
+    (ModelNotFoundError, grpc.StatusCode.NOT_FOUND),
+    (UnauthenticatedError, grpc.StatusCode.UNAUTHENTICATED),
     (RejectedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (NoWorkerError, grpc.StatusCode.UNAVAILABLE),
     (OutOfPagesError, grpc.StatusCode.UNAVAILABLE),

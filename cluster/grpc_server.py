@@ -14,6 +14,7 @@ from grpc_reflection.v1alpha import reflection
 
 from halfmoon.cluster.api import halfmoon_pb2 as pb
 from halfmoon.cluster.api import halfmoon_pb2_grpc as pb_grpc
+from halfmoon.cluster.auth import ApiKeyInterceptor
 from halfmoon.cluster.backend import Backend
 from halfmoon.cluster.grpc_convert import delta_to_proto, input_from_proto, model_info_to_proto
 from halfmoon.cluster.grpc_errors import abort_with
@@ -99,13 +100,15 @@ class HalfmoonServicer(pb_grpc.HalfmoonServicer):
 
 
 async def start_grpc_server(
-    backend: Backend, host: str = "127.0.0.1", port: int = 50051
+    backend: Backend, host: str = "127.0.0.1", port: int = 50051, api_key: str | None = None
 ) -> tuple[grpc.aio.Server, int]:
     """Serve `backend` with health (SERVING) and reflection; returns the server and bound port.
 
-    `port=0` picks a free port. Stop with `await server.stop(grace_s)`.
+    `port=0` picks a free port. With `api_key`, calls other than health checks need it as
+    `authorization: Bearer` metadata. Stop with `await server.stop(grace_s)`.
     """
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    interceptors = [ApiKeyInterceptor(api_key)] if api_key else []
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
     pb_grpc.add_HalfmoonServicer_to_server(HalfmoonServicer(backend), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

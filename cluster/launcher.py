@@ -63,7 +63,8 @@ class Cluster:
         return {"prefill": self.config.prefill, "decode": self.config.decode}
 
     def start(self) -> dict:
-        """Start everything; returns the bound ports (`grpc_port`, `metrics_port`)."""
+        """Start everything; returns the bound ports (`grpc_port`, `metrics_port`, and
+        `http_port`, None when the HTTP API is off)."""
         model = str(resolve_model(self.config.model))  # a missing model fails before Ray starts
         self._init_ray()
         self.engine_config = self._engine_config(model)

@@ -53,6 +53,9 @@ class LocalBackend:
     async def explain(self, request_id: str) -> str:
         return f"request {request_id}: served by the one local engine (no routing decision)"
 
+    async def health(self) -> tuple[bool, str]:
+        return True, "the local engine serves"
+
 
 def _usage(out: RequestOutput, num_tokens: int) -> Usage:
     return Usage(out.num_prompt_tokens, num_tokens, out.num_cached_tokens)

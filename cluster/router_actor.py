@@ -1,5 +1,5 @@
-"""The router actor: hosts the gRPC frontend and /metrics, routes with the Conductor, and
-keeps the Conductor's views and prefix index fed from worker and store reports."""
+"""The router actor: hosts the gRPC frontend, the OpenAI HTTP API and /metrics, routes with the
+Conductor, and keeps the Conductor's views and prefix index fed from worker and store reports."""
 
 from __future__ import annotations
 
@@ -48,23 +48,39 @@ class RouterActor:
         self.finished: deque[tuple[float, int, int, int]] = deque()  # (time, in, out, cached)
         self.steps_observed: deque[StepTiming] = deque(maxlen=OBSERVED_STEPS)
         self.grpc_server = None
+        self.http_server = None
         self.metrics_server = None
         self._poller: asyncio.Task | None = None
 
     async def start(self) -> dict:
-        """Start the gRPC API and /metrics; returns the bound ports."""
+        """Start the gRPC API, the OpenAI HTTP API and /metrics; returns the bound ports
+        (`http_port` None when the HTTP API is off)."""
         from halfmoon.cluster.grpc_server import start_grpc_server
         from halfmoon.cluster.metrics import start_metrics_server
 
         server = self.config.server
+        api_key = server.api_key.get_secret_value() if server.api_key else None
         self.grpc_server, grpc_port = await start_grpc_server(
-            self.backend, server.host, server.grpc_port
+            self.backend, server.host, server.grpc_port, api_key
         )
         self.metrics_server, metrics_port = start_metrics_server(
             self.metrics, server.host, server.metrics_port
         )
+        http_port = None
+        if server.http_port is not None:
+            http_port = await self._start_http(server.host, server.http_port, api_key)
         self._poller = asyncio.create_task(self._poll_forever())
-        return {"grpc_port": grpc_port, "metrics_port": metrics_port}
+        return {"grpc_port": grpc_port, "metrics_port": metrics_port, "http_port": http_port}
+
+    async def _start_http(self, host: str, port: int, api_key: str | None) -> int:
+        from halfmoon.cluster.http_server import OpenAIServer, start_http_server
+
+        model = await self.backend.model_info()
+        api = OpenAIServer(
+            self.backend, self.backend.tokenizer, model, self.metrics.registry, api_key
+        )
+        self.http_server, bound_port = await start_http_server(api.app, host, port)
+        return bound_port
 
     async def add_worker(self, name: str, kind: str, handle, store_name: str | None) -> None:
         self.backend.add_worker(Worker(name, kind, handle, store_name))
@@ -95,6 +111,8 @@ class RouterActor:
     async def stop(self) -> None:
         if self._poller is not None:
             self._poller.cancel()
+        if self.http_server is not None:
+            await self.http_server.stop()
         if self.grpc_server is not None:
             await self.grpc_server.stop(grace=2)
         if self.metrics_server is not None:
@@ -230,7 +248,9 @@ class RouterActor:
                     for num_bytes, seconds in await worker.handle.drain_transfers.remote():
                         self.metrics.record_transfer("store", num_bytes, seconds)
             except RayActorError:
+                worker.responsive = False
                 continue
+            worker.responsive = True
             self.loads[worker.name] = load
             self.metrics.update_worker(load)
             if worker.kind == "decode" and worker.name in conductor.decode:

@@ -34,6 +34,12 @@ def serve(config: ClusterConfig) -> int:
             f"--server {host}:{ports['grpc_port']}",
             flush=True,
         )
+        if ports.get("http_port") is not None:
+            print(
+                f"  OpenAI   http://{host}:{ports['http_port']}/v1   try: curl "
+                f"http://{host}:{ports['http_port']}/v1/models",
+                flush=True,
+            )
         print(f"  metrics  http://{host}:{ports['metrics_port']}/metrics", flush=True)
         print("  Ctrl-C stops it.", flush=True)
         Controller(cluster).run(stop)

@@ -8,6 +8,12 @@ from typing import Union
 from halfmoon.engine.errors import InvalidRequestError, ModelLoadError
 
 Prompt = Union[str, list[int], list[dict]]  # noqa: UP007 - a runtime alias
+# For tokenizers without a chat template: one `role: content` line per message, then
+# `assistant:` for the model to continue.
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n"
+    "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+)
 
 
 def load_tokenizer(model_dir: Path):
@@ -52,11 +58,10 @@ def _apply_chat_template(tokenizer, messages: list[dict]) -> list[int]:
             raise InvalidRequestError(
                 f"messages[{i}]", message, "each message needs a string 'role' and 'content'"
             )
-    if not getattr(tokenizer, "chat_template", None):
-        raise InvalidRequestError(
-            "messages", "<chat>", "this model has no chat template; send text"
-        )
-    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    template = None if getattr(tokenizer, "chat_template", None) else DEFAULT_CHAT_TEMPLATE
+    encoded = tokenizer.apply_chat_template(
+        messages, chat_template=template, add_generation_prompt=True, tokenize=True
+    )
     if isinstance(encoded, dict) or hasattr(encoded, "input_ids"):
         encoded = encoded["input_ids"]
     return list(encoded)

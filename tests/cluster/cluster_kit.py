@@ -19,6 +19,7 @@ def running_cluster(model_dir, **overrides) -> Iterator[tuple[Cluster, Client]]:
         "model": str(model_dir),
         "server.grpc_port": 0,
         "server.metrics_port": 0,
+        "server.http_port": 0,
         "engine.num_pages": 128,
         "engine.prefill_chunk_size": 32,
         "engine.max_num_batched_tokens": 128,

@@ -35,11 +35,11 @@ def test_serve_generate_and_shutdown_leave_no_ray_processes(tiny_model_dir, tmp_
     from halfmoon.kvstore.redis_server import free_port
 
     before = _ray_pids()
-    port, metrics_port = free_port(), free_port()
+    port, metrics_port, http_port = free_port(), free_port(), free_port()
     env = {**os.environ, "RAY_ADDRESS": "local", "HALFMOON_CACHE": str(tmp_path)}
     serve = subprocess.Popen(
         [sys.executable, "-m", "halfmoon.cluster.cli", "serve", "--model", str(tiny_model_dir),
-         "--port", str(port), "--metrics-port", str(metrics_port)],
+         "--port", str(port), "--metrics-port", str(metrics_port), "--http-port", str(http_port)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )  # fmt: skip
     try:
@@ -69,6 +69,7 @@ def test_serve_generate_and_shutdown_leave_no_ray_processes(tiny_model_dir, tmp_
         assert (
             status.returncode == 0 and "prefill-0" in status.stdout and "decode-1" in status.stdout
         )
+        _stream_chat_and_completion_with_openai(f"http://127.0.0.1:{http_port}/v1")
     finally:
         serve.send_signal(signum)
         serve.wait(timeout=120)
@@ -77,3 +78,16 @@ def test_serve_generate_and_shutdown_leave_no_ray_processes(tiny_model_dir, tmp_
     while _ray_pids() - before and time.monotonic() < deadline:
         time.sleep(0.5)
     assert _ray_pids() - before == set()
+
+
+def _stream_chat_and_completion_with_openai(base_url: str) -> None:
+    import openai
+
+    with openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0) as client:
+        model = client.models.list().data[0].id
+        chat = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, stream=True
+        )
+        assert [c.choices[0].finish_reason for c in chat][-1] == "length"
+        text = client.completions.create(model=model, prompt="Hi", max_tokens=4, stream=True)
+        assert [c.choices[0].finish_reason for c in text][-1] == "length"

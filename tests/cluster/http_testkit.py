@@ -1,0 +1,54 @@
+"""A real gRPC server and a real OpenAI HTTP server over one LocalBackend, on their own
+event-loop thread (the API without a cluster, for the checks that need no routing)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from halfmoon.cluster.grpc_server import start_grpc_server
+from halfmoon.cluster.http_server import OpenAIServer, start_http_server
+from halfmoon.cluster.local_backend import LocalBackend
+from halfmoon.engine import EngineConfig, LLMEngine
+from halfmoon.engine.async_engine import AsyncEngine
+
+
+@dataclass
+class RunningApi:
+    grpc_address: str
+    base_url: str  # http://127.0.0.1:PORT/v1
+    model: str
+
+
+@contextmanager
+def serve_openai(model_dir, api_key: str | None = None) -> Iterator[RunningApi]:
+    """Serve the checkpoint over gRPC and HTTP on free loopback ports until the block exits."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="api-servers", daemon=True)
+    thread.start()
+    engine = AsyncEngine(LLMEngine(EngineConfig(model=str(model_dir), num_pages=128)))
+    backend = LocalBackend(engine)
+
+    async def start():
+        grpc_server, grpc_port = await start_grpc_server(backend, port=0, api_key=api_key)
+        model = await backend.model_info()
+        api = OpenAIServer(backend, engine.engine.tokenizer, model, None, api_key)
+        http_server, http_port = await start_http_server(api.app, port=0)
+        return grpc_server, grpc_port, http_server, http_port, model.model
+
+    def run(coro):
+        return asyncio.run_coroutine_threadsafe(coro, loop).result()
+
+    grpc_server, grpc_port, http_server, http_port, model = run(start())
+    try:
+        yield RunningApi(f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{http_port}/v1", model)
+    finally:
+        run(http_server.stop())
+        run(grpc_server.stop(None))
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+        loop.close()
+        engine.shutdown()
