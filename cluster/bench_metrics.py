@@ -177,7 +177,7 @@ def format_summary(title: str, figures: dict, percentiles: list[float]) -> str:
         lines.append(f"{LATENCY_TITLES[name]:-^60}")
         row(f"Mean {upper} (ms):", figures[f"mean_{name}_ms"])
         row(f"Median {upper} (ms):", figures[f"median_{name}_ms"])
-        for p in percentiles:
+        for p in (p for p in percentiles if p != 50):  # p50 is the median, printed above
             label = percentile_key(p, name).split("_")[0].upper()
             row(f"{label} {upper} (ms):", figures[percentile_key(p, name)])
     for code, count in figures["errors"].items():

@@ -65,9 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
         "total_output_tokens, request_throughput (req/s), request_goodput (req/s, null without "
         "--goodput), output_throughput and total_token_throughput (tok/s); for each of ttft, "
         "tpot, itl, e2el: mean_X_ms, median_X_ms, std_X_ms and pNN_X_ms; errors (count by "
-        "code: a gRPC status, HTTP_<status>, CONNECTION_ERROR) and error_messages; config (the "
-        "load sent). TPOT is (e2el - ttft) / (output tokens - 1) per request; ITL is every gap "
-        "between streamed chunks. Exit status 2 when a server cannot be reached.",
+        "code: a gRPC status, HTTP_<status>, CONNECTION_ERROR) and error_messages; server (its "
+        "model, and over gRPC its mode and version); config (the load sent). TPOT is (e2el - "
+        "ttft) / (output tokens - 1) per request; ITL is every gap between streamed chunks. "
+        "Exit status 2 when a server cannot be reached.",
     )
     where = parser.add_argument_group("server")
     where.add_argument(
@@ -177,6 +178,13 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument(
         "--max-concurrency", type=int, help="most requests in flight at once (default: no cap)"
     )
+    load.add_argument(
+        "--num-warmups",
+        type=int,
+        default=0,
+        help="send the first N requests one by one before the run, unmeasured (%(default)s); "
+        "they also warm the server's prefix cache",
+    )
     out = parser.add_argument_group("report")
     out.add_argument(
         "--goodput",
@@ -268,6 +276,8 @@ async def bench_target(target, requests, vocabulary, args) -> tuple[list[Request
     """Check the target, then run the load against it; the connection is closed after."""
     try:
         await target.open(max(vocabulary))
+        for request in requests[: args.num_warmups]:
+            await target.send(request, time.perf_counter())
         with tqdm(total=len(requests), desc=target.label, disable=args.disable_tqdm) as bar:
             return await run_load(target, requests, args.max_concurrency, bar)
     finally:
@@ -286,7 +296,8 @@ def run(args) -> dict:
     for spec in specs:
         target = make_target(spec, args, tokenizer)
         results, duration_s = asyncio.run(bench_target(target, requests, vocabulary, args))
-        runs.append((target.label, results, summarize(results, duration_s, percentiles, goodput)))
+        figures = summarize(results, duration_s, percentiles, goodput)
+        runs.append((target.label, results, {"server": target.server, **figures}))
     if args.plot:
         from halfmoon.cluster.bench_plot import plot_runs
 
@@ -315,6 +326,7 @@ def run_config(args, requests: list[BenchRequest]) -> dict:
         "burstiness": args.burstiness,
         "max_concurrency": args.max_concurrency,
         "goodput": args.goodput,
+        "num_warmups": args.num_warmups,
         "mean_input_tokens": sum(len(r.prompt_token_ids) for r in requests) / len(requests),
         "mean_output_tokens": sum(r.max_tokens for r in requests) / len(requests),
         "last_arrival_s": max(r.arrival_s for r in requests),
@@ -324,7 +336,9 @@ def run_config(args, requests: list[BenchRequest]) -> dict:
 def print_report(report: dict, percentiles: list[float]) -> None:
     print("load: " + json.dumps(report["config"]))
     for run_ in report.get("runs", [report]):
-        print(format_summary(run_["target"], run_, percentiles))
+        mode = run_["server"].get("mode")
+        title = f"{run_['target']} ({mode})" if mode else run_["target"]
+        print(format_summary(title, run_, percentiles))
     if "ratio_b_over_a" in report:
         a, b = (r["target"] for r in report["runs"])
         print(f"{' B / A  (A ' + a + ', B ' + b + ') ':=^60}")

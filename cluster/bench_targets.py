@@ -28,6 +28,7 @@ class GrpcTarget:
         self.label = f"grpc://{address}"
         self.address = address
         self.timeout_s = timeout_s
+        self.server: dict = {}
         self._client: AsyncClient | None = None
 
     async def open(self, vocabulary_max_id: int) -> None:
@@ -45,6 +46,8 @@ class GrpcTarget:
                 f"the prompts use token id {vocabulary_max_id} but {info.model} has "
                 f"{info.vocab_size} ids; pass --tokenizer for the server's model"
             )
+        server = await self._client.server_info(timeout=CONNECT_TIMEOUT_S)
+        self.server = {"model": server.model, "mode": server.mode, "version": server.version}
 
     async def send(self, request: BenchRequest, started: float) -> RequestResult:
         sent = time.perf_counter()
@@ -92,6 +95,7 @@ class OpenAITarget:
         self.backend = backend
         self.url = self.label + (endpoint or ENDPOINTS[backend])
         self.model = model
+        self.server: dict = {}
         self.as_text = as_text or backend == "openai-chat"
         self.tokenizer = tokenizer
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -124,6 +128,7 @@ class OpenAITarget:
             if not models:
                 raise TargetUnreachableError(f"{self.label} serves no model; pass --model")
             self.model = models[0]["id"]
+        self.server = {"model": self.model}
 
     def body(self, request: BenchRequest) -> dict:
         """The request body; `ignore_eos` is the extra field vLLM and halfmoon accept."""

@@ -232,6 +232,7 @@ def test_http_openai_stream_is_measured_and_rejections_counted(http_server, caps
     assert report["mean_ttft_ms"] > 0 and report["mean_itl_ms"] > 0
     assert all(b["stream"] and b["stream_options"] == {"include_usage": True} for b in bodies)
     assert {b["model"] for b in bodies} == {"tiny"}
+    assert report["server"] == {"model": "tiny"}
     if backend == "openai":  # token ids; chat sends their text, which keeps the 12 tokens
         assert all(len(b["prompt"]) == 12 and b["max_tokens"] == 5 for b in bodies)
 
@@ -277,6 +278,7 @@ def test_grpc_run_against_a_live_cluster(cluster_address, capsys, tmp_path):
     assert 0 < report["mean_ttft_ms"] <= report["mean_e2el_ms"]
     assert report["mean_tpot_ms"] > 0 and report["p99_itl_ms"] > 0
     assert report["target"] == f"grpc://{cluster_address}"
+    assert report["server"]["mode"] == "disaggregated"
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
