@@ -301,7 +301,7 @@ def run(args) -> dict:
     if args.plot:
         from halfmoon.cluster.bench_plot import plot_runs
 
-        plot_runs([(label, results) for label, results, _ in runs], args.plot)
+        plot_runs([(title(label, f), results) for label, results, f in runs], args.plot)
     config = run_config(args, requests)
     if len(runs) == 1:
         label, _, figures = runs[0]
@@ -333,12 +333,16 @@ def run_config(args, requests: list[BenchRequest]) -> dict:
     }
 
 
+def title(label: str, figures: dict) -> str:
+    """A target's address, with the server's mode when it reports one."""
+    mode = figures["server"].get("mode")
+    return f"{label} ({mode})" if mode else label
+
+
 def print_report(report: dict, percentiles: list[float]) -> None:
     print("load: " + json.dumps(report["config"]))
     for run_ in report.get("runs", [report]):
-        mode = run_["server"].get("mode")
-        title = f"{run_['target']} ({mode})" if mode else run_["target"]
-        print(format_summary(title, run_, percentiles))
+        print(format_summary(title(run_["target"], run_), percentiles=percentiles, figures=run_))
     if "ratio_b_over_a" in report:
         a, b = (r["target"] for r in report["runs"])
         print(f"{' B / A  (A ' + a + ', B ' + b + ') ':=^60}")
