@@ -257,7 +257,7 @@ SMALL = ["--num-prompts", "8", "--random-input-len", "40", "--random-output-len"
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(480)  # the module cluster starts in the first test (90 s when busy)
 def test_grpc_run_against_a_live_cluster(cluster_address, capsys, tmp_path):
     plot = tmp_path / "latency.png"
     report = bench_json(
@@ -283,7 +283,7 @@ def test_grpc_run_against_a_live_cluster(cluster_address, capsys, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(480)  # the module cluster starts in the first test (90 s when busy)
 def test_compare_runs_the_same_load_on_two_grpc_servers(cluster_address, capsys, tiny_model_dir):
     with serve_model(tiny_model_dir) as local:
         report = bench_json(capsys, "--compare", cluster_address, f"grpc://{local.address}", *SMALL)
@@ -294,3 +294,14 @@ def test_compare_runs_the_same_load_on_two_grpc_servers(cluster_address, capsys,
     ratio = report["ratio_b_over_a"]
     assert ratio["total_output_tokens"] == 1.0
     assert ratio["mean_ttft_ms"] == pytest.approx(b["mean_ttft_ms"] / a["mean_ttft_ms"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+def test_grpc_errors_are_counted_by_code(cluster_address, capsys):
+    too_long = ["--random-input-len", "5000", "--random-output-len", "2"]
+    report = bench_json(capsys, "--server", cluster_address, "--num-prompts", "2", *too_long)
+    assert (report["completed"], report["failed"]) == (0, 2)
+    assert report["errors"] == {"INVALID_ARGUMENT": 2}
+    assert "context length" in report["error_messages"]["INVALID_ARGUMENT"]
+    assert report["request_throughput"] == 0.0 and report["mean_ttft_ms"] == 0.0
