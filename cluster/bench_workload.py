@@ -28,13 +28,14 @@ class BenchRequest:
 
 def prompt_vocabulary(tokenizer) -> list[int]:
     """Ids that decode to text which encodes back to the same one id, special tokens excluded,
-    so a prompt of these ids sent as text keeps its length (exactly, for a byte tokenizer)."""
-    special = set(tokenizer.all_special_ids)
+    so a prompt of these ids sent as text keeps its length (exactly, for a byte tokenizer).
+    Added tokens (chat roles and the like) are special too."""
+    special = set(tokenizer.all_special_ids) | set(tokenizer.get_added_vocab().values())
+    ids = [token_id for token_id in range(len(tokenizer)) if token_id not in special]
+    texts = tokenizer.batch_decode([[token_id] for token_id in ids])
+    encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
     vocabulary = [
-        token_id
-        for token_id in range(len(tokenizer))
-        if token_id not in special
-        and tokenizer.encode(tokenizer.decode([token_id]), add_special_tokens=False) == [token_id]
+        token_id for token_id, back in zip(ids, encoded, strict=True) if back == [token_id]
     ]
     if not vocabulary:
         raise WorkloadError("the tokenizer has no id whose text round-trips; pass --tokenizer")
