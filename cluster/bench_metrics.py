@@ -114,12 +114,14 @@ def summarize(
         "total_output_tokens": total_output,
         "request_throughput": len(served) / duration_s,
         "request_goodput": None,
+        "slo_attainment": None,
         "output_throughput": total_output / duration_s,
         "total_token_throughput": (total_input + total_output) / duration_s,
     }
     if goodput_ms:
         good = sum(1 for r in served if is_good(r, goodput_ms))
         figures["request_goodput"] = good / duration_s
+        figures["slo_attainment"] = good / len(results) if results else 0.0
     for name, samples in latency_samples(results).items():
         figures.update(latency_figures(name, samples, percentiles))
     errors = Counter(r.error for r in results if not r.ok)
@@ -170,6 +172,7 @@ def format_summary(title: str, figures: dict, percentiles: list[float]) -> str:
     row("Request throughput (req/s):", figures["request_throughput"])
     if figures["request_goodput"] is not None:
         row("Request goodput (req/s):", figures["request_goodput"])
+        row("SLO attainment (share of all requests):", figures["slo_attainment"])
     row("Output token throughput (tok/s):", figures["output_throughput"])
     row("Total token throughput (tok/s):", figures["total_token_throughput"])
     for name in LATENCIES:

@@ -41,6 +41,7 @@ RATIO_KEYS = (
     "output_throughput",
     "total_token_throughput",
     "request_goodput",
+    "slo_attainment",
     "mean_ttft_ms",
     "median_ttft_ms",
     "p99_ttft_ms",
@@ -62,8 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
         "length, and greedy sampling.",
         epilog="Output (--json keys; with --compare under runs[0], runs[1] and "
         "ratio_b_over_a): completed, failed, duration (s), total_input_tokens, "
-        "total_output_tokens, request_throughput (req/s), request_goodput (req/s, null without "
-        "--goodput), output_throughput and total_token_throughput (tok/s); for each of ttft, "
+        "total_output_tokens, request_throughput (req/s), request_goodput (req/s) and "
+        "slo_attainment (share of all requests meeting the SLOs; both null without --goodput), "
+        "output_throughput and total_token_throughput (tok/s); for each of ttft, "
         "tpot, itl, e2el: mean_X_ms, median_X_ms, std_X_ms and pNN_X_ms; errors (count by "
         "code: a gRPC status, HTTP_<status>, CONNECTION_ERROR) and error_messages; server (its "
         "model, and over gRPC its mode and version); config (the load sent). TPOT is (e2el - "
@@ -191,8 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         metavar="METRIC:MS",
         default=[],
-        help="SLOs for request_goodput, e.g. ttft:500 tpot:50 e2el:3000 (served requests "
-        "meeting all of them, per second)",
+        help="SLOs in ms, e.g. ttft:500 tpot:50 e2el:3000: request_goodput is the served "
+        "requests meeting all of them per second, slo_attainment their share of all requests",
     )
     out.add_argument(
         "--metric-percentiles",

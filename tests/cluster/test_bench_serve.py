@@ -45,6 +45,7 @@ def test_summary_of_fixed_timings_is_exact():
         "total_output_tokens": 7,
         "request_throughput": 1.5,
         "request_goodput": 1.0,  # the 2nd misses the TTFT SLO; a 1-token output has TPOT 0
+        "slo_attainment": 0.5,  # 2 of the 4 sent: the failed request counts as missed
         "output_throughput": 3.5,
         "total_token_throughput": 21.0,
         "mean_ttft_ms": 200.0,
@@ -75,7 +76,8 @@ def test_summary_of_fixed_timings_is_exact():
     assert got.pop("errors") == {"RESOURCE_EXHAUSTED": 1}
     assert got.pop("error_messages") == {"RESOURCE_EXHAUSTED": "rejected"}
     assert got == pytest.approx(want, abs=1e-9)
-    assert summarize(SYNTHETIC, 2.0)["request_goodput"] is None
+    without_slos = summarize(SYNTHETIC, 2.0)
+    assert without_slos["request_goodput"] is None and without_slos["slo_attainment"] is None
 
 
 @pytest.mark.parametrize("item", ["ttft", "ttft:fast", "queue:5", "e2el:0"])
@@ -275,6 +277,7 @@ def test_grpc_run_against_a_live_cluster(cluster_address, capsys, tmp_path):
     assert (report["completed"], report["failed"], report["errors"]) == (8, 0, {})
     assert (report["total_input_tokens"], report["total_output_tokens"]) == (320, 48)
     assert report["request_goodput"] == pytest.approx(report["request_throughput"])
+    assert report["slo_attainment"] == 1.0
     assert 0 < report["mean_ttft_ms"] <= report["mean_e2el_ms"]
     assert report["mean_tpot_ms"] > 0 and report["p99_itl_ms"] > 0
     assert report["target"] == f"grpc://{cluster_address}"
