@@ -25,7 +25,7 @@ class RequestResult:
 
     sent_s: float
     num_prompt_tokens: int
-    error: str = ""  # a code: a gRPC status name, HTTP_<status>, or CONNECTION_ERROR
+    error: str = ""  # a code: a gRPC status name, HTTP_<status>, TIMEOUT, CONNECTION_ERROR, ...
     error_message: str = ""
     ttft_s: float = 0.0
     itl_s: list[float] = field(default_factory=list)

@@ -65,12 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
         "ratio_b_over_a): completed, failed, duration (s), total_input_tokens, "
         "total_output_tokens, request_throughput (req/s), request_goodput (req/s) and "
         "slo_attainment (share of all requests meeting the SLOs; both null without --goodput), "
-        "output_throughput and total_token_throughput (tok/s); for each of ttft, "
-        "tpot, itl, e2el: mean_X_ms, median_X_ms, std_X_ms and pNN_X_ms; errors (count by "
-        "code: a gRPC status, HTTP_<status>, CONNECTION_ERROR) and error_messages; server (its "
-        "model, and over gRPC its mode and version); config (the load sent). TPOT is (e2el - "
-        "ttft) / (output tokens - 1) per request; ITL is every gap between streamed chunks. "
-        "Exit status 2 when a server cannot be reached.",
+        "output_throughput and total_token_throughput (tok/s); for each of ttft, tpot, itl, "
+        "e2el: mean_X_ms, median_X_ms, std_X_ms and pNN_X_ms; errors (count by code: a gRPC "
+        "status, HTTP_<status>, TIMEOUT, CONNECTION_ERROR, ...) and error_messages; server "
+        "(its model, and over gRPC its mode and version); config (the load sent). TPOT is "
+        "(e2el - ttft) / (output tokens - 1) per request; ITL is every gap between streamed "
+        "chunks. Exit status 2 when a server cannot be reached.",
     )
     where = parser.add_argument_group("server")
     where.add_argument(

@@ -161,6 +161,8 @@ class OpenAITarget:
                     result.error_message = error_message(await response.aread())
                     return result
                 await self._read_events(response, stamps)
+        except httpx2.TimeoutException as error:
+            result.error, result.error_message = "TIMEOUT", repr(error)
         except httpx2.TransportError as error:
             result.error, result.error_message = "CONNECTION_ERROR", repr(error)
         except ValueError as error:  # an event that is not JSON
