@@ -8,7 +8,6 @@ import asyncio
 import dataclasses
 import json
 import math
-import random
 import statistics
 import sys
 import time
@@ -16,6 +15,7 @@ from dataclasses import asdict, dataclass
 
 import ray
 
+from halfmoon.cluster.bench_workload import TRACE_BLOCK_TOKENS, prompt_tokens, scale_records
 from halfmoon.cluster.client import AsyncClient, ServerError
 from halfmoon.cluster.config import load_config, router_config
 from halfmoon.cluster.launcher import Cluster
@@ -23,8 +23,6 @@ from halfmoon.router.cost_model import CostModel
 from halfmoon.router.sim_report import percentile
 from halfmoon.router.step_simulation import make_simulation
 from halfmoon.router.trace import TraceRecord, read_trace
-
-TRACE_BLOCK_TOKENS = 512
 
 
 @dataclass(slots=True)
@@ -44,34 +42,6 @@ class Figures:
     throughput_rps: float
 
 
-def scale_records(
-    records: list[TraceRecord], block_tokens: int, time_scale: float
-) -> list[TraceRecord]:
-    """Trace blocks of 512 tokens become blocks of `block_tokens`; arrivals are divided by
-    `time_scale` (the records arrive already in seconds)."""
-    factor = block_tokens / TRACE_BLOCK_TOKENS
-    start = records[0].arrival_s
-    return [
-        TraceRecord(
-            r.line_number,
-            (r.arrival_s - start) / time_scale,
-            max(1, min(len(r.hash_ids) * block_tokens, round(r.num_prompt_tokens * factor))),
-            max(1, round(r.num_output_tokens * factor)),
-            r.hash_ids,
-        )  # fmt: skip
-        for r in records
-    ]
-
-
-def prompt_tokens(record: TraceRecord, block_tokens: int, vocab_size: int) -> list[int]:
-    """Every hash id becomes a fixed block of token ids drawn from a generator seeded by it."""
-    tokens: list[int] = []
-    for hash_id in record.hash_ids:
-        rng = random.Random(hash_id)
-        tokens += [rng.randrange(6, vocab_size) for _ in range(block_tokens)]
-    return tokens[: record.num_prompt_tokens]
-
-
 async def replay_live(
     address: str, records, block_tokens: int, vocab_size: int, slo: tuple[float, float]
 ) -> Figures:
@@ -87,7 +57,7 @@ async def replay_live(
         stamps = []
         try:
             async with client.generate(
-                prompt_tokens(record, block_tokens, vocab_size),
+                prompt_tokens(record, block_tokens, range(6, vocab_size)),
                 max_tokens=record.num_output_tokens, ignore_eos=True, temperature=0.0,
             ) as stream:  # fmt: skip
                 async for delta in stream:
