@@ -25,6 +25,14 @@ class NoWorkerError(HalfmoonError):
     """No worker can take the request now (none alive, or none with room): UNAVAILABLE."""
 
 
+class WorkerDiedError(NoWorkerError):
+    """A worker died while serving the request, after some of it was streamed: UNAVAILABLE."""
+
+
+class DuplicateRequestError(HalfmoonError):
+    """A request with this id is already in flight: ALREADY_EXISTS (the first one goes on)."""
+
+
 @dataclass(slots=True)
 class GenerateInput:
     """One request as the frontend hands it to the backend."""
@@ -82,6 +90,10 @@ class Backend(Protocol):
 
     async def explain(self, request_id: str) -> str:
         """Why a recent request went where it did; `RequestNotFoundError` if not remembered."""
+        ...
+
+    async def health(self) -> tuple[bool, str]:
+        """(True, "serving") when a request can be served now; else False and why."""
         ...
 
 

@@ -12,7 +12,7 @@ import time
 from collections import deque
 from pathlib import Path
 
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayTaskError
 
 from halfmoon.cluster.backend import GenerateInput
 from halfmoon.cluster.cluster_backend import ClusterBackend, RequestTrace, Worker
@@ -42,8 +42,9 @@ class RouterActor:
         conductor = Conductor(router_config(config, info.block_size), profile)
         tokenizer = load_tokenizer(Path(info.model))
         self.backend = ClusterBackend(
-            tokenizer, info, conductor, config.mode, self._observe, served_name(config)
-        )
+            tokenizer, info, conductor, config.mode, self._observe, served_name(config),
+            pool_wait_s=config.router.pool_wait_s,
+        )  # fmt: skip
         self.loads: dict[str, WorkerLoad] = {}
         self.finished: deque[tuple[float, int, int, int]] = deque()  # (time, in, out, cached)
         self.steps_observed: deque[StepTiming] = deque(maxlen=OBSERVED_STEPS)
@@ -82,8 +83,8 @@ class RouterActor:
         """Requests the router has in flight on worker `name` (to drain before removal)."""
         return sum(
             1
-            for t in self.backend.traces.values()
-            if name in (t.prefill_instance, t.decode_instance)
+            for lease in self.backend.leases.values()
+            if name in (w.name for w in lease.attempt.workers())
         )
 
     async def status(self) -> dict:
@@ -229,8 +230,11 @@ class RouterActor:
                 else:
                     for num_bytes, seconds in await worker.handle.drain_transfers.remote():
                         self.metrics.record_transfer("store", num_bytes, seconds)
-            except RayActorError:
+            except RayActorError as error:
+                if not isinstance(error, RayTaskError):
+                    self.backend.mark_dead(worker.name)
                 continue
+            self.backend.mark_alive(worker.name)
             self.loads[worker.name] = load
             self.metrics.update_worker(load)
             if worker.kind == "decode" and worker.name in conductor.decode:

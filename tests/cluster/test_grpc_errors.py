@@ -54,6 +54,9 @@ class FailingBackend:
     async def abort(self, request_id: str) -> bool:
         raise self.error
 
+    async def health(self) -> tuple[bool, str]:
+        return True, "serving"
+
 
 @pytest.fixture
 def serve_failing():
