@@ -254,6 +254,12 @@ class ClusterBackend:
         kinds = ("decode",) if self.mode == "colocated" else ("prefill", "decode")
         return next((kind for kind in kinds if not self._alive(kind)), None)
 
+    async def wait_released(self, timeout_s: float) -> None:
+        """Wait (up to `timeout_s`) for the releases under way, e.g. when the server stops."""
+        pending = [lease.releasing for lease in self.leases.values() if lease.releasing]
+        if pending:
+            await asyncio.wait(pending, timeout=timeout_s)
+
     async def _release(self, lease: RequestLease) -> None:
         """Give back everything `lease` holds (run once, by `RequestLease.close`)."""
         try:

@@ -54,8 +54,9 @@ class RequestLease:
         return self.attempt
 
     @property
-    def released(self) -> bool:
-        return self._release is not None and self._release.done()
+    def releasing(self) -> asyncio.Future | None:
+        """The release under way (or done); None before `close`."""
+        return self._release
 
     async def close(self, release: Callable[[RequestLease], Awaitable[None]]) -> None:
         """Run `release(self)` once however often this is called; wait for it unless cancelled."""

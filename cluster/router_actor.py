@@ -29,6 +29,7 @@ POLL_INTERVAL_S = 0.25
 # Engine steps kept for `observed_steps` (a replay fits its live profile from them).
 OBSERVED_STEPS = 50_000
 TRAFFIC_WINDOW_S = 60.0
+RELEASE_AT_STOP_S = 5.0
 
 
 class RouterActor:
@@ -98,6 +99,7 @@ class RouterActor:
             self._poller.cancel()
         if self.grpc_server is not None:
             await self.grpc_server.stop(grace=2)
+        await self.backend.wait_released(RELEASE_AT_STOP_S)  # cut streams give back their pages
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
 

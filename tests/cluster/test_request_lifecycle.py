@@ -13,12 +13,13 @@ import time
 import grpc
 import pytest
 import ray
-from cluster_kit import counters, running_cluster
+from cluster_kit import counters, running_cluster, worker
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from halfmoon.cluster.client import AsyncClient, ServerError
 from halfmoon.cluster.controller import Controller
 from halfmoon.engine import SamplingParams
+from halfmoon.engine.worker_errors import WorkerError
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -113,6 +114,12 @@ def test_a_live_duplicate_id_is_refused_and_the_first_request_goes_on(tiny_model
             client.complete("the intruder", max_tokens=3, request_id="dup")
         tokens += [t for delta in stream for t in delta.token_ids]
         again = client.complete(prompt, max_tokens=40, temperature=0.0, request_id="dup")
+        aborted = client.generate(prompt, max_tokens=400, ignore_eos=True, request_id="gone")
+        next(iter(aborted))
+        assert client.abort("gone") is True
+        rest = list(aborted)
+        assert client.abort("gone") is False
+    assert rest[-1].finish_reason == "abort"
     assert caught.value.code == "ALREADY_EXISTS"
     assert "dup" in caught.value.message
     assert tokens == _expected(tiny_llm, [prompt], 40)[0]
@@ -134,6 +141,29 @@ def test_max_tokens_beyond_the_context_is_invalid_at_once(tiny_model_dir):
     assert f"at most {context - 5} tokens" in caught.value.message  # "hello" is 5 tokens
     assert len(first.token_ids) == 1
     print(f"\nmax_tokens=2**31 refused in {elapsed_s * 1000:.0f} ms")
+
+
+@pytest.mark.timeout(600)
+def test_an_abort_that_overtakes_its_reserve_or_prefill_still_frees_them(tiny_model_dir):
+    token_ids = list(range(10, 90))
+    params = SamplingParams(max_tokens=4)
+    with running_cluster(tiny_model_dir) as (cluster, _):
+        decode, prefill = worker(cluster, "decode-1"), worker(cluster, "prefill-0")
+        store_name = ray.get(prefill.store_name.remote())
+        assert ray.get(decode.abort.remote("late", "ticket-1")) is False
+        reserve = decode.reserve.remote("late", token_ids, params, store_name, "ticket-1")
+        late_reserve = ray.get(reserve)
+        assert ray.get(prefill.abort.remote("late", "ticket-1")) is False
+        late_prefill = ray.get(prefill.prefill.remote("late", token_ids, params, True, "ticket-1"))
+        held = [counters(cluster, name)["num_used_pages"] for name in ("decode-1", "prefill-0")]
+        # The same id with a new ticket (a later request reusing it) is served as usual.
+        pages = ray.get(decode.reserve.remote("late", token_ids, params, store_name, "ticket-2"))
+        assert ray.get(decode.abort.remote("late", "ticket-2")) is True
+        freed = counters(cluster, "decode-1")["num_used_pages"]
+    assert late_reserve == WorkerError("CANCELLED", "request late was aborted")
+    assert late_prefill == WorkerError("CANCELLED", "request late was aborted")
+    assert held == [0, 0]
+    assert pages == 5 and freed == 0  # 80 tokens in 16-token pages
 
 
 def _health(address: str) -> int:
