@@ -34,6 +34,14 @@ class ModelNotFoundError(HalfmoonError):
     """The request names a model this server does not serve: NOT_FOUND (HTTP 404)."""
 
 
+class WorkerDiedError(NoWorkerError):
+    """A worker died while serving the request, after some of it was streamed: UNAVAILABLE."""
+
+
+class DuplicateRequestError(HalfmoonError):
+    """A request with this id is already in flight: ALREADY_EXISTS (the first one goes on)."""
+
+
 @dataclass(slots=True)
 class GenerateInput:
     """One request as the frontend hands it to the backend."""

@@ -15,6 +15,7 @@ from halfmoon.cluster.config import load_config
 from halfmoon.cluster.launcher import Cluster
 from halfmoon.engine.init_model import BENCH_SHAPE, default_model_dir, ensure_model
 from halfmoon.engine.sampling_params import SamplingParams
+from halfmoon.engine.worker_errors import unwrap
 
 
 @dataclass(slots=True)
@@ -38,12 +39,12 @@ async def measure(cluster: Cluster, token_ids: list[int], layerwise: bool, rid: 
     params = SamplingParams(max_tokens=1, temperature=0.0)
     before = (await prefill.counters.remote())["forward_s"]
     started = time.time()
-    await decode.reserve.remote(rid, token_ids, params, store_name)
-    result = await prefill.prefill.remote(rid, token_ids, params, layerwise)
+    unwrap(await decode.reserve.remote(rid, token_ids, params, store_name))
+    result = unwrap(await prefill.prefill.remote(rid, token_ids, params, layerwise))
     async for ref in decode.generate.options(num_returns="streaming").remote(
         rid, result.first_token_id
     ):
-        await ref
+        unwrap(await ref)
     compute_s = (await prefill.counters.remote())["forward_s"] - before
     got = await decode.receive_timings.remote(rid)
     layers = cluster.info.num_layers

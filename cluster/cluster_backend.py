@@ -4,6 +4,7 @@ worker, and the decode worker's token stream is relayed back to the client."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -11,20 +12,24 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayTaskError
 
 from halfmoon.cluster.backend import (
+    DuplicateRequestError,
     GenerateInput,
     ModelInfo,
     NoWorkerError,
     RejectedError,
     TokenDelta,
     Usage,
+    WorkerDiedError,
     delta_from_output,
 )
-from halfmoon.engine.errors import InvalidRequestError, OutOfPagesError, RequestNotFoundError
+from halfmoon.cluster.request_lease import RequestLease
+from halfmoon.engine.errors import InvalidRequestError, RequestNotFoundError
 from halfmoon.engine.llm_engine import RequestOutput
 from halfmoon.engine.tokenizer import tokenize_prompt
+from halfmoon.engine.worker_errors import WorkerCallError, aborted, unwrap
 from halfmoon.engine.worker_info import WorkerInfo
 from halfmoon.kvstore.keys import block_keys
 from halfmoon.router.conductor import Conductor
@@ -35,6 +40,8 @@ from halfmoon.router.request import RouteRequest
 log = logging.getLogger(__name__)
 MAX_WAIT_FOR_ROOM_S = 120.0
 ROOM_POLL_S = 0.05
+MAX_ATTEMPTS = 3  # tries per request when the workers it was sent to die
+RELEASE_WAIT_S = 10.0  # the longest a release waits on one worker call
 
 
 @dataclass(slots=True)
@@ -44,7 +51,7 @@ class Worker:
     handle: ray.actor.ActorHandle
     store_name: str | None = None
     draining: bool = False
-    responsive: bool = True  # False while the router's polls of it fail
+    dead: bool = False  # a call to it failed: no new requests until it answers again
 
 
 @dataclass(slots=True)
@@ -80,6 +87,8 @@ class ClusterBackend:
         mode: str,
         observer=None,
         model_name: str | None = None,
+        *,
+        pool_wait_s: float,
     ):
         self.tokenizer = tokenizer
         self.info = info
@@ -88,14 +97,17 @@ class ClusterBackend:
         self.mode = mode
         self.observer = observer
         self.workers: dict[str, Worker] = {}
-        self.inflight: dict[str, Worker] = {}
-        self.traces: dict[str, RequestTrace] = {}
+        self.leases: dict[str, RequestLease] = {}  # the requests in flight, by id
         self.stores: dict[str, ray.actor.ActorHandle] = {}
         self.max_wait_for_room_s = MAX_WAIT_FOR_ROOM_S
+        self.pool_wait_s = pool_wait_s
         self.copies: set[asyncio.Task] = set()
 
     def add_worker(self, worker: Worker) -> None:
         self.workers[worker.name] = worker
+        self._route_to(worker)
+
+    def _route_to(self, worker: Worker) -> None:
         if worker.kind == "prefill":
             self.conductor.add_prefill(worker.name)
         else:
@@ -111,42 +123,24 @@ class ClusterBackend:
         worker.draining = draining
         if draining:
             self.conductor.remove_instance(name)
-        else:
-            self.add_worker(worker)
+        elif not worker.dead:
+            self._route_to(worker)
 
     async def generate(self, request: GenerateInput) -> AsyncIterator[TokenDelta]:
         rid = request.request_id
-        if rid in self.traces:  # a second one would abort the first when it ends
-            raise InvalidRequestError("request_id", rid, "a request with this id is in flight")
-        trace = self.traces[rid] = RequestTrace(time.monotonic())
-        finished = False
+        if rid in self.leases:  # checked before anything is taken: the first one goes on
+            raise DuplicateRequestError(
+                f"request_id={rid!r} is already in flight; pick another id, or send none "
+                "to get a server-assigned one"
+            )
+        lease = self.leases[rid] = RequestLease(rid, RequestTrace(time.monotonic()))
+        trace = lease.trace
         try:
             token_ids = self._tokenize(request)
+            self._check_fits(len(token_ids), request.params.max_tokens)
             trace.num_prompt_tokens = len(token_ids)
-            stream = await self._start(request, token_ids, trace)
-            early = trace.early_token
-            if early is not None:  # the prefill's token goes out now, not after the hand-off
-                trace.num_output_tokens = 1
-                trace.first_token_s = trace.last_token_s = time.monotonic()
-                self._observe_first_token(rid, trace)
-                yield TokenDelta([early[0]], "", logprobs=[early[1]] if early[1] else [])
-            async for ref in stream:
-                out: RequestOutput = await ref
-                new_ids = out.new_token_ids
-                if early is not None and new_ids[:1] == [early[0]]:
-                    new_ids, early = new_ids[1:], None  # streamed already
-                trace.num_output_tokens += len(new_ids)
-                finished = out.finished
-                if trace.first_token_s is None and new_ids:
-                    trace.first_token_s = time.monotonic()
-                    self._observe_first_token(rid, trace)
-                trace.last_token_s = time.monotonic()
-                delta = self._delta(out, trace)
-                delta.token_ids = new_ids
+            async for delta in self._serve(request, token_ids, lease):
                 yield delta
-            trace.outcome = "finished" if finished else "error"
-        except RayActorError as error:
-            raise NoWorkerError(f"a worker serving request {rid} died: {error}") from error
         except (GeneratorExit, asyncio.CancelledError):
             trace.outcome = "cancelled"
             raise
@@ -157,12 +151,144 @@ class ClusterBackend:
             trace.outcome, trace.reason = "rejected", _reason_kind(str(error))
             raise
         finally:
-            if not finished:
-                await self._abort_everywhere(rid, trace)
-            self.conductor.on_finish(rid, time.monotonic(), trace.num_output_tokens)
+            await lease.close(self._release)
+
+    async def _serve(
+        self, request: GenerateInput, token_ids: list[int], lease: RequestLease
+    ) -> AsyncIterator[TokenDelta]:
+        """Serve the request, moving it to other workers while a dead one had streamed none of
+        it (beyond the prefill's first token, which the next decode worker continues from)."""
+        while True:
+            try:
+                async for delta in self._attempt(request, token_ids, lease):
+                    yield delta
+                return
+            except WorkerCallError:
+                if not lease.aborted:
+                    raise
+                yield self._aborted_delta(lease.trace)
+                return
+            except WorkerDiedError:
+                if lease.streamed or lease.aborted or lease.num_attempts >= MAX_ATTEMPTS:
+                    raise
+                log.warning("retrying request %s on other workers", lease.request_id)
+                await self._end_attempt(lease)
+                self.conductor.on_abandon(lease.request_id)
+                lease.retry()
+
+    async def _attempt(
+        self, request: GenerateInput, token_ids: list[int], lease: RequestLease
+    ) -> AsyncIterator[TokenDelta]:
+        rid, trace = lease.request_id, lease.trace
+        worker, stream = await self._start(request, token_ids, lease)
+        early = trace.early_token
+        if early is not None and not lease.early_sent:  # out now, not after the hand-off
+            lease.early_sent = True
+            trace.num_output_tokens = 1
+            trace.first_token_s = trace.last_token_s = time.monotonic()
+            self._observe_first_token(rid, trace)
+            yield TokenDelta([early[0]], "", logprobs=[early[1]] if early[1] else [])
+        async for out in self._outputs(worker, stream):
+            new_ids = out.new_token_ids
+            if early is not None and new_ids[:1] == [early[0]]:
+                new_ids, early = new_ids[1:], None  # streamed already
+            trace.num_output_tokens += len(new_ids)
+            if out.finished:
+                lease.attempt.ended = True
+                trace.outcome = "cancelled" if out.finish_reason == "abort" else "finished"
+            if trace.first_token_s is None and new_ids:
+                trace.first_token_s = time.monotonic()
+                self._observe_first_token(rid, trace)
+            trace.last_token_s = time.monotonic()
+            delta = self._delta(out, trace)
+            delta.token_ids = new_ids
+            lease.streamed = True
+            yield delta
+
+    async def _outputs(self, worker: Worker, stream) -> AsyncIterator[RequestOutput]:
+        """The worker's streamed outputs; its errors raised here, as the router's."""
+        try:
+            async for ref in stream:
+                yield unwrap(await ref)
+        except RayActorError as error:
+            raise self._lost(worker, error) from error
+
+    async def _call(self, worker: Worker, ref):
+        """Await one worker call; a dead worker is routed around from now on."""
+        try:
+            return unwrap(await ref)
+        except RayActorError as error:
+            raise self._lost(worker, error) from error
+
+    def _lost(self, worker: Worker, error: RayActorError) -> Exception:
+        if isinstance(error, RayTaskError):  # the worker is alive; something it called failed
+            return error
+        self.mark_dead(worker.name)
+        log.warning("worker %s failed a call: %s", worker.name, error)
+        return WorkerDiedError(f"worker {worker.name} died while serving the request")
+
+    def mark_dead(self, name: str) -> None:
+        """Route no more requests to `name` (its call failed) until it answers again."""
+        worker = self.workers.get(name)
+        if worker is None or worker.dead:
+            return
+        worker.dead = True
+        self.conductor.remove_instance(name)
+        log.warning("routing around worker %s until it answers or is replaced", name)
+
+    def mark_alive(self, name: str) -> None:
+        """A worker marked dead answered a call: route to it again."""
+        worker = self.workers.get(name)
+        if worker is not None and worker.dead:
+            worker.dead = False
+            if not worker.draining:
+                self._route_to(worker)
+
+    def _missing_pool(self) -> str | None:
+        kinds = ("decode",) if self.mode == "colocated" else ("prefill", "decode")
+        return next((kind for kind in kinds if not self._alive(kind)), None)
+
+    async def wait_released(self, timeout_s: float) -> None:
+        """Wait (up to `timeout_s`) for the releases under way, e.g. when the server stops."""
+        pending = [lease.releasing for lease in self.leases.values() if lease.releasing]
+        if pending:
+            await asyncio.wait(pending, timeout=timeout_s)
+
+    async def _release(self, lease: RequestLease) -> None:
+        """Give back everything `lease` holds (run once, by `RequestLease.close`)."""
+        try:
+            await self._end_attempt(lease)
+        finally:
+            trace = lease.trace
+            self.conductor.on_finish(lease.request_id, time.monotonic(), trace.num_output_tokens)
+            self.leases.pop(lease.request_id, None)
             if self.observer is not None:
                 self.observer(trace)
-            self.traces.pop(rid, None)
+
+    async def _end_attempt(self, lease: RequestLease) -> None:
+        """Abort the attempt on its live workers, once a reserve already sent has landed (or
+        not in time: its ticket then refuses it when it lands)."""
+        attempt = lease.attempt
+        if attempt.ended:
+            return
+
+        async def abort(worker: Worker, first=None) -> None:
+            if first is not None:
+                await _settled(first, RELEASE_WAIT_S)
+            ref = worker.handle.abort.remote(lease.request_id, attempt.ticket)
+            if not await _settled(ref, RELEASE_WAIT_S):
+                log.warning("%s did not answer the abort of %s", worker.name, lease.request_id)
+
+        calls = [abort(attempt.prefill)] if attempt.prefill and not attempt.prefill.dead else []
+        if attempt.decode is not None and not attempt.decode.dead:
+            calls.append(abort(attempt.decode, attempt.reserve))
+        await asyncio.gather(*calls)
+        attempt.ended = True  # only now: a cancel midway leaves the release to do it again
+
+    def _aborted_delta(self, trace: RequestTrace) -> TokenDelta:
+        trace.outcome = "cancelled"
+        usage = Usage(trace.num_prompt_tokens, trace.num_output_tokens, trace.num_cached_tokens)
+        return TokenDelta([], "", finish_reason="abort", usage=usage)
 
     def _observe_first_token(self, rid: str, trace: RequestTrace) -> None:
         ttft_s = trace.first_token_s - trace.arrived_s
@@ -181,14 +307,28 @@ class ClusterBackend:
             )
         return token_ids
 
-    async def _start(self, request: GenerateInput, token_ids: list[int], trace: RequestTrace):
-        rid, params = request.request_id, request.params
+    def _check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Prompt and output must fit the context: a request that cannot is refused now."""
+        limit = self.info.max_model_len
+        if num_prompt_tokens + max_tokens > limit:
+            raise InvalidRequestError(
+                "max_tokens",
+                max_tokens,
+                f"the prompt ({num_prompt_tokens} tokens) plus max_tokens must fit the "
+                f"context length of {limit} tokens; ask for at most "
+                f"{limit - num_prompt_tokens} tokens",
+            )
+
+    async def _start(self, request: GenerateInput, token_ids: list[int], lease: RequestLease):
+        """Place the attempt and start it; returns the worker that streams and its stream."""
+        rid, params, trace, attempt = request.request_id, request.params, lease.trace, lease.attempt
+        trace.prefill_instance = trace.decode_instance = None
         if self.mode == "colocated":
-            worker = self._least_loaded("decode")
+            worker = attempt.decode = await self._pick_colocated(lease)
             trace.decode_instance = worker.name
             trace.prefill_started_s = time.monotonic()
-            return worker.handle.generate_colocated.options(num_returns="streaming").remote(
-                rid, token_ids, params
+            return worker, worker.handle.generate_colocated.options(num_returns="streaming").remote(
+                rid, token_ids, params, attempt.ticket
             )
         keys = block_keys(self.info.root_key, token_ids, self.info.block_size)
         # The engine stops at the context length, so no request holds KV beyond it.
@@ -197,40 +337,41 @@ class ClusterBackend:
             rid, keys, len(token_ids), max_output_tokens, trace.arrived_s,
             ttft_slo_s=request.ttft_slo_s, tbt_slo_s=request.tbt_slo_s,
         )  # fmt: skip
-        decision = await self._route_when_room(route, trace)
+        decision = await self._route(route, lease)
         trace.predicted_ttft_s = decision.predicted_ttft_s
         if decision.rejected:
-            if not self._alive("prefill") or not self._alive("decode"):
-                raise NoWorkerError(f"no worker can take request {rid}: {decision.reason}")
             raise RejectedError(f"request {rid} rejected: {decision.reason}")
         self._replicate(decision)
-        decode = self.workers[decision.decode_instance]
+        decode = attempt.decode = self.workers[decision.decode_instance]
         trace.decode_instance = decode.name
         if decision.bypass:
-            return decode.handle.generate_colocated.options(num_returns="streaming").remote(
-                rid, token_ids, params
+            if lease.early_sent:  # its first token is out: only a plain hand-off continues it
+                raise WorkerDiedError(f"request {rid} lost its decode worker after its first token")
+            return decode, decode.handle.generate_colocated.options(num_returns="streaming").remote(
+                rid, token_ids, params, attempt.ticket
             )
-        prefill = self.workers[decision.prefill_instance]
+        prefill = attempt.prefill = self.workers[decision.prefill_instance]
         trace.prefill_instance = prefill.name
-        try:
-            await decode.handle.reserve.remote(rid, token_ids, params, prefill.store_name)
-        except OutOfPagesError as error:
-            raise NoWorkerError(f"decode worker {decode.name} has no room: {error}") from error
-        self.inflight[rid] = prefill
+        attempt.reserve = decode.handle.reserve.remote(
+            rid, token_ids, params, prefill.store_name, attempt.ticket
+        )
+        await self._call(decode, attempt.reserve)
         trace.prefill_started_s = time.monotonic()
         self.conductor.on_prefill_start(rid, trace.prefill_started_s)
-        result = await prefill.handle.prefill.remote(rid, token_ids, params)
-        del self.inflight[rid]
+        result = await self._call(
+            prefill, prefill.handle.prefill.remote(rid, token_ids, params, True, attempt.ticket)
+        )
         now = time.monotonic()
         self.conductor.on_prefill_done(rid, now)
         cached = result.num_local_cached_tokens + result.num_loaded_tokens
         # The cost model is refined from the workers' engine steps (RouterActor polls them).
         trace.prefill_compute_s = result.finished_at - result.started_at
         trace.num_cached_tokens, trace.num_loaded_tokens = cached, result.num_loaded_tokens
-        trace.early_token = (result.first_token_id, result.logprobs)
+        if trace.early_token is None:  # a retry continues from the first token already out
+            trace.early_token = (result.first_token_id, result.logprobs)
         self.conductor.on_decode_join(rid, now)
-        return decode.handle.generate.options(num_returns="streaming").remote(
-            rid, result.first_token_id
+        return decode, decode.handle.generate.options(num_returns="streaming").remote(
+            rid, trace.early_token[0]
         )
 
     def _replicate(self, decision: Decision) -> None:
@@ -253,16 +394,44 @@ class ClusterBackend:
         finally:
             self.conductor.on_replicated(copy)
 
-    async def _route_when_room(self, route: RouteRequest, trace: RequestTrace):
+    async def _route(self, route: RouteRequest, lease: RequestLease) -> Decision:
         """Route; while no decode worker has room for the KV, wait for some (up to
-        `max_wait_for_room_s`) instead of failing: that is queueing, not an SLO rejection."""
-        deadline = trace.arrived_s + self.max_wait_for_room_s
+        `max_wait_for_room_s`), and while a pool has no live worker, wait for a replacement
+        (up to `pool_wait_s`) instead of failing: that is queueing, not an SLO rejection."""
+        started = time.monotonic()
         while True:
-            decision = self.conductor.route(route, time.monotonic())
-            no_room = decision.rejected and decision.decode_instance is None
-            if not no_room or not self._alive("prefill") or time.monotonic() > deadline:
-                return decision
+            self._check_aborted(lease)
+            now = time.monotonic()
+            missing = self._missing_pool()
+            if missing is None:
+                decision = self.conductor.route(route, now)
+                no_room = decision.rejected and decision.decode_instance is None
+                if not no_room or now > route.arrival_s + self.max_wait_for_room_s:
+                    return decision
+            elif now > started + self.pool_wait_s:
+                raise NoWorkerError(
+                    f"no live {missing} worker for {self.pool_wait_s:g} s (router.pool_wait_s) "
+                    f"to serve request {route.request_id}; check `halfmoon status`"
+                )
             await asyncio.sleep(ROOM_POLL_S)
+
+    async def _pick_colocated(self, lease: RequestLease) -> Worker:
+        """The least loaded live worker, waiting up to `pool_wait_s` for one."""
+        started = time.monotonic()
+        while not self._alive("decode"):
+            self._check_aborted(lease)
+            if time.monotonic() > started + self.pool_wait_s:
+                raise NoWorkerError(
+                    f"no live worker for {self.pool_wait_s:g} s (router.pool_wait_s); "
+                    "check `halfmoon status`"
+                )
+            await asyncio.sleep(ROOM_POLL_S)
+        return self._least_loaded("decode")
+
+    @staticmethod
+    def _check_aborted(lease: RequestLease) -> None:
+        if lease.aborted:
+            raise WorkerCallError(aborted(lease.request_id))
 
     def _delta(self, out: RequestOutput, trace: RequestTrace) -> TokenDelta:
         if out.finished and trace.prefill_instance is None:  # prefilled where it decoded
@@ -270,22 +439,18 @@ class ClusterBackend:
         usage = Usage(trace.num_prompt_tokens, trace.num_output_tokens, trace.num_cached_tokens)
         return delta_from_output(out, usage)
 
-    async def _abort_everywhere(self, rid: str, trace: RequestTrace) -> None:
-        for name in (trace.prefill_instance, trace.decode_instance):
-            worker = self.workers.get(name) if name else None
-            if worker is None:
-                continue
-            try:
-                await worker.handle.abort.remote(rid)
-            except RayActorError:
-                log.warning("could not abort %s on %s: the worker is gone", rid, name)
-        self.inflight.pop(rid, None)
-
     async def abort(self, request_id: str) -> bool:
-        trace = self.traces.get(request_id)
-        if trace is None:
+        """End a request in flight: its stream ends with finish reason `abort`."""
+        lease = self.leases.get(request_id)
+        if lease is None or lease.aborted:
             return False
-        await self._abort_everywhere(request_id, trace)
+        lease.aborted = True
+        attempt = lease.attempt
+        for worker in attempt.workers():
+            try:
+                await worker.handle.abort.remote(request_id, attempt.ticket)
+            except RayActorError:
+                log.warning("could not abort %s on %s: the worker is gone", request_id, worker.name)
         return True
 
     async def explain(self, request_id: str) -> str:
@@ -312,6 +477,9 @@ class ClusterBackend:
                     "waiting": load.num_waiting,
                     "pages_used_ratio": round(load.pages_used_ratio, 4),
                 }
+                view = self.conductor.decode.get(worker.name)
+                if view is not None:  # what the router holds back for requests placed there
+                    loads[worker.name]["reserved_kv_tokens"] = view.reserved_tokens
             except RayActorError:
                 loads[worker.name] = {"kind": worker.kind, "dead": True}
         stores = {}
@@ -331,13 +499,14 @@ class ClusterBackend:
             "workers": loads,
             "stores": stores,
             "policy": self.conductor.config.policy,
-            "in_flight": len(self.traces),
+            "in_flight": len(self.leases),
+            "health": dict(zip(("ok", "reason"), await self.health(), strict=True)),
             "ttft_prediction_error": error,
         }
 
     async def health(self) -> tuple[bool, str]:
         kinds = ("decode",) if self.mode == "colocated" else ("prefill", "decode")
-        counts = {kind: sum(w.responsive for w in self._alive(kind)) for kind in kinds}
+        counts = {kind: len(self._alive(kind)) for kind in kinds}
         missing = [kind for kind, count in counts.items() if count == 0]
         live = ", ".join(f"{count} {kind}" for kind, count in counts.items())
         if missing:
@@ -345,16 +514,17 @@ class ClusterBackend:
         return True, f"serving ({live})"
 
     def _alive(self, kind: str) -> list[Worker]:
-        return [w for w in self.workers.values() if w.kind == kind and not w.draining]
+        return [w for w in self.workers.values() if w.kind == kind and not (w.draining or w.dead)]
 
     def _least_loaded(self, kind: str) -> Worker:
         workers = self._alive(kind)
         if not workers:
             raise NoWorkerError(f"no {kind} worker is alive; check `halfmoon status`")
         busy = {w.name: 0 for w in workers}
-        for trace in self.traces.values():
-            if trace.decode_instance in busy:
-                busy[trace.decode_instance] += 1
+        for lease in self.leases.values():
+            decode = lease.attempt.decode
+            if decode is not None and decode.name in busy:
+                busy[decode.name] += 1
         return min(workers, key=lambda w: busy[w.name])
 
 
@@ -365,3 +535,18 @@ def _reason_kind(message: str) -> str:
         if kind in lowered:
             return kind
     return "capacity"
+
+
+async def _settled(ref, timeout_s: float) -> bool:
+    """Wait (up to `timeout_s`) for a worker call already sent, however it ends; False if it
+    did not end in time."""
+    try:
+        await asyncio.wait_for(_ended(ref), timeout_s)
+    except TimeoutError:
+        return False
+    return True
+
+
+async def _ended(ref) -> None:
+    with contextlib.suppress(Exception):  # only its end matters here, not its result
+        await ref

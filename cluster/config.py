@@ -159,6 +159,8 @@ class RouterSection(Section):
     replicate_margin_s: float = Field(0.1, ge=0)
     # A cost-model profile: a YAML path, or a name from deploy/profiles; None: profile at start.
     profile: str | None = None
+    # Seconds a request waits for a replacement while a pool has no live worker (0: fail now).
+    pool_wait_s: float = Field(10.0, ge=0)
 
     @field_validator("policy")
     @classmethod

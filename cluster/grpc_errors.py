@@ -9,6 +9,7 @@ import uuid
 import grpc
 
 from halfmoon.cluster.backend import (
+    DuplicateRequestError,
     ModelNotFoundError,
     NoWorkerError,
     RejectedError,
@@ -20,12 +21,14 @@ from halfmoon.engine.errors import (
     OutOfPagesError,
     RequestNotFoundError,
 )
+from halfmoon.engine.worker_errors import WorkerCallError
 
 log = logging.getLogger(__name__)
 # Trailing metadata that marks a status as sent by a halfmoon server (not by the transport).
 ERROR_KEY = "halfmoon-error"
 STATUS_BY_ERROR: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
+    (DuplicateRequestError, grpc.StatusCode.ALREADY_EXISTS),
     (RequestNotFoundError, grpc.StatusCode.NOT_FOUND),
     (ModelNotFoundError, grpc.StatusCode.NOT_FOUND),
     (UnauthenticatedError, grpc.StatusCode.UNAUTHENTICATED),
@@ -39,6 +42,9 @@ STATUS_BY_ERROR: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
 
 def status_for(error: BaseException) -> tuple[grpc.StatusCode, str]:
     """The status code and the message a client may see for `error`."""
+    if isinstance(error, WorkerCallError):  # a worker's error, sent back as data
+        code = grpc.StatusCode.__members__.get(error.code, grpc.StatusCode.INTERNAL)
+        return code, _message(error, code)
     for error_type, code in STATUS_BY_ERROR:
         if isinstance(error, error_type):
             return code, _message(error, code)

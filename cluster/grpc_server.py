@@ -23,6 +23,8 @@ from halfmoon.engine.errors import HalfmoonError, InvalidRequestError
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Halfmoon"].full_name
+HEALTH_INTERVAL_S = 0.5  # how often the gRPC health status follows the backend's health()
+_FOLLOWERS: set[asyncio.Task] = set()
 MAX_MESSAGE_BYTES = 16 << 20  # room for a prompt of MAX_PROMPT_TOKEN_IDS token ids
 SERVER_OPTIONS = (
     ("grpc.so_reuseport", 0),  # a second server on a taken port must fail, not share it
@@ -102,7 +104,8 @@ class HalfmoonServicer(pb_grpc.HalfmoonServicer):
 async def start_grpc_server(
     backend: Backend, host: str = "127.0.0.1", port: int = 50051, api_key: str | None = None
 ) -> tuple[grpc.aio.Server, int]:
-    """Serve `backend` with health (SERVING) and reflection; returns the server and bound port.
+    """Serve `backend` with health (following `backend.health()`) and reflection; returns the
+    server and bound port.
 
     `port=0` picks a free port. With `api_key`, calls other than health checks need it as
     `authorization: Bearer` metadata. Stop with `await server.stop(grace_s)`.
@@ -112,8 +115,7 @@ async def start_grpc_server(
     pb_grpc.add_HalfmoonServicer_to_server(HalfmoonServicer(backend), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    for service in ("", SERVICE_NAME):
-        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    await _report_health(backend, health_servicer)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
@@ -125,5 +127,36 @@ async def start_grpc_server(
             "the port is taken or the host is not local; pass another port"
         ) from error
     await server.start()
+    follower = asyncio.get_running_loop().create_task(
+        _follow_health(backend, health_servicer, server)
+    )
+    _FOLLOWERS.add(follower)  # the loop keeps only a weak reference to a task
+    follower.add_done_callback(_FOLLOWERS.discard)
     log.info("halfmoon gRPC API on %s:%d", host, bound_port)
     return server, bound_port
+
+
+async def _report_health(backend: Backend, servicer: health.aio.HealthServicer) -> bool:
+    """Set SERVING or NOT_SERVING from `backend.health()`; returns whether it is serving."""
+    try:
+        ok, reason = await backend.health()
+    except Exception as error:  # noqa: BLE001 - a backend that cannot tell is not serving
+        ok, reason = False, f"health check failed: {error!r}"
+    status = health_pb2.HealthCheckResponse
+    for service in ("", SERVICE_NAME):
+        await servicer.set(service, status.SERVING if ok else status.NOT_SERVING)
+    if not ok:
+        log.debug("health: NOT_SERVING (%s)", reason)
+    return ok
+
+
+async def _follow_health(
+    backend: Backend, servicer: health.aio.HealthServicer, server: grpc.aio.Server
+) -> None:
+    """Keep the health status current until the server stops."""
+    serving = True
+    while await server.wait_for_termination(HEALTH_INTERVAL_S):  # True: timed out, still up
+        now_serving = await _report_health(backend, servicer)
+        if now_serving != serving:
+            log.warning("health: %s", "SERVING" if now_serving else "NOT_SERVING")
+            serving = now_serving

@@ -50,11 +50,13 @@ class LocalBackend:
         stats = self.engine.call(lambda engine: engine.stats())
         return {"mode": "local", "model": self.engine.engine.config.model, "engine": asdict(stats)}
 
+    async def health(self) -> tuple[bool, str]:
+        if not self.engine.running:
+            return False, "the engine's step thread has stopped"
+        return True, "serving"
+
     async def explain(self, request_id: str) -> str:
         return f"request {request_id}: served by the one local engine (no routing decision)"
-
-    async def health(self) -> tuple[bool, str]:
-        return True, "the local engine serves"
 
 
 def _usage(out: RequestOutput, num_tokens: int) -> Usage:

@@ -12,7 +12,7 @@ import time
 from collections import deque
 from pathlib import Path
 
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayTaskError
 
 from halfmoon.cluster.backend import GenerateInput
 from halfmoon.cluster.cluster_backend import ClusterBackend, RequestTrace, Worker
@@ -29,6 +29,7 @@ POLL_INTERVAL_S = 0.25
 # Engine steps kept for `observed_steps` (a replay fits its live profile from them).
 OBSERVED_STEPS = 50_000
 TRAFFIC_WINDOW_S = 60.0
+RELEASE_AT_STOP_S = 5.0
 
 
 class RouterActor:
@@ -42,8 +43,9 @@ class RouterActor:
         conductor = Conductor(router_config(config, info.block_size), profile)
         tokenizer = load_tokenizer(Path(info.model))
         self.backend = ClusterBackend(
-            tokenizer, info, conductor, config.mode, self._observe, served_name(config)
-        )
+            tokenizer, info, conductor, config.mode, self._observe, served_name(config),
+            pool_wait_s=config.router.pool_wait_s,
+        )  # fmt: skip
         self.loads: dict[str, WorkerLoad] = {}
         self.finished: deque[tuple[float, int, int, int]] = deque()  # (time, in, out, cached)
         self.steps_observed: deque[StepTiming] = deque(maxlen=OBSERVED_STEPS)
@@ -98,8 +100,8 @@ class RouterActor:
         """Requests the router has in flight on worker `name` (to drain before removal)."""
         return sum(
             1
-            for t in self.backend.traces.values()
-            if name in (t.prefill_instance, t.decode_instance)
+            for lease in self.backend.leases.values()
+            if name in (w.name for w in lease.attempt.workers())
         )
 
     async def status(self) -> dict:
@@ -115,6 +117,7 @@ class RouterActor:
             await self.http_server.stop()
         if self.grpc_server is not None:
             await self.grpc_server.stop(grace=2)
+        await self.backend.wait_released(RELEASE_AT_STOP_S)  # cut streams give back their pages
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
 
@@ -247,10 +250,11 @@ class RouterActor:
                 else:
                     for num_bytes, seconds in await worker.handle.drain_transfers.remote():
                         self.metrics.record_transfer("store", num_bytes, seconds)
-            except RayActorError:
-                worker.responsive = False
+            except RayActorError as error:
+                if not isinstance(error, RayTaskError):
+                    self.backend.mark_dead(worker.name)
                 continue
-            worker.responsive = True
+            self.backend.mark_alive(worker.name)
             self.loads[worker.name] = load
             self.metrics.update_worker(load)
             if worker.kind == "decode" and worker.name in conductor.decode:

@@ -14,9 +14,11 @@ from collections.abc import AsyncIterator
 import ray
 
 from halfmoon.engine.config import EngineConfig
+from halfmoon.engine.errors import HalfmoonError
 from halfmoon.engine.llm_engine import LLMEngine, RequestOutput
 from halfmoon.engine.sampling_params import SamplingParams
 from halfmoon.engine.worker_base import EngineWorker
+from halfmoon.engine.worker_errors import WorkerError, aborted
 from halfmoon.kvstore.locate import local_store
 from halfmoon.kvstore.transfer import plan_transfer
 
@@ -59,11 +61,18 @@ class DecodeWorker(EngineWorker):
         prompt_token_ids: list[int],
         params: SamplingParams,
         store_name: str | None = None,
-    ) -> int:
+        ticket: str | None = None,
+    ) -> int | WorkerError:
         """Hold pages for the prompt and start pulling its KV from the store node the prefill
-        worker publishes to (`store_name`; default: ours); returns the pages held."""
-        store = self._store(store_name)
-        pages = self._engine().reserve(prompt_token_ids, params, request_id)
+        worker publishes to (`store_name`; default: ours); returns the pages held. A reserve
+        whose `ticket` was aborted already holds nothing."""
+        if self._was_aborted(ticket):
+            return aborted(request_id)
+        try:
+            store = self._store(store_name)
+            pages = self._engine().reserve(prompt_token_ids, params, request_id)
+        except HalfmoonError as error:
+            return WorkerError.of(error)
         units = plan_transfer(
             self.engine.root_key,
             prompt_token_ids,
@@ -77,33 +86,53 @@ class DecodeWorker(EngineWorker):
         )
         return len(pages)
 
-    async def generate(self, request_id: str, first_token_id: int) -> AsyncIterator[RequestOutput]:
-        """Wait for the last layer, join the batch, and stream the request's outputs."""
+    async def generate(
+        self, request_id: str, first_token_id: int
+    ) -> AsyncIterator[RequestOutput | WorkerError]:
+        """Wait for the last layer, join the batch, and stream the request's outputs; a
+        failure is the last item, as a `WorkerError`."""
         receive = self.receives.pop(request_id, None)
         if receive is None:
-            raise KeyError(f"request {request_id!r} has no reservation on {self.name}")
+            yield WorkerError("NOT_FOUND", f"request {request_id} has no reservation here")
+            return
         engine = self._engine()
         try:
             await receive
-        except BaseException:
+        except asyncio.CancelledError:
             engine.abort(request_id)
-            raise
+            yield aborted(request_id)
+            return
+        except Exception as error:  # noqa: BLE001 - the router learns why, as data
+            engine.abort(request_id)
+            yield WorkerError("UNAVAILABLE", f"receiving the KV of {request_id} failed: {error}")
+            return
         self.timings[request_id].joined_at = time.time()
-        engine.join(request_id, first_token_id)
-        async with contextlib.aclosing(engine.stream(request_id)) as outputs:
-            async for out in outputs:
-                yield out
+        try:
+            engine.join(request_id, first_token_id)
+        except HalfmoonError as error:
+            yield WorkerError.of(error)
+            return
+        async for out in _as_data(engine.stream(request_id)):
+            yield out
 
     async def generate_colocated(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-    ) -> AsyncIterator[RequestOutput]:
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        ticket: str | None = None,
+    ) -> AsyncIterator[RequestOutput | WorkerError]:
         """Prefill and decode here (colocated mode and short-prompt bypass)."""
-        outputs = self._engine().generate(prompt_token_ids, params, request_id)
-        async with contextlib.aclosing(outputs):
-            async for out in outputs:
-                yield out
+        if self._was_aborted(ticket):
+            yield aborted(request_id)
+            return
+        async for out in _as_data(self._engine().generate(prompt_token_ids, params, request_id)):
+            yield out
 
-    async def abort(self, request_id: str) -> bool:
+    async def abort(self, request_id: str, ticket: str | None = None) -> bool:
+        """End the request here and free its pages; a reserve or colocated call with the same
+        `ticket` that lands later is refused."""
+        self._remember_abort(ticket)
         receive = self.receives.pop(request_id, None)
         if receive is not None:
             receive.cancel()
@@ -160,3 +189,15 @@ class DecodeWorker(EngineWorker):
         self.timings[request_id] = timings
         while len(self.timings) > RECENT_TIMINGS:
             self.timings.popitem(last=False)
+
+
+async def _as_data(
+    outputs: AsyncIterator[RequestOutput],
+) -> AsyncIterator[RequestOutput | WorkerError]:
+    """The outputs, with a halfmoon error at the end turned into a last `WorkerError` item."""
+    async with contextlib.aclosing(outputs):
+        try:
+            async for out in outputs:
+                yield out
+        except HalfmoonError as error:
+            yield WorkerError.of(error)

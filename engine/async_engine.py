@@ -106,6 +106,11 @@ class AsyncEngine:
             async for out in outputs:
                 yield out
 
+    @property
+    def running(self) -> bool:
+        """True while the step thread runs (until `shutdown`)."""
+        return self._thread.is_alive()
+
     def shutdown(self) -> None:
         with self._work:
             self._stopped = True

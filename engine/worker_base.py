@@ -4,11 +4,15 @@ controller make on any worker (info, load, ping, profile, counters)."""
 from __future__ import annotations
 
 import dataclasses
+from collections import OrderedDict
 
 from halfmoon.engine.async_engine import AsyncEngine
 from halfmoon.engine.llm_engine import LLMEngine, StepTiming
 from halfmoon.engine.profiling import ProfileSamples, profile_engine
 from halfmoon.engine.worker_info import WorkerInfo, WorkerLoad, worker_info, worker_load
+
+# Tickets of aborted calls kept so that a call arriving after its abort is refused at once.
+ABORTED_TICKETS = 4096
 
 
 class EngineWorker:
@@ -20,6 +24,7 @@ class EngineWorker:
         self.name = name
         self.engine = engine
         self.async_engine: AsyncEngine | None = None
+        self.aborted_tickets: OrderedDict[str, None] = OrderedDict()
 
     def _engine(self) -> AsyncEngine:
         # Created on first use, inside the actor's event loop.
@@ -51,6 +56,18 @@ class EngineWorker:
 
     def _extra_counters(self) -> dict:
         return {}
+
+    def _remember_abort(self, ticket: str | None) -> None:
+        """An abort may overtake the call it ends (Ray does not order an async actor's calls):
+        its ticket is kept (the last ABORTED_TICKETS) so that call is refused when it lands."""
+        if ticket is None:
+            return
+        self.aborted_tickets[ticket] = None
+        while len(self.aborted_tickets) > ABORTED_TICKETS:
+            self.aborted_tickets.popitem(last=False)
+
+    def _was_aborted(self, ticket: str | None) -> bool:
+        return ticket is not None and ticket in self.aborted_tickets
 
 
 def _take_steps(engine: LLMEngine) -> list[StepTiming]:

@@ -15,12 +15,14 @@ from dataclasses import dataclass, field
 import ray
 
 from halfmoon.engine.config import EngineConfig
+from halfmoon.engine.errors import HalfmoonError
 from halfmoon.engine.hooks import KVHooks
 from halfmoon.engine.llm_engine import LLMEngine
 from halfmoon.engine.sampling_params import SamplingParams
 from halfmoon.engine.scheduler import ScheduledSeq
 from halfmoon.engine.sequence import Sequence, TokenLogprobs
 from halfmoon.engine.worker_base import EngineWorker
+from halfmoon.engine.worker_errors import WorkerError, aborted
 from halfmoon.kvstore.index import BlockEvent
 from halfmoon.kvstore.layout import LayerKV
 from halfmoon.kvstore.locate import local_store, local_store_name
@@ -110,8 +112,10 @@ class PrefillWorker(EngineWorker, KVHooks):
         prompt_token_ids: list[int],
         params: SamplingParams,
         layerwise: bool = True,
-    ) -> PrefillResult:
-        """Compute the prompt's KV, publish it, and return the first token.
+        ticket: str | None = None,
+    ) -> PrefillResult | WorkerError:
+        """Compute the prompt's KV, publish it, and return the first token (a `WorkerError`
+        when it fails or was aborted: `ticket` names this call for `abort`).
 
         With `layerwise=False` the KV is sent only after the whole prompt is computed (the
         baseline the transfer benchmark compares against)."""
@@ -134,12 +138,16 @@ class PrefillWorker(EngineWorker, KVHooks):
             params, max_tokens=1, stop=[], stop_token_ids=[], ignore_eos=True
         )
         try:
+            if self._was_aborted(ticket):  # aborted while the prefix lookup was in flight
+                return aborted(request_id)
             last = None
             async for out in engine.generate(prompt_token_ids, first, request_id):
                 last = out
             if last.finish_reason == "abort":
-                raise asyncio.CancelledError(f"request {request_id} was aborted")
+                return aborted(request_id)
             await self._flush(job)
+        except HalfmoonError as error:
+            return WorkerError.of(error)
         finally:
             self.jobs.pop(request_id, None)
             if job.lease_id is not None:
@@ -199,7 +207,10 @@ class PrefillWorker(EngineWorker, KVHooks):
         events = self._engine().call(LLMEngine.take_page_events)
         return [BlockEvent(kind, self.name, "device", [key]) for kind, key in events]
 
-    async def abort(self, request_id: str) -> bool:
+    async def abort(self, request_id: str, ticket: str | None = None) -> bool:
+        """End the request's prefill; a `prefill` call with the same `ticket` that lands later
+        is refused."""
+        self._remember_abort(ticket)
         return self._engine().abort(request_id)
 
     async def _find_stored_prefix(self, job: _Job, num_tokens: int) -> None:

@@ -241,14 +241,24 @@ class Conductor:
 
     def on_finish(self, request_id: str, now: float, output_tokens: int) -> None:
         """The request finished, was cancelled or hit its deadline: release its reservation."""
+        if self.on_abandon(request_id):
+            self._output_tokens_sum += output_tokens
+            self._output_tokens_count += 1
+
+    def on_abandon(self, request_id: str) -> bool:
+        """Release the request's reservation and queue slot without counting it (its worker
+        died and it is routed again); False if it held none."""
         inflight = self._inflight.pop(request_id, None)
         if inflight is None:
-            return
-        view = self.decode.get(inflight.decision.decode_instance)
+            return False
+        decision = inflight.decision
+        view = self.decode.get(decision.decode_instance)
         if view is not None:
             view.leave(request_id, inflight.reserve_tokens)
-        self._output_tokens_sum += output_tokens
-        self._output_tokens_count += 1
+        queue = self.prefill.get(decision.prefill_instance)
+        if queue is not None and not decision.bypass:
+            queue.drop(request_id)
+        return True
 
     def prediction_error(self) -> PredictionErrorStats:
         """How far predicted TTFT was from the observed TTFT."""

@@ -36,6 +36,15 @@ class PrefillView:
         self.queued_tokens = max(self.queued_tokens - num_tokens, 0)
         self.busy_until_s = now + work_s
 
+    def drop(self, request_id: str) -> None:
+        """The request left before its prefill started (cancelled, or retried elsewhere)."""
+        if request_id not in self.jobs:
+            return
+        work_s, num_tokens = self.jobs.pop(request_id)
+        self.num_queued = max(self.num_queued - 1, 0)
+        self.queued_work_s = max(self.queued_work_s - work_s, 0.0)
+        self.queued_tokens = max(self.queued_tokens - num_tokens, 0)
+
     def finish(self, now: float) -> None:
         """The running prefill completed at `now`."""
         self.busy_until_s = now

@@ -8,11 +8,12 @@ import threading
 import grpc
 import pytest
 
-from halfmoon.cluster.backend import NoWorkerError, RejectedError
+from halfmoon.cluster.backend import DuplicateRequestError, NoWorkerError, RejectedError
 from halfmoon.cluster.client import Client, ServerError
 from halfmoon.cluster.grpc_errors import status_for
 from halfmoon.cluster.grpc_server import start_grpc_server
-from halfmoon.engine.errors import InvalidRequestError, OutOfPagesError
+from halfmoon.engine.errors import InvalidRequestError, OutOfPagesError, RequestNotFoundError
+from halfmoon.engine.worker_errors import WorkerCallError, WorkerError
 
 
 @pytest.mark.parametrize(
@@ -28,10 +29,22 @@ from halfmoon.engine.errors import InvalidRequestError, OutOfPagesError
         (OutOfPagesError(4, 1), "UNAVAILABLE", "needs 4 free KV pages, 1 are free"),
         (TimeoutError(), "DEADLINE_EXCEEDED", "the request's deadline expired before it finished"),
         (asyncio.CancelledError(), "CANCELLED", "the request was cancelled"),
+        (DuplicateRequestError("request_id='a' is in flight"), "ALREADY_EXISTS", None),
+        # A worker's error comes back as data and keeps its status (Ray cannot rebuild it).
+        (WorkerCallError(WorkerError("INVALID_ARGUMENT", "n=1 is bad")), "INVALID_ARGUMENT", None),
+        (WorkerCallError(WorkerError.of(OutOfPagesError(4, 1))), "UNAVAILABLE", None),
+        (WorkerCallError(WorkerError("NO_SUCH_CODE", "odd")), "INTERNAL", "odd"),
     ],
 )
 def test_each_error_maps_to_its_status_and_message(error, code, message):
-    assert status_for(error) == (getattr(grpc.StatusCode, code), message)
+    assert status_for(error) == (getattr(grpc.StatusCode, code), message or str(error))
+
+
+def test_a_workers_error_becomes_data_that_keeps_its_status():
+    invalid = InvalidRequestError("top_p", 2.0, "must be in (0, 1]")
+    assert WorkerError.of(invalid) == WorkerError("INVALID_ARGUMENT", str(invalid))
+    assert WorkerError.of(OutOfPagesError(4, 1)).code == "UNAVAILABLE"
+    assert WorkerError.of(RequestNotFoundError("r")).code == "NOT_FOUND"
 
 
 def test_unexpected_errors_are_internal_and_do_not_leak_details():
@@ -53,6 +66,9 @@ class FailingBackend:
 
     async def abort(self, request_id: str) -> bool:
         raise self.error
+
+    async def health(self) -> tuple[bool, str]:
+        return True, "serving"
 
 
 @pytest.fixture

@@ -222,9 +222,9 @@ def test_a_request_id_in_flight_cannot_be_reused(served, oai):
     with httpx.stream("POST", base + "/v1/completions", json=body, headers=headers) as first:
         events = (line for line in first.iter_lines() if line.startswith("data: "))
         next(events)
-        with pytest.raises(openai.BadRequestError) as caught:
+        with pytest.raises(openai.ConflictError) as caught:
             oai.completions.create(model=MODEL, prompt="second", extra_headers=headers)
-        assert caught.value.body["param"] == "request_id"
+        assert caught.value.body["code"] == "already_exists"
         assert "error" not in json.loads(next(events).removeprefix("data: "))
     _wait_until(lambda: client.server_info().details["in_flight"] == 0)
 

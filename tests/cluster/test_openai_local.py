@@ -14,6 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from http_testkit import serve_openai
 
 from halfmoon.cluster.backend import (
+    DuplicateRequestError,
     ModelNotFoundError,
     NoWorkerError,
     RejectedError,
@@ -87,6 +88,7 @@ def test_cli_takes_the_api_key_from_the_flag_or_the_environment(keyed, monkeypat
         (InvalidRequestError("top_p", 2.0, "must be in (0, 1]"), 400, "top_p", "invalid_argument"),
         (UnauthenticatedError("no key"), 401, None, "invalid_api_key"),
         (ModelNotFoundError("no such model"), 404, None, "model_not_found"),
+        (DuplicateRequestError("request_id='x' is in flight"), 409, None, "already_exists"),
         (RejectedError("predicted TTFT too long"), 429, None, "resource_exhausted"),
         (NoWorkerError("no decode worker"), 503, None, "unavailable"),
         (OutOfPagesError(4, 1), 503, None, "unavailable"),
