@@ -116,6 +116,9 @@ def _add_serve(commands) -> None:
     cmd.add_argument("--port", type=int, help="gRPC port (default 50051)")
     cmd.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (default 9400)")
     cmd.add_argument("--address", help="Ray address; `auto` joins a running cluster (ray up)")
+    cmd.add_argument(
+        "--redis-url", help="Redis tier shared by every node, e.g. redis://10.0.0.10:6380/0"
+    )
     cmd.set_defaults(run=_run_serve)
 
 
@@ -149,6 +152,7 @@ SERVE_OVERRIDES = {
     "port": "server.grpc_port",
     "metrics_port": "server.metrics_port",
     "address": "ray.address",
+    "redis_url": "store.redis_url",
 }
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import ray
 import torch
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from halfmoon.cluster.config import ClusterConfig, PoolConfig
 from halfmoon.cluster.measured_profile import measured_profile
@@ -75,9 +76,16 @@ class Cluster:
         self.store_config = self._store_config()
         self.ensure_stores()
         self.profile = self._profile()
+        # On this process's node (the head under `ray up`): its ports are where clients look.
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         self.router = (
             ray.remote(RouterActor)
-            .options(name=f"halfmoon-router-{self.cluster_id}", num_cpus=0, max_concurrency=10_000)
+            .options(
+                name=f"halfmoon-router-{self.cluster_id}",
+                num_cpus=0,
+                max_concurrency=10_000,
+                scheduling_strategy=here,
+            )
             .remote(self.config, self.info, self.profile)
         )
         self.ports = ray.get(self.router.start.remote())
@@ -123,7 +131,8 @@ class Cluster:
             if not node["Alive"] or node["NodeID"] in self.stores:
                 continue
             name = store_node_name(node["NodeID"])
-            store = start_store_node(layout, self.store_config, node["NodeID"])
+            config = self._node_store_config(node)
+            store = start_store_node(layout, config, node["NodeID"])
             self.stores[node["NodeID"]] = store
             if self.router is not None:
                 ray.get(self.router.add_store.remote(name, store))
@@ -195,6 +204,16 @@ class Cluster:
             lease_ttl_s=store.lease_ttl_s,
             get_timeout_s=store.get_timeout_s,
         )
+
+    def _node_store_config(self, node: dict) -> StoreConfig:
+        """The store config for one Ray node: its host tier sized from its memory when
+        `store.host_memory_fraction` is set."""
+        fraction = self.config.store.host_memory_fraction
+        memory = node["Resources"].get("memory", 0)
+        if fraction is None or memory <= 0:
+            return self.store_config
+        capacity = int(fraction * memory)
+        return self.store_config.model_copy(update={"host_capacity_bytes": capacity})
 
     def _start_local_redis(self) -> str:
         self.redis, url = start_redis_server()
