@@ -181,6 +181,8 @@ class ServerSection(Section):
     host: str = "127.0.0.1"
     grpc_port: int = Field(50051, ge=0, le=65535)
     metrics_port: int = Field(9400, ge=0, le=65535)
+    # Prometheus file_sd JSON listing every worker's and store node's own /metrics; None: none.
+    metrics_targets_file: str | None = None
 
     @model_validator(mode="after")
     def _distinct_ports(self) -> ServerSection:

@@ -89,6 +89,8 @@ class Cluster:
             .remote(self.config, self.info, self.profile)
         )
         self.ports = ray.get(self.router.start.remote())
+        for node_id, store in self.stores.items():  # started before the router existed
+            ray.get(self.router.add_store.remote(store_node_name(node_id), store))
         for worker in list(self.workers.values()):
             self._register(worker)
         if self.config.router.profile is None and self.config.mode == "disaggregated":
@@ -106,11 +108,23 @@ class Cluster:
         )
         return measured_profile(self.info, prefill, decode, self.config.store.host_capacity_bytes)
 
-    def add_worker(self, kind: str) -> WorkerHandle:
-        """Start one more worker of `kind` and route to it once it answers."""
+    def add_worker(self, kind: str, wait: bool = True) -> WorkerHandle:
+        """Start one more worker of `kind`. With `wait`, route to it once it answers (which
+        blocks while Ray places it, e.g. while the autoscaler boots a node); without, the
+        caller passes it to `register_worker` once its `ping` answers."""
         worker = self._spawn(kind)
-        self._register(worker)
+        if wait:
+            self._register(worker)
         return worker
+
+    def register_worker(self, worker: WorkerHandle) -> None:
+        """Route to a worker started with `add_worker(kind, wait=False)` that now answers."""
+        self._register(worker)
+
+    def forget_worker(self, name: str) -> None:
+        """Drop a started worker that died before it was ever routed to."""
+        worker = self.workers.pop(name)
+        ray.kill(worker.actor, no_restart=True)
 
     def remove_worker(self, name: str) -> None:
         """Stop routing to `name` and kill it (drain first with the controller)."""
@@ -128,6 +142,8 @@ class Cluster:
             getattr(torch, self.info.dtype),
         )
         for node in ray.nodes():
+            if not node["Alive"] and node["NodeID"] in self.stores:
+                self._forget_store(node["NodeID"])
             if not node["Alive"] or node["NodeID"] in self.stores:
                 continue
             name = store_node_name(node["NodeID"])
@@ -136,6 +152,12 @@ class Cluster:
             self.stores[node["NodeID"]] = store
             if self.router is not None:
                 ray.get(self.router.add_store.remote(name, store))
+
+    def _forget_store(self, node_id: str) -> None:
+        """The store node of a Ray node that died: stop reading from it."""
+        self.stores.pop(node_id)
+        if self.router is not None:
+            ray.get(self.router.remove_store.remote(store_node_name(node_id)))
 
     def stop(self) -> None:
         """Stop serving and release every actor and process this cluster started."""

@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import ray
+
 from halfmoon.engine.async_engine import AsyncEngine
 from halfmoon.engine.llm_engine import LLMEngine, StepTiming
 from halfmoon.engine.profiling import ProfileSamples, profile_engine
 from halfmoon.engine.worker_info import WorkerInfo, WorkerLoad, worker_info, worker_load
+from halfmoon.engine.worker_metrics import WorkerMetrics
+from halfmoon.kvstore.metrics_endpoint import serve_actor_metrics
 
 
 class EngineWorker:
@@ -20,6 +24,8 @@ class EngineWorker:
         self.name = name
         self.engine = engine
         self.async_engine: AsyncEngine | None = None
+        self.metrics = WorkerMetrics()
+        self.metrics_address: str | None = None
 
     def _engine(self) -> AsyncEngine:
         # Created on first use, inside the actor's event loop.
@@ -40,6 +46,10 @@ class EngineWorker:
     async def ping(self) -> str:
         return self.name
 
+    async def node_id(self) -> str:
+        """The Ray node this worker runs on."""
+        return ray.get_runtime_context().get_node_id()
+
     async def counters(self) -> dict:
         """Engine counters plus the worker's own (`_extra_counters`)."""
         stats = self._engine().call(lambda engine: engine.stats())
@@ -47,7 +57,17 @@ class EngineWorker:
 
     async def drain_steps(self) -> list[StepTiming]:
         """The engine steps since the last call: what each computed and how long it took."""
-        return self._engine().call(_take_steps)
+        steps = self._engine().call(_take_steps)
+        self.metrics.observe(steps)
+        return steps
+
+    async def serve_metrics(self, host: str) -> str:
+        """Serve this worker's /metrics on a free port of `host` (once); returns host:port."""
+        if self.metrics_address is None:
+            self.metrics_server, self.metrics_address = serve_actor_metrics(
+                self.metrics.registry, host
+            )
+        return self.metrics_address
 
     def _extra_counters(self) -> dict:
         return {}
