@@ -74,8 +74,12 @@ class Controller:
             try:
                 ray.get(ref)
             except RayActorError:
-                log.error("worker %s died before it answered; dropping it", name)
+                # E.g. placed on a node that died before Ray noticed: start another elsewhere.
+                kind = self.cluster.workers[name].kind
                 self.cluster.forget_worker(name)
+                log.error(
+                    "worker %s died before it answered; started %s", name, self.start_worker(kind)
+                )
                 continue
             self.cluster.register_worker(self.cluster.workers[name])
             registered.append(name)
