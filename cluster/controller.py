@@ -112,7 +112,9 @@ class Controller:
                 self.history.append((now, pool, len(active), decision.desired, decision.reason))
             for _ in range(decision.desired - len(active)):
                 self.start_worker(pool)
-            for name in self._pick_to_drain(pool, len(active) - decision.desired):
+            excess = len(active) - decision.desired
+            excess -= len(self._cancel_pending(pool, excess))
+            for name in self._pick_to_drain(pool, excess):
                 ray.get(router.set_draining.remote(name, True))
                 self.draining.add(name)
 
@@ -132,6 +134,15 @@ class Controller:
                 self.autoscale()
             except Exception:  # noqa: BLE001 - the controller must outlive one bad round
                 log.exception("controller round failed")
+
+    def _cancel_pending(self, pool: str, count: int) -> list[str]:
+        """Stop up to `count` of `pool`'s workers still waiting for a node, newest first: a
+        shrinking pool loses those before it drains a serving one."""
+        names = [name for name in self.active(pool)[::-1] if name in self.pending][: max(count, 0)]
+        for name in names:
+            del self.pending[name]
+            self.cluster.forget_worker(name)
+        return names
 
     def _pick_to_drain(self, pool: str, count: int) -> list[str]:
         # The newest workers go first: the oldest hold the warmest prefix caches.

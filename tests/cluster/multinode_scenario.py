@@ -98,6 +98,12 @@ def wait_for(condition, timeout_s: float):
     return value
 
 
+def all_registered(controller: Controller) -> bool:
+    """One controller round; True once no started worker is waiting for a node."""
+    controller.check_health()
+    return not controller.pending
+
+
 def run_during_removal(client: Client, remove) -> tuple[list, list[int]]:
     """Stream DURING_REMOVAL concurrently, call `remove` once tokens flow; returns each
     request's outcome and the indices of requests still running after CALL_TIMEOUT_S."""
@@ -161,27 +167,33 @@ def main(model: str, out_path: str) -> None:
             moved = wait_for(lambda: kv_transfer_bytes(ports["metrics_port"]), 30)
             report["kv_transfer_bytes"] = moved
 
+            # A decode worker with no node to go to: the controller starts it and goes on.
+            controller = Controller(cluster)
+            report["started_without_room"] = controller.start_worker("decode")
+            controller.check_health()
+            report["pending_without_room"] = sorted(controller.pending)
             spare = nodes.add_node(**NODE, resources={"decode": 1})
             nodes.wait_for_nodes()
             report["spare_node"] = spare.node_id
-            controller = Controller(cluster)
-            controller.check_health()  # a store node for the new node
+            report["registered_on_spare"] = wait_for(lambda: all_registered(controller), 240)
             report["stores_before_removal"] = sorted(cluster.stores)
 
             def remove_decode_node() -> None:
                 nodes.remove_node(decode_node, allow_graceful=False)
 
-            started = time.monotonic()
             outcomes, hung = run_during_removal(client, remove_decode_node)
             report["during_outcomes"], report["hung"] = outcomes, hung
-
-            def decode_replaced() -> bool:
-                controller.check_health()
-                ready = [w for w in cluster.workers.values() if w.name not in controller.pending]
-                return [w.kind for w in ready].count("decode") == 1 and not controller.pending
-
-            report["replaced"] = wait_for(decode_replaced, 180)
-            report["recovery_s"] = time.monotonic() - started
+            # Its worker is removed; the replacement has no room (the spare node is full).
+            report["dead_removed"] = wait_for(
+                lambda: controller.check_health() is not None and "decode-1" not in cluster.workers,
+                120,
+            )
+            report["pending_after_removal"] = sorted(controller.pending)
+            report["outputs_while_pending"] = [greedy(client, p, MAX_TOKENS) for p in PROMPTS]
+            second_spare = nodes.add_node(**NODE, resources={"decode": 1})
+            nodes.wait_for_nodes()
+            report["second_spare_node"] = second_spare.node_id
+            report["replaced"] = wait_for(lambda: all_registered(controller), 240)
             report["num_restarts"] = controller.num_restarts
             report["placement_after"] = placement(cluster)
             report["stores_after"] = sorted(cluster.stores)
