@@ -139,6 +139,9 @@ def _add_serve(commands) -> None:
         "`authorization` metadata on gRPC (prefer the environment variable: flags show in ps)",
     )
     cmd.add_argument("--address", help="Ray address; `auto` joins a running cluster (ray up)")
+    cmd.add_argument(
+        "--redis-url", help="Redis tier shared by every node, e.g. redis://10.0.0.10:6380/0"
+    )
     cmd.set_defaults(run=_run_serve)
 
 
@@ -194,6 +197,7 @@ SERVE_OVERRIDES = {
     "http_port": "server.http_port",
     "api_key": "server.api_key",
     "address": "ray.address",
+    "redis_url": "store.redis_url",
 }
 
 

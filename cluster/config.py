@@ -120,6 +120,8 @@ class StoreSection(Section):
     """The per-node KV store: host tier size, optional Redis tier, leases."""
 
     host_capacity_bytes: int = Field(256 * MiB, gt=0)
+    # When set, each node's host tier is this share of its Ray `memory` resource instead.
+    host_memory_fraction: float | None = Field(None, gt=0, lt=1)
     redis_url: str | None = None
     # Start a local redis-server when no URL is given and the binary is on PATH.
     use_local_redis: bool = True
@@ -202,6 +204,9 @@ class ServerSection(Section):
     def _http_off(cls, port: Any) -> Any:
         # YAML reads a bare `off` as False.
         return None if port is False or port == "off" else port
+
+    # Prometheus file_sd JSON listing every worker's and store node's own /metrics; None: none.
+    metrics_targets_file: str | None = None
 
     @model_validator(mode="after")
     def _distinct_ports(self) -> ServerSection:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import ray
 import torch
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from halfmoon.cluster.config import ClusterConfig, PoolConfig
 from halfmoon.cluster.measured_profile import measured_profile
@@ -76,12 +77,21 @@ class Cluster:
         self.store_config = self._store_config()
         self.ensure_stores()
         self.profile = self._profile()
+        # On this process's node (the head under `ray up`): its ports are where clients look.
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         self.router = (
             ray.remote(RouterActor)
-            .options(name=f"halfmoon-router-{self.cluster_id}", num_cpus=0, max_concurrency=10_000)
+            .options(
+                name=f"halfmoon-router-{self.cluster_id}",
+                num_cpus=0,
+                max_concurrency=10_000,
+                scheduling_strategy=here,
+            )
             .remote(self.config, self.info, self.profile)
         )
         self.ports = ray.get(self.router.start.remote())
+        for node_id, store in self.stores.items():  # started before the router existed
+            ray.get(self.router.add_store.remote(store_node_name(node_id), store))
         for worker in list(self.workers.values()):
             self._register(worker)
         if self.config.router.profile is None and self.config.mode == "disaggregated":
@@ -99,11 +109,23 @@ class Cluster:
         )
         return measured_profile(self.info, prefill, decode, self.config.store.host_capacity_bytes)
 
-    def add_worker(self, kind: str) -> WorkerHandle:
-        """Start one more worker of `kind` and route to it once it answers."""
+    def add_worker(self, kind: str, wait: bool = True) -> WorkerHandle:
+        """Start one more worker of `kind`. With `wait`, route to it once it answers (which
+        blocks while Ray places it, e.g. while the autoscaler boots a node); without, the
+        caller passes it to `register_worker` once its `ping` answers."""
         worker = self._spawn(kind)
-        self._register(worker)
+        if wait:
+            self._register(worker)
         return worker
+
+    def register_worker(self, worker: WorkerHandle) -> None:
+        """Route to a worker started with `add_worker(kind, wait=False)` that now answers."""
+        self._register(worker)
+
+    def forget_worker(self, name: str) -> None:
+        """Drop a started worker that died before it was ever routed to."""
+        worker = self.workers.pop(name)
+        ray.kill(worker.actor, no_restart=True)
 
     def remove_worker(self, name: str) -> None:
         """Stop routing to `name` and kill it (drain first with the controller)."""
@@ -121,13 +143,22 @@ class Cluster:
             getattr(torch, self.info.dtype),
         )
         for node in ray.nodes():
+            if not node["Alive"] and node["NodeID"] in self.stores:
+                self._forget_store(node["NodeID"])
             if not node["Alive"] or node["NodeID"] in self.stores:
                 continue
             name = store_node_name(node["NodeID"])
-            store = start_store_node(layout, self.store_config, node["NodeID"])
+            config = self._node_store_config(node)
+            store = start_store_node(layout, config, node["NodeID"])
             self.stores[node["NodeID"]] = store
             if self.router is not None:
                 ray.get(self.router.add_store.remote(name, store))
+
+    def _forget_store(self, node_id: str) -> None:
+        """The store node of a Ray node that died: stop reading from it."""
+        self.stores.pop(node_id)
+        if self.router is not None:
+            ray.get(self.router.remove_store.remote(store_node_name(node_id)))
 
     def stop(self) -> None:
         """Stop serving and release every actor and process this cluster started."""
@@ -197,6 +228,16 @@ class Cluster:
             lease_ttl_s=store.lease_ttl_s,
             get_timeout_s=store.get_timeout_s,
         )
+
+    def _node_store_config(self, node: dict) -> StoreConfig:
+        """The store config for one Ray node: its host tier sized from its memory when
+        `store.host_memory_fraction` is set."""
+        fraction = self.config.store.host_memory_fraction
+        memory = node["Resources"].get("memory", 0)
+        if fraction is None or memory <= 0:
+            return self.store_config
+        capacity = int(fraction * memory)
+        return self.store_config.model_copy(update={"host_capacity_bytes": capacity})
 
     def _start_local_redis(self) -> str:
         self.redis, url = start_redis_server()

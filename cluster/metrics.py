@@ -7,7 +7,14 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    start_http_server,
+)
 from prometheus_client.metrics_core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -33,6 +40,8 @@ TRANSFER_BUCKETS = (
     2.5, 10.0,
 )  # fmt: skip
 RATIO_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0, 10.0)
+# No `*_created` series beside every counter and histogram (docs/metrics.md lists no such names).
+disable_created_metrics()
 
 
 class Metrics:
@@ -219,14 +228,14 @@ class Metrics:
         self.desired_replicas.labels(pool=pool).set(desired)
         self.actual_replicas.labels(pool=pool).set(actual)
 
-    def update_store(self, instance: str, stats: Mapping[str, Any]) -> None:
-        """Replace store node `instance`'s figures with a snapshot (`dataclasses.asdict` of a
+    def update_store(self, store_node: str, stats: Mapping[str, Any]) -> None:
+        """Replace the figures of store node `store_node` with a snapshot (`dataclasses.asdict` of a
         kvstore.stats.StoreStats)."""
-        self.store.update(instance, stats)
+        self.store.update(store_node, stats)
 
-    def remove_store(self, instance: str) -> None:
+    def remove_store(self, store_node: str) -> None:
         """Forget a store node that is gone."""
-        self.store.remove(instance)
+        self.store.remove(store_node)
 
 
 # (TierStats field, metric suffix, help) for counters the store keeps since it started.
@@ -260,29 +269,31 @@ class StoreCollector(Collector):
     def __init__(self) -> None:
         self._snapshots: dict[str, Mapping[str, Any]] = {}
 
-    def update(self, instance: str, stats: Mapping[str, Any]) -> None:
-        """Keep `stats` as `instance`'s current snapshot."""
-        self._snapshots[instance] = dict(stats)
+    def update(self, store_node: str, stats: Mapping[str, Any]) -> None:
+        """Keep `stats` as `store_node`'s current snapshot."""
+        self._snapshots[store_node] = dict(stats)
 
-    def remove(self, instance: str) -> None:
-        """Drop `instance`'s snapshot."""
-        self._snapshots.pop(instance, None)
+    def remove(self, store_node: str) -> None:
+        """Drop `store_node`'s snapshot."""
+        self._snapshots.pop(store_node, None)
 
     def collect(self) -> Iterator[Metric]:
-        """One family per figure, one sample per (instance, tier)."""
+        """One family per figure, one sample per (store_node, tier)."""
         snapshots = sorted(self._snapshots.items())
         tiers = [(i, t, s) for i, stats in snapshots for t, s in _tiers(stats)]
         for field, suffix, doc in TIER_GAUGES:
-            family = GaugeMetricFamily(f"halfmoon_store_{suffix}", doc, labels=["instance", "tier"])
-            for instance, tier, stats in tiers:
-                family.add_metric([instance, tier], stats.get(field, 0))
+            family = GaugeMetricFamily(
+                f"halfmoon_store_{suffix}", doc, labels=["store_node", "tier"]
+            )
+            for store_node, tier, stats in tiers:
+                family.add_metric([store_node, tier], stats.get(field, 0))
             yield family
         for field, suffix, doc in TIER_COUNTERS:
             family = CounterMetricFamily(
-                f"halfmoon_store_{suffix}", doc, labels=["instance", "tier"]
+                f"halfmoon_store_{suffix}", doc, labels=["store_node", "tier"]
             )
-            for instance, tier, stats in tiers:
-                family.add_metric([instance, tier], stats.get(field, 0))
+            for store_node, tier, stats in tiers:
+                family.add_metric([store_node, tier], stats.get(field, 0))
             yield family
         yield from _moves(snapshots)
         yield from _latencies(snapshots)
@@ -296,23 +307,23 @@ def _tiers(stats: Mapping[str, Any]) -> Iterator[tuple[str, Mapping[str, Any]]]:
 
 
 def _moves(snapshots: list[tuple[str, Mapping[str, Any]]]) -> Iterator[Metric]:
-    labels = ["instance", "from_tier", "to_tier"]
+    labels = ["store_node", "from_tier", "to_tier"]
     for field, source, target, doc in MOVES:
         family = CounterMetricFamily(f"halfmoon_store_{field}", doc, labels=labels)
-        for instance, stats in snapshots:
-            family.add_metric([instance, source, target], stats.get(field, 0))
+        for store_node, stats in snapshots:
+            family.add_metric([store_node, source, target], stats.get(field, 0))
         yield family
     dropped = CounterMetricFamily(
         "halfmoon_store_demotions_dropped",
         "Blocks evicted without a demotion because the lower tier was down or backlogged",
-        labels=["instance"],
+        labels=["store_node"],
     )
     available = GaugeMetricFamily(
-        "halfmoon_store_redis_available", "1 when the node reaches Redis", labels=["instance"]
+        "halfmoon_store_redis_available", "1 when the node reaches Redis", labels=["store_node"]
     )
-    for instance, stats in snapshots:
-        dropped.add_metric([instance], stats.get("demotions_dropped", 0))
-        available.add_metric([instance], float(bool(stats.get("redis_available", False))))
+    for store_node, stats in snapshots:
+        dropped.add_metric([store_node], stats.get("demotions_dropped", 0))
+        available.add_metric([store_node], float(bool(stats.get("redis_available", False))))
     yield dropped
     yield available
 
@@ -320,11 +331,11 @@ def _moves(snapshots: list[tuple[str, Mapping[str, Any]]]) -> Iterator[Metric]:
 def _latencies(snapshots: list[tuple[str, Mapping[str, Any]]]) -> Iterator[Metric]:
     for op in ("put", "get"):
         family = SummaryMetricFamily(
-            f"halfmoon_store_{op}_seconds", f"Latency of a layer-wise {op}", labels=["instance"]
+            f"halfmoon_store_{op}_seconds", f"Latency of a layer-wise {op}", labels=["store_node"]
         )
-        for instance, stats in snapshots:
+        for store_node, stats in snapshots:
             latency = stats.get(f"{op}_latency") or {}
-            family.add_metric([instance], latency.get("count", 0), latency.get("total_s", 0.0))
+            family.add_metric([store_node], latency.get("count", 0), latency.get("total_s", 0.0))
         yield family
 
 

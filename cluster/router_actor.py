@@ -12,11 +12,13 @@ import time
 from collections import deque
 from pathlib import Path
 
+import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from halfmoon.cluster.backend import GenerateInput
 from halfmoon.cluster.cluster_backend import ClusterBackend, RequestTrace, Worker
 from halfmoon.cluster.config import ClusterConfig, router_config, served_name
+from halfmoon.cluster.metrics_targets import MetricsTargets
 from halfmoon.engine.llm_engine import StepTiming
 from halfmoon.engine.sampling_params import SamplingParams
 from halfmoon.engine.tokenizer import load_tokenizer
@@ -52,6 +54,7 @@ class RouterActor:
         self.grpc_server = None
         self.http_server = None
         self.metrics_server = None
+        self.targets = MetricsTargets(config.server.metrics_targets_file)
         self._poller: asyncio.Task | None = None
 
     async def start(self) -> dict:
@@ -86,15 +89,34 @@ class RouterActor:
 
     async def add_worker(self, name: str, kind: str, handle, store_name: str | None) -> None:
         self.backend.add_worker(Worker(name, kind, handle, store_name))
+        address = await handle.serve_metrics.remote(self.config.server.host)
+        self.targets.add(name, address, {"role": kind, "worker": name})
 
     async def remove_worker(self, name: str) -> None:
+        worker = self.backend.workers.get(name)
         self.backend.remove_worker(name)
+        self.targets.remove(name)
+        self.loads.pop(name, None)
+        if worker is not None:
+            self.metrics.remove_worker(name, worker.kind)
 
     async def set_draining(self, name: str, draining: bool) -> None:
         self.backend.set_draining(name, draining)
 
     async def add_store(self, name: str, handle) -> None:
         self.backend.stores[name] = handle
+        address = await handle.serve_metrics.remote(self.config.server.host)
+        self.targets.add(name, address, {"role": "store", "store_node": name})
+
+    async def remove_store(self, name: str) -> None:
+        """Forget a store node whose Ray node is gone."""
+        self.backend.stores.pop(name, None)
+        self.metrics.remove_store(name)
+        self.targets.remove(name)
+
+    async def metrics_targets(self) -> list[dict]:
+        """The file_sd target groups of every worker's and store node's own /metrics."""
+        return [self.targets.groups[name] for name in sorted(self.targets.groups)]
 
     async def in_flight(self, name: str) -> int:
         """Requests the router has in flight on worker `name` (to drain before removal)."""
@@ -103,6 +125,10 @@ class RouterActor:
             for lease in self.backend.leases.values()
             if name in (w.name for w in lease.attempt.workers())
         )
+
+    async def node_id(self) -> str:
+        """The Ray node the router runs on (the node `halfmoon serve` ran on)."""
+        return ray.get_runtime_context().get_node_id()
 
     async def status(self) -> dict:
         return await self.backend.server_info()

@@ -6,10 +6,14 @@ from __future__ import annotations
 import dataclasses
 from collections import OrderedDict
 
+import ray
+
 from halfmoon.engine.async_engine import AsyncEngine
 from halfmoon.engine.llm_engine import LLMEngine, StepTiming
 from halfmoon.engine.profiling import ProfileSamples, profile_engine
 from halfmoon.engine.worker_info import WorkerInfo, WorkerLoad, worker_info, worker_load
+from halfmoon.engine.worker_metrics import WorkerMetrics
+from halfmoon.kvstore.metrics_endpoint import serve_actor_metrics
 
 # Tickets of aborted calls kept so that a call arriving after its abort is refused at once.
 ABORTED_TICKETS = 4096
@@ -25,6 +29,8 @@ class EngineWorker:
         self.engine = engine
         self.async_engine: AsyncEngine | None = None
         self.aborted_tickets: OrderedDict[str, None] = OrderedDict()
+        self.metrics = WorkerMetrics()
+        self.metrics_address: str | None = None
 
     def _engine(self) -> AsyncEngine:
         # Created on first use, inside the actor's event loop.
@@ -45,6 +51,10 @@ class EngineWorker:
     async def ping(self) -> str:
         return self.name
 
+    async def node_id(self) -> str:
+        """The Ray node this worker runs on."""
+        return ray.get_runtime_context().get_node_id()
+
     async def counters(self) -> dict:
         """Engine counters plus the worker's own (`_extra_counters`)."""
         stats = self._engine().call(lambda engine: engine.stats())
@@ -52,7 +62,17 @@ class EngineWorker:
 
     async def drain_steps(self) -> list[StepTiming]:
         """The engine steps since the last call: what each computed and how long it took."""
-        return self._engine().call(_take_steps)
+        steps = self._engine().call(_take_steps)
+        self.metrics.observe(steps)
+        return steps
+
+    async def serve_metrics(self, host: str) -> str:
+        """Serve this worker's /metrics on a free port of `host` (once); returns host:port."""
+        if self.metrics_address is None:
+            self.metrics_server, self.metrics_address = serve_actor_metrics(
+                self.metrics.registry, host
+            )
+        return self.metrics_address
 
     def _extra_counters(self) -> dict:
         return {}

@@ -11,6 +11,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from halfmoon.kvstore.config import StoreConfig
 from halfmoon.kvstore.index import BlockEvent
 from halfmoon.kvstore.layout import KvLayout, LayerKV
+from halfmoon.kvstore.metrics_endpoint import actor_registry, serve_actor_metrics
 from halfmoon.kvstore.stats import StoreStats
 from halfmoon.kvstore.store import KvStore, PrefixHit
 
@@ -22,6 +23,7 @@ class StoreNode:
         # Copies are memory-bound; extra intra-op threads only contend with the workers.
         torch.set_num_threads(1)
         self.store = KvStore(layout, config, instance)
+        self.metrics_address: str | None = None
 
     async def put_layer(self, keys: Sequence[bytes], layer: int, kv: LayerKV) -> None:
         await self.store.put_layer(keys, layer, kv)
@@ -54,6 +56,13 @@ class StoreNode:
 
     async def close(self) -> None:
         await self.store.close()
+
+    async def serve_metrics(self, host: str) -> str:
+        """Serve this process's /metrics (CPU, memory: the host tier lives here) on a free port
+        of `host` (once); returns host:port. The tier figures are on the router's /metrics."""
+        if self.metrics_address is None:
+            self.metrics_server, self.metrics_address = serve_actor_metrics(actor_registry(), host)
+        return self.metrics_address
 
 
 def store_node_name(node_id: str) -> str:

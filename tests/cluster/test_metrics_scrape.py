@@ -120,16 +120,17 @@ def test_store_snapshot_sets_tier_figures_and_moves(served):
     stats.get_latency.record(0.5)
     metrics.update_store("node-a", dataclasses.asdict(stats))
     samples = scrape()
-    host = (("instance", "node-a"), ("tier", "host"))
+    host = (("store_node", "node-a"), ("tier", "host"))
     assert samples[("halfmoon_store_blocks", host)] == 10
     assert samples[("halfmoon_store_bytes", host)] == 40960
     assert samples[("halfmoon_store_capacity_bytes", host)] == 1 << 20
     assert samples[("halfmoon_store_evictions_total", host)] == 4
-    assert samples[("halfmoon_store_hits_total", (("instance", "node-a"), ("tier", "redis")))] == 9
-    moved = (("from_tier", "host"), ("instance", "node-a"), ("to_tier", "redis"))
+    redis = (("store_node", "node-a"), ("tier", "redis"))
+    assert samples[("halfmoon_store_hits_total", redis)] == 9
+    moved = (("from_tier", "host"), ("store_node", "node-a"), ("to_tier", "redis"))
     assert samples[("halfmoon_store_demotions_total", moved)] == 7
-    assert samples[("halfmoon_store_redis_available", (("instance", "node-a"),))] == 1
-    assert samples[("halfmoon_store_get_seconds_sum", (("instance", "node-a"),))] == 0.5
+    assert samples[("halfmoon_store_redis_available", (("store_node", "node-a"),))] == 1
+    assert samples[("halfmoon_store_get_seconds_sum", (("store_node", "node-a"),))] == 0.5
     stats.host.evictions = 6
     metrics.update_store("node-a", dataclasses.asdict(stats))
     assert scrape()[("halfmoon_store_evictions_total", host)] == 6

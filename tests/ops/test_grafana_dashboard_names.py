@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 from halfmoon.cluster.metrics import Metrics
+from halfmoon.engine.worker_metrics import WorkerMetrics
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "halfmoon.json"
 SUFFIXES = {
@@ -18,9 +19,11 @@ SUFFIXES = {
 
 
 def exposed_names() -> set[str]:
-    """Every sample name the registry can expose, labelled metrics without samples included."""
+    """Every sample name the router's and a worker's registries can expose, labelled metrics
+    without samples included."""
     names = set()
-    for family in Metrics().registry.collect():
+    families = [*Metrics().registry.collect(), *WorkerMetrics().registry.collect()]
+    for family in families:
         names.update(family.name + suffix for suffix in SUFFIXES.get(family.type, ("",)))
     return names
 
@@ -40,7 +43,7 @@ def test_every_queried_metric_is_defined():
         (panel["title"], name)
         for panel in panels(dashboard)
         for target in panel.get("targets", [])
-        for name in re.findall(r"\bhalfmoon_[a-z0-9_]+", target["expr"])
+        for name in re.findall(r"\b(?:halfmoon|process)_[a-z0-9_]+", target["expr"])
     }
     assert len(queried) > 20
     assert [(title, name) for title, name in sorted(queried) if name not in defined] == []
@@ -71,3 +74,22 @@ def test_dashboard_covers_the_operational_views():
         "TTFT prediction error",
     ):
         assert needed in titles
+
+
+def test_every_query_filters_on_the_job_and_instance_variables():
+    dashboard = json.loads(DASHBOARD.read_text())
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["job"]["query"]["query"] == 'label_values(up{job=~"halfmoon.*"}, job)'
+    assert variables["instance"]["query"]["query"] == 'label_values(up{job=~"$job"}, instance)'
+    for name in ("job", "instance"):
+        assert variables[name]["multi"] and variables[name]["includeAll"]
+    unfiltered = [
+        (panel["title"], selector)
+        for panel in panels(dashboard)
+        for target in panel.get("targets", [])
+        for selector in re.findall(
+            r"\b(?:halfmoon|process)_[a-z0-9_]+(?:\{[^}]*\})?", target["expr"]
+        )
+        if 'job=~"$job", instance=~"$instance"' not in selector
+    ]
+    assert unfiltered == []

@@ -40,6 +40,7 @@ def test_prometheus_scrapes_the_router_and_the_controllers_targets():
 
 def test_documented_targets_file_format_passes_promtool(tmp_path):
     shutil.copy(PROMETHEUS_DIR / "prometheus.yml", tmp_path / "prometheus.yml")
+    shutil.copy(PROMETHEUS_DIR / "alerts.yml", tmp_path / "alerts.yml")
     (tmp_path / "targets").mkdir()
     sample = PROMETHEUS_DIR / "targets" / "example.json.sample"
     groups = json.loads(sample.read_text())

@@ -1,0 +1,35 @@
+# halfmoon in a container: `docker build -t halfmoon .` then
+#   docker run --rm --shm-size=2g -p 127.0.0.1:50051:50051 -p 127.0.0.1:9400:9400 halfmoon
+# serves the tiny model on CPU (docs/deploy.md). For a GPU image, build on a CUDA base with the
+# matching torch wheels:
+#   docker build -t halfmoon:cuda --build-arg BASE_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04 \
+#     --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128 .
+ARG BASE_IMAGE=python:3.11-slim
+FROM ${BASE_IMAGE}
+
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+ARG TORCH_VERSION=2.13.0
+ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PATH=/opt/venv/bin:$PATH \
+    HALFMOON_CACHE=/opt/halfmoon-cache
+
+# redis-server gives the KV store its Redis tier; CUDA bases also lack Python.
+RUN apt-get update -qq \
+    && apt-get install -y -qq --no-install-recommends redis-server \
+       $(command -v python3 > /dev/null || echo python3 python3-venv) \
+    && rm -rf /var/lib/apt/lists/* \
+    && python3 -m venv /opt/venv
+
+# torch first, from the index of the base's device (CPU by default), then halfmoon.
+RUN pip install -q --index-url "${TORCH_INDEX}" "torch==${TORCH_VERSION}"
+COPY . /src/halfmoon
+RUN pip install -q /src/halfmoon && rm -rf /src/halfmoon \
+    && useradd --create-home halfmoon \
+    && halfmoon init-model "${HALFMOON_CACHE}/tiny-llama" \
+    && chown -R halfmoon "${HALFMOON_CACHE}"
+
+USER halfmoon
+WORKDIR /home/halfmoon
+EXPOSE 50051 9400
+# Inside the container's own network namespace: publish the ports with -p to reach them.
+ENTRYPOINT ["halfmoon"]
+CMD ["serve", "--host", "0.0.0.0"]

@@ -1,0 +1,210 @@
+"""halfmoon across several Ray nodes on one machine, run by test_multinode.py in a process of
+its own (a pytest process holds one Ray instance only): `python multinode_scenario.py MODEL
+OUT.json`. A head and nodes made by ray.cluster_utils.Cluster: prefill workers on a `prefill`
+node, decode workers on a `decode` node, a store node on each, so KV crosses nodes through the
+stores. Then the decode node dies during traffic, and the controller replaces its worker on a
+spare `decode` node. Writes what it saw as JSON for the test to judge."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+import urllib.request
+
+import ray
+from prometheus_client.parser import text_string_to_metric_families
+from ray.cluster_utils import Cluster as RayCluster
+
+from halfmoon.cluster.client import Client
+from halfmoon.cluster.config import load_config
+from halfmoon.cluster.controller import Controller
+from halfmoon.cluster.grpc_errors import ServerError
+from halfmoon.cluster.launcher import Cluster
+from halfmoon.engine import LLM, SamplingParams
+
+GiB = 1 << 30
+NODE = {"num_cpus": 1, "memory": 2 * GiB, "object_store_memory": 100 * 1024 * 1024}
+PROMPTS = ["Across the nodes " * 5, "KV moves through the stores " * 3, "short one"]
+MAX_TOKENS = 8
+# Long enough that the decode node dies while these stream.
+DURING_REMOVAL = [f"{i} request in flight when its node dies " * 2 for i in range(4)]
+DURING_MAX_TOKENS = 96
+CALL_TIMEOUT_S = 120.0
+
+
+def settings(model: str) -> dict:
+    return {
+        "model": model,
+        "server.grpc_port": 0,
+        "server.metrics_port": 0,
+        "engine.num_pages": 256,
+        "engine.prefill_chunk_size": 32,
+        "engine.max_num_batched_tokens": 128,
+        "prefill.num_cpus": 1,
+        "prefill.resources": {"prefill": 1},
+        "decode.num_cpus": 1,
+        "decode.resources": {"decode": 1},
+        "store.use_local_redis": False,
+        "store.host_memory_fraction": 0.25,
+        "store.get_timeout_s": 10.0,
+        "router.bypass_threshold_tokens": 0,  # every prompt goes through prefill -> store -> decode
+        "health.timeout_s": 5.0,
+    }
+
+
+def greedy(client: Client, prompt: str, max_tokens: int) -> list[int] | str:
+    """The tokens, or the gRPC status name of a failure."""
+    try:
+        out = client.complete(
+            prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True, timeout=CALL_TIMEOUT_S
+        )
+    except ServerError as error:
+        return error.code
+    return out.token_ids
+
+
+def kv_transfer_bytes(metrics_port: int) -> float:
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "halfmoon_kv_transfer_bytes_total"
+    )
+
+
+def placement(cluster: Cluster) -> dict[str, str]:
+    return {name: ray.get(w.actor.node_id.remote()) for name, w in cluster.workers.items()}
+
+
+def store_figures(cluster: Cluster) -> dict[str, dict]:
+    figures = {}
+    for node_id, store in cluster.stores.items():
+        stats = ray.get(store.stats.remote())
+        host = stats.host
+        figures[node_id] = {"capacity_bytes": host.capacity_bytes, "blocks": host.blocks}
+    return figures
+
+
+def wait_for(condition, timeout_s: float):
+    deadline = time.monotonic() + timeout_s
+    while not (value := condition()):
+        if time.monotonic() > deadline:
+            return value
+        time.sleep(0.2)
+    return value
+
+
+def all_registered(controller: Controller) -> bool:
+    """One controller round; True once no started worker is waiting for a node."""
+    controller.check_health()
+    return not controller.pending
+
+
+def run_during_removal(client: Client, remove) -> tuple[list, list[int]]:
+    """Stream DURING_REMOVAL concurrently, call `remove` once tokens flow; returns each
+    request's outcome and the indices of requests still running after CALL_TIMEOUT_S."""
+    outcomes: list = [None] * len(DURING_REMOVAL)
+    first_tokens = threading.Event()
+
+    def run(i: int) -> None:
+        try:
+            stream = client.generate(
+                DURING_REMOVAL[i], max_tokens=DURING_MAX_TOKENS, temperature=0.0,
+                ignore_eos=True, timeout=CALL_TIMEOUT_S,
+            )  # fmt: skip
+            tokens = []
+            with stream:
+                for delta in stream:
+                    tokens += delta.token_ids
+                    first_tokens.set()
+            outcomes[i] = tokens
+        except ServerError as error:
+            outcomes[i] = error.code
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    first_tokens.wait(CALL_TIMEOUT_S)
+    remove()
+    for thread in threads:
+        thread.join(CALL_TIMEOUT_S + 10)
+    return outcomes, [i for i, t in enumerate(threads) if t.is_alive()]
+
+
+def main(model: str, out_path: str) -> None:
+    offline = LLM(model, num_pages=256, max_num_batched_tokens=128)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    expected = [o.token_ids for o in offline.generate(PROMPTS, params)]
+    during = SamplingParams(max_tokens=DURING_MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    expected_during = [o.token_ids for o in offline.generate(DURING_REMOVAL, during)]
+    del offline
+
+    nodes = RayCluster(initialize_head=True, head_node_args=dict(NODE))
+    prefill_node = nodes.add_node(**NODE, resources={"prefill": 1})
+    decode_node = nodes.add_node(**NODE, resources={"decode": 1})
+    nodes.wait_for_nodes()
+    ray.init(address=nodes.address, namespace="halfmoon", log_to_driver=False)
+    report: dict = {
+        "head": ray.get_runtime_context().get_node_id(),
+        "prefill_node": prefill_node.node_id,
+        "decode_node": decode_node.node_id,
+        "expected": expected,
+        "expected_during": expected_during,
+    }
+    cluster = Cluster(load_config(None, settings(model)))
+    try:
+        ports = cluster.start()
+        report["placement"] = placement(cluster)
+        report["router_node"] = ray.get(cluster.router.node_id.remote())
+        report["memory"] = {n["NodeID"]: n["Resources"]["memory"] for n in ray.nodes()}
+        with Client(f"127.0.0.1:{ports['grpc_port']}") as client:
+            report["outputs"] = [greedy(client, p, MAX_TOKENS) for p in PROMPTS]
+            report["stores"] = store_figures(cluster)
+            moved = wait_for(lambda: kv_transfer_bytes(ports["metrics_port"]), 30)
+            report["kv_transfer_bytes"] = moved
+
+            # A decode worker with no node to go to: the controller starts it and goes on.
+            controller = Controller(cluster)
+            report["started_without_room"] = controller.start_worker("decode")
+            controller.check_health()
+            report["pending_without_room"] = sorted(controller.pending)
+            spare = nodes.add_node(**NODE, resources={"decode": 1})
+            nodes.wait_for_nodes()
+            report["spare_node"] = spare.node_id
+            report["registered_on_spare"] = wait_for(lambda: all_registered(controller), 240)
+            report["stores_before_removal"] = sorted(cluster.stores)
+
+            def remove_decode_node() -> None:
+                nodes.remove_node(decode_node, allow_graceful=False)
+
+            outcomes, hung = run_during_removal(client, remove_decode_node)
+            report["during_outcomes"], report["hung"] = outcomes, hung
+            # Its worker is removed; the replacement has no room (the spare node is full).
+            report["dead_removed"] = wait_for(
+                lambda: controller.check_health() is not None and "decode-1" not in cluster.workers,
+                120,
+            )
+            report["pending_after_removal"] = sorted(controller.pending)
+            report["outputs_while_pending"] = [greedy(client, p, MAX_TOKENS) for p in PROMPTS]
+            second_spare = nodes.add_node(**NODE, resources={"decode": 1})
+            nodes.wait_for_nodes()
+            report["second_spare_node"] = second_spare.node_id
+            report["replaced"] = wait_for(lambda: all_registered(controller), 240)
+            report["num_restarts"] = controller.num_restarts
+            report["placement_after"] = placement(cluster)
+            report["stores_after"] = sorted(cluster.stores)
+            report["outputs_after"] = [greedy(client, p, MAX_TOKENS) for p in PROMPTS]
+    finally:
+        cluster.stop()
+        ray.shutdown()
+        nodes.shutdown()
+    with open(out_path, "w") as file:
+        json.dump(report, file)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
