@@ -198,15 +198,14 @@ class ServerSection(Section):
     http_port: int | None = Field(8000, ge=0, le=65535)
     # When set, HTTP needs `Authorization: Bearer KEY` and gRPC the same `authorization` metadata.
     api_key: SecretStr | None = Field(None, min_length=1)
+    # Prometheus file_sd JSON listing every worker's and store node's own /metrics; None: none.
+    metrics_targets_file: str | None = None
 
     @field_validator("http_port", mode="before")
     @classmethod
     def _http_off(cls, port: Any) -> Any:
         # YAML reads a bare `off` as False.
         return None if port is False or port == "off" else port
-
-    # Prometheus file_sd JSON listing every worker's and store node's own /metrics; None: none.
-    metrics_targets_file: str | None = None
 
     @model_validator(mode="after")
     def _distinct_ports(self) -> ServerSection:
