@@ -8,6 +8,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import ray
@@ -35,6 +36,10 @@ from halfmoon.router.request import RouteRequest
 log = logging.getLogger(__name__)
 MAX_WAIT_FOR_ROOM_S = 120.0
 ROOM_POLL_S = 0.05
+# Prompts longer than this are tokenized in a thread, so a huge one never stalls the event
+# loop that serves every other request (tokenizers release the GIL as they go).
+INLINE_TOKENIZE_CHARS = 2048
+TOKENIZE_THREADS = 4
 
 
 @dataclass(slots=True)
@@ -79,6 +84,7 @@ class ClusterBackend:
         mode: str,
         observer=None,
         model_name: str | None = None,
+        max_queued_per_worker: int | None = None,
     ):
         self.tokenizer = tokenizer
         self.info = info
@@ -91,7 +97,9 @@ class ClusterBackend:
         self.traces: dict[str, RequestTrace] = {}
         self.stores: dict[str, ray.actor.ActorHandle] = {}
         self.max_wait_for_room_s = MAX_WAIT_FOR_ROOM_S
+        self.max_queued_per_worker = max_queued_per_worker
         self.copies: set[asyncio.Task] = set()
+        self.tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="tokenize")
 
     def add_worker(self, worker: Worker) -> None:
         self.workers[worker.name] = worker
@@ -118,7 +126,8 @@ class ClusterBackend:
         trace = self.traces[rid] = RequestTrace(time.monotonic())
         finished = False
         try:
-            token_ids = self._tokenize(request)
+            self._check_queue(rid)
+            token_ids = await self._tokenize(request)
             trace.num_prompt_tokens = len(token_ids)
             stream = await self._start(request, token_ids, trace)
             early = trace.early_token
@@ -168,8 +177,28 @@ class ClusterBackend:
             overhead_s = self.conductor.profile.request_overhead_s
             self.conductor.observe_handoff(ttft_s - trace.prefill_compute_s - overhead_s)
 
-    def _tokenize(self, request: GenerateInput) -> list[int]:
-        token_ids = tokenize_prompt(self.tokenizer, request.prompt, self.info.vocab_size)
+    def _check_queue(self, rid: str) -> None:
+        """Reject at arrival once the requests waiting for a first token reach the bound."""
+        if self.max_queued_per_worker is None:
+            return
+        kind = "prefill" if self.mode == "disaggregated" else "decode"
+        num_workers = max(len(self._alive(kind)), 1)
+        bound = self.max_queued_per_worker * num_workers
+        waiting = sum(1 for trace in self.traces.values() if trace.first_token_s is None) - 1
+        if waiting >= bound:
+            raise RejectedError(
+                f"request {rid} rejected: {waiting} requests already wait for a first token "
+                f"(bound {self.max_queued_per_worker} per {kind} worker x {num_workers}, "
+                "router.max_queued_per_worker); retry later or add workers"
+            )
+
+    async def _tokenize(self, request: GenerateInput) -> list[int]:
+        args = (self.tokenizer, request.prompt, self.info.vocab_size)
+        if _prompt_chars(request.prompt) <= INLINE_TOKENIZE_CHARS:
+            token_ids = tokenize_prompt(*args)
+        else:
+            loop = asyncio.get_running_loop()
+            token_ids = await loop.run_in_executor(self.tokenize_pool, tokenize_prompt, *args)
         if len(token_ids) >= self.info.max_model_len:
             raise InvalidRequestError(
                 "prompt",
@@ -342,6 +371,16 @@ class ClusterBackend:
             if trace.decode_instance in busy:
                 busy[trace.decode_instance] += 1
         return min(workers, key=lambda w: busy[w.name])
+
+
+def _prompt_chars(prompt) -> int:
+    """About how much tokenizing a prompt costs: characters of text, or list entries."""
+    if isinstance(prompt, str):
+        return len(prompt)
+    return sum(
+        len(m["content"]) if isinstance(m, dict) and isinstance(m.get("content"), str) else 1
+        for m in prompt
+    )
 
 
 def _reason_kind(message: str) -> str:

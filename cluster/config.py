@@ -9,7 +9,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from halfmoon.cluster.autoscaling_policy import (
@@ -19,6 +27,7 @@ from halfmoon.cluster.autoscaling_policy import (
     PrefillPlannerPolicy,
     invalid,
 )
+from halfmoon.cluster.request_limits import RequestLimits
 from halfmoon.router.policies import POLICIES
 from halfmoon.router.profile import PROFILE_DIR
 
@@ -116,6 +125,15 @@ class StoreSection(Section):
     redis_ttl_s: int = Field(3600, gt=0)
     lease_ttl_s: float = Field(30.0, gt=0)
     get_timeout_s: float = Field(30.0, gt=0)
+    # Password of the Redis server (or $HALFMOON_REDIS_PASSWORD); a password in redis_url
+    # also works. The local redis-server halfmoon starts gets a fresh random one.
+    redis_password: SecretStr | None = None
+    # Key of the HMAC-SHA256 every Redis record carries (or $HALFMOON_REDIS_HMAC_KEY); None:
+    # a random key per cluster, so records outlive the cluster only when this is set.
+    redis_hmac_key: SecretStr | None = Field(None, min_length=16)
+    # Connections per store node; a request waits up to redis_pool_timeout_s for one.
+    redis_max_connections: int = Field(64, ge=1)
+    redis_pool_timeout_s: float = Field(5.0, gt=0)
 
     @field_validator("redis_url")
     @classmethod
@@ -139,7 +157,12 @@ class RouterSection(Section):
     """Placement policy, SLO admission and short-prompt bypass."""
 
     policy: str = "least_loaded"
-    admission: Literal["none", "early_rejection", "prediction_early_rejection"] = "none"
+    # queue_bound: reject (RESOURCE_EXHAUSTED) once max_queued_per_worker requests per worker
+    # wait for their first token; the SLO modes also bound the queue. none: queue everything.
+    admission: Literal["none", "queue_bound", "early_rejection", "prediction_early_rejection"] = (
+        "queue_bound"
+    )
+    max_queued_per_worker: int = Field(32, ge=1)
     # Prefill on the decode worker when at most this many prompt tokens are uncached (0: never).
     bypass_threshold_tokens: int = Field(512, ge=0)
     # Copy hot prefixes from the store into idle prefill workers' pages (router/replication.py).
@@ -179,6 +202,12 @@ class ServerSection(Section):
     host: str = "127.0.0.1"
     grpc_port: int = Field(50051, ge=0, le=65535)
     metrics_port: int = Field(9400, ge=0, le=65535)
+    # On SIGTERM: refuse new requests (UNAVAILABLE, health NOT_SERVING), let the streams in
+    # flight finish for up to this long, then stop.
+    drain_timeout_s: float = Field(30.0, ge=0)
+    # PEM files: serve the gRPC API over TLS (both or neither).
+    tls_cert: str | None = None
+    tls_key: str | None = None
 
     @model_validator(mode="after")
     def _distinct_ports(self) -> ServerSection:
@@ -186,6 +215,12 @@ class ServerSection(Section):
             raise invalid(
                 "metrics_port", f"{self.metrics_port} is also grpc_port; give each its own port"
             )
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise invalid("tls_key", "give tls_cert and tls_key together (or neither)")
+        for name in ("tls_cert", "tls_key"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise invalid(name, f"{path} is not a file; give a PEM file")
         return self
 
 
@@ -194,6 +229,9 @@ class RaySection(Section):
 
     address: str | None = None
     namespace: str = Field("halfmoon", min_length=1)
+    # Authentication of a Ray that halfmoon starts (RAY_AUTH_MODE in the environment wins):
+    # token makes Ray generate a token (~/.ray/auth_token) that every Ray call must carry.
+    auth_mode: Literal["token", "disabled"] = "token"
 
 
 class HealthSection(Section):
@@ -222,6 +260,7 @@ class ClusterConfig(Section):
     ray: RaySection = Field(default_factory=RaySection)
     autoscaling: AutoscalingConfig = Field(default_factory=AutoscalingConfig)
     health: HealthSection = Field(default_factory=HealthSection)
+    limits: RequestLimits = Field(default_factory=RequestLimits)
 
     @field_validator("autoscaling", mode="before")
     @classmethod
@@ -250,11 +289,12 @@ class ClusterConfig(Section):
             )
 
     def _check_admission(self) -> None:
-        if self.router.admission != "none" and self.slo.ttft_s is None and self.slo.tbt_s is None:
+        no_slo = self.slo.ttft_s is None and self.slo.tbt_s is None
+        if self.router.admission in ("early_rejection", "prediction_early_rejection") and no_slo:
             raise invalid(
                 "router.admission",
                 f"{self.router.admission!r} rejects against an SLO; set slo.ttft_s or slo.tbt_s "
-                "(or admission: none)",
+                "(or admission: queue_bound)",
             )
 
     def _check_autoscaling(self) -> None:
@@ -405,7 +445,8 @@ def router_config(config: ClusterConfig, block_size: int) -> RouterConfig:
 
     return RouterConfig(
         policy=config.router.policy,
-        admission=config.router.admission,
+        # The queue bound is the backend's; the Conductor judges SLOs only.
+        admission="none" if config.router.admission == "queue_bound" else config.router.admission,
         ttft_slo_s=config.slo.ttft_s,
         tbt_slo_s=config.slo.tbt_s,
         block_size=block_size,

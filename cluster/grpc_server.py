@@ -15,14 +15,17 @@ from grpc_reflection.v1alpha import reflection
 from halfmoon.cluster.api import halfmoon_pb2 as pb
 from halfmoon.cluster.api import halfmoon_pb2_grpc as pb_grpc
 from halfmoon.cluster.backend import Backend
+from halfmoon.cluster.drain import Drain
 from halfmoon.cluster.grpc_convert import delta_to_proto, input_from_proto, model_info_to_proto
 from halfmoon.cluster.grpc_errors import abort_with
+from halfmoon.cluster.grpc_wire import add_servicer
+from halfmoon.cluster.request_limits import RequestLimits, check_request_id
 from halfmoon.cluster.version import package_version
 from halfmoon.engine.errors import HalfmoonError, InvalidRequestError
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Halfmoon"].full_name
-MAX_MESSAGE_BYTES = 16 << 20  # room for a prompt of MAX_PROMPT_TOKEN_IDS token ids
+MAX_MESSAGE_BYTES = 16 << 20  # above every default of RequestLimits (request_limits.py)
 SERVER_OPTIONS = (
     ("grpc.so_reuseport", 0),  # a second server on a taken port must fail, not share it
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -45,14 +48,15 @@ def _mapped_errors(method):
 class HalfmoonServicer(pb_grpc.HalfmoonServicer):
     """Validates requests, streams the backend's deltas, maps errors to status codes."""
 
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Backend, limits: RequestLimits | None = None) -> None:
         self.backend = backend
+        self.limits = limits or RequestLimits()
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         try:
-            generate_input = input_from_proto(request)
+            generate_input = input_from_proto(request, self.limits)
         except InvalidRequestError as error:
             await abort_with(context, error)
         remaining_s = context.time_remaining()
@@ -76,6 +80,7 @@ class HalfmoonServicer(pb_grpc.HalfmoonServicer):
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         if not request.request_id:
             raise InvalidRequestError("request_id", "", "name the request to abort")
+        check_request_id(request.request_id, self.limits)
         return pb.AbortResponse(aborted=await self.backend.abort(request.request_id))
 
     @_mapped_errors
@@ -94,33 +99,49 @@ class HalfmoonServicer(pb_grpc.HalfmoonServicer):
 
     @_mapped_errors
     async def ExplainDecision(self, request: pb.ExplainRequest, context) -> pb.Explanation:
+        check_request_id(request.request_id, self.limits)
         text = await self.backend.explain(request.request_id)
         return pb.Explanation(request_id=request.request_id, text=text)
 
 
 async def start_grpc_server(
-    backend: Backend, host: str = "127.0.0.1", port: int = 50051
+    backend: Backend,
+    host: str = "127.0.0.1",
+    port: int = 50051,
+    limits: RequestLimits | None = None,
+    drain: Drain | None = None,
+    tls: tuple[bytes, bytes] | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """Serve `backend` with health (SERVING) and reflection; returns the server and bound port.
 
-    `port=0` picks a free port. Stop with `await server.stop(grace_s)`.
+    `port=0` picks a free port; `tls` is (certificate chain, private key) in PEM. Stop with
+    `await drain.drain(timeout_s)` (health turns NOT_SERVING, new requests are refused, the
+    streams in flight finish), then `await server.stop(grace_s)`.
     """
     server = grpc.aio.server(options=SERVER_OPTIONS)
-    pb_grpc.add_HalfmoonServicer_to_server(HalfmoonServicer(backend), server)
+    add_servicer(HalfmoonServicer(backend, limits), server, drain or Drain())
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for service in ("", SERVICE_NAME):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    if drain is not None:
+        drain.on_drain(health_servicer.enter_graceful_shutdown)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
+    address = f"{host}:{port}"
     try:
-        bound_port = server.add_insecure_port(f"{host}:{port}")
+        if tls is None:
+            bound_port = server.add_insecure_port(address)
+        else:
+            certificate_chain, private_key = tls
+            credentials = grpc.ssl_server_credentials([(private_key, certificate_chain)])
+            bound_port = server.add_secure_port(address, credentials)
     except RuntimeError as error:
         raise HalfmoonError(
             f"cannot serve the gRPC API on {host}:{port} ({error}): "
             "the port is taken or the host is not local; pass another port"
         ) from error
     await server.start()
-    log.info("halfmoon gRPC API on %s:%d", host, bound_port)
+    log.info("halfmoon gRPC API on %s:%d%s", host, bound_port, " (TLS)" if tls else "")
     return server, bound_port

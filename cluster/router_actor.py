@@ -41,24 +41,31 @@ class RouterActor:
         self.metrics = Metrics()
         conductor = Conductor(router_config(config, info.block_size), profile)
         tokenizer = load_tokenizer(Path(info.model))
+        bound = None if config.router.admission == "none" else config.router.max_queued_per_worker
         self.backend = ClusterBackend(
-            tokenizer, info, conductor, config.mode, self._observe, served_name(config)
+            tokenizer, info, conductor, config.mode, self._observe, served_name(config), bound
         )
         self.loads: dict[str, WorkerLoad] = {}
         self.finished: deque[tuple[float, int, int, int]] = deque()  # (time, in, out, cached)
         self.steps_observed: deque[StepTiming] = deque(maxlen=OBSERVED_STEPS)
         self.grpc_server = None
+        self.drain = None
         self.metrics_server = None
         self._poller: asyncio.Task | None = None
 
     async def start(self) -> dict:
         """Start the gRPC API and /metrics; returns the bound ports."""
+        from halfmoon.cluster.drain import Drain
         from halfmoon.cluster.grpc_server import start_grpc_server
         from halfmoon.cluster.metrics import start_metrics_server
 
         server = self.config.server
+        self.drain = Drain()
+        tls = None
+        if server.tls_cert is not None:
+            tls = (Path(server.tls_cert).read_bytes(), Path(server.tls_key).read_bytes())
         self.grpc_server, grpc_port = await start_grpc_server(
-            self.backend, server.host, server.grpc_port
+            self.backend, server.host, server.grpc_port, self.config.limits, self.drain, tls
         )
         self.metrics_server, metrics_port = start_metrics_server(
             self.metrics, server.host, server.metrics_port
@@ -92,13 +99,18 @@ class RouterActor:
     async def explain(self, request_id: str) -> str:
         return self.backend.conductor.explain(request_id)
 
-    async def stop(self) -> None:
+    async def stop(self) -> int:
+        """Drain (up to server.drain_timeout_s), then stop; returns the requests cut."""
+        cut = 0
+        if self.drain is not None:
+            cut = await self.drain.drain(self.config.server.drain_timeout_s)
         if self._poller is not None:
             self._poller.cancel()
         if self.grpc_server is not None:
             await self.grpc_server.stop(grace=2)
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
+        return cut
 
     async def pool_signals(self) -> dict[str, dict[str, float]]:
         """Per pool, the autoscaling signals (per replica) and the recent traffic."""
