@@ -116,7 +116,19 @@ def _add_serve(commands) -> None:
     cmd.add_argument("--port", type=int, help="gRPC port (default 50051)")
     cmd.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (default 9400)")
     cmd.add_argument("--address", help="Ray address; `auto` joins a running cluster (ray up)")
+    cmd.add_argument("--tls-cert", help="PEM certificate chain: serve gRPC over TLS (+ --tls-key)")
+    cmd.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    cmd.add_argument(
+        "--drain-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="on SIGTERM, how long streams in flight may take to finish (default 30)",
+    )
     cmd.set_defaults(run=_run_serve)
+
+
+def _add_tls_ca(cmd) -> None:
+    cmd.add_argument("--tls-ca", help="PEM CA certificate: connect over TLS, trusting this CA")
 
 
 def _add_status(commands) -> None:
@@ -124,6 +136,7 @@ def _add_status(commands) -> None:
         "status", help="show workers, their load and the KV store of a running server"
     )
     cmd.add_argument("--server", default="127.0.0.1:50051", help="server host:port")
+    _add_tls_ca(cmd)
     cmd.add_argument("--json", action="store_true", help="print the raw JSON")
     cmd.add_argument(
         "--explain",
@@ -149,6 +162,9 @@ SERVE_OVERRIDES = {
     "port": "server.grpc_port",
     "metrics_port": "server.metrics_port",
     "address": "ray.address",
+    "tls_cert": "server.tls_cert",
+    "tls_key": "server.tls_key",
+    "drain_timeout": "server.drain_timeout_s",
 }
 
 
@@ -168,10 +184,11 @@ def _run_status(args) -> int:
     from halfmoon.cluster.client import Client, ServerError
 
     try:
+        client = Client(args.server, args.tls_ca)
         if args.explain:
-            print(Client(args.server).explain(args.explain))
+            print(client.explain(args.explain))
             return 0
-        info = Client(args.server).server_info()
+        info = client.server_info()
     except ServerError as error:
         print(f"halfmoon status: {error}", file=sys.stderr)
         return 1
@@ -219,6 +236,7 @@ def _add_generate(commands) -> None:
     cmd.add_argument("--local", action="store_true", help="run the engine in this process")
     cmd.add_argument("--model", help="checkpoint directory for --local (default: tiny model)")
     cmd.add_argument("--server", default="127.0.0.1:50051", help="server host:port")
+    _add_tls_ca(cmd)
     cmd.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (64)")
     cmd.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     cmd.add_argument("--top-p", type=float, default=1.0)

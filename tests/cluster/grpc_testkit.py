@@ -45,13 +45,14 @@ def wait_for(condition: Callable[[], bool], timeout_s: float) -> bool:
 
 
 @contextmanager
-def serve_model(model_dir, num_pages: int = 128) -> Iterator[RunningServer]:
-    """Serve the checkpoint in `model_dir` on a free loopback port until the block exits."""
+def serve_model(model_dir, num_pages: int = 128, **options) -> Iterator[RunningServer]:
+    """Serve the checkpoint in `model_dir` on a free loopback port until the block exits;
+    `options` go to `start_grpc_server` (limits, drain, tls)."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="grpc-server", daemon=True)
     thread.start()
     engine = AsyncEngine(LLMEngine(EngineConfig(model=str(model_dir), num_pages=num_pages)))
-    start = start_grpc_server(LocalBackend(engine), port=0)
+    start = start_grpc_server(LocalBackend(engine), port=0, **options)
     server, port = asyncio.run_coroutine_threadsafe(start, loop).result()
     try:
         yield RunningServer(f"127.0.0.1:{port}", engine)
