@@ -77,7 +77,8 @@ def test_ten_thousand_stop_strings_are_invalid_with_a_short_message(server):
         error = rejection(lambda: client.complete("hello", max_tokens=2, stop=stops))
     assert error.code == "INVALID_ARGUMENT" and error.from_server
     assert error.message == (
-        "stop='<10000 strings>' is invalid: at most 32 stop strings allowed (limits.max_stop_strings)"
+        "stop='<10000 strings>' is invalid: "
+        "at most 32 stop strings allowed (limits.max_stop_strings)"
     )
 
 
