@@ -6,9 +6,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from copy import deepcopy
 from dataclasses import dataclass
 
 import ray
@@ -100,6 +102,7 @@ class ClusterBackend:
         self.max_queued_per_worker = max_queued_per_worker
         self.copies: set[asyncio.Task] = set()
         self.tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="tokenize")
+        self._thread_tokenizers = threading.local()
 
     def add_worker(self, worker: Worker) -> None:
         self.workers[worker.name] = worker
@@ -193,12 +196,13 @@ class ClusterBackend:
             )
 
     async def _tokenize(self, request: GenerateInput) -> list[int]:
-        args = (self.tokenizer, request.prompt, self.info.vocab_size)
         if _prompt_chars(request.prompt) <= INLINE_TOKENIZE_CHARS:
-            token_ids = tokenize_prompt(*args)
+            token_ids = tokenize_prompt(self.tokenizer, request.prompt, self.info.vocab_size)
         else:
             loop = asyncio.get_running_loop()
-            token_ids = await loop.run_in_executor(self.tokenize_pool, tokenize_prompt, *args)
+            token_ids = await loop.run_in_executor(
+                self.tokenize_pool, self._tokenize_in_thread, request.prompt
+            )
         if len(token_ids) >= self.info.max_model_len:
             raise InvalidRequestError(
                 "prompt",
@@ -206,6 +210,14 @@ class ClusterBackend:
                 f"must be shorter than the context length of {self.info.max_model_len} tokens",
             )
         return token_ids
+
+    def _tokenize_in_thread(self, prompt) -> list[int]:
+        # Each thread its own copy: a fast tokenizer shared across threads can fail with
+        # "Already borrowed" when one call changes its truncation settings.
+        tokenizer = getattr(self._thread_tokenizers, "tokenizer", None)
+        if tokenizer is None:
+            tokenizer = self._thread_tokenizers.tokenizer = deepcopy(self.tokenizer)
+        return tokenize_prompt(tokenizer, prompt, self.info.vocab_size)
 
     async def _start(self, request: GenerateInput, token_ids: list[int], trace: RequestTrace):
         rid, params = request.request_id, request.params

@@ -158,8 +158,8 @@ class Cluster:
     def _init_ray(self) -> None:
         if ray.is_initialized():
             return
-        address = self.config.ray.address
-        local = address is None or address == "local"
+        address = self.config.ray.address or os.environ.get("RAY_ADDRESS") or "local"
+        local = address == "local"
         if local:
             # A Ray started here: token auth (Ray generates the token) unless the environment
             # says otherwise, and its address is loopback (one node, nothing to reach it from).
