@@ -130,10 +130,18 @@ class StoreSection(Section):
     redis_password: SecretStr | None = None
     # Key of the HMAC-SHA256 every Redis record carries (or $HALFMOON_REDIS_HMAC_KEY); None:
     # a random key per cluster, so records outlive the cluster only when this is set.
-    redis_hmac_key: SecretStr | None = Field(None, min_length=16)
+    redis_hmac_key: SecretStr | None = None
     # Connections per store node; a request waits up to redis_pool_timeout_s for one.
     redis_max_connections: int = Field(64, ge=1)
     redis_pool_timeout_s: float = Field(5.0, gt=0)
+
+    @field_validator("redis_hmac_key")
+    @classmethod
+    def _long_key(cls, key: SecretStr | None) -> SecretStr | None:
+        if key is not None and len(key.get_secret_value()) < 16:
+            # ValueError: the message shows the field, never the secret
+            raise ValueError("must be at least 16 characters (e.g. `openssl rand -hex 32`)")
+        return key
 
     @field_validator("redis_url")
     @classmethod
@@ -229,8 +237,8 @@ class RaySection(Section):
 
     address: str | None = None
     namespace: str = Field("halfmoon", min_length=1)
-    # Authentication of a Ray that halfmoon starts (RAY_AUTH_MODE in the environment wins):
-    # token makes Ray generate a token (~/.ray/auth_token) that every Ray call must carry.
+    # Authentication of a Ray that halfmoon starts ($RAY_AUTH_MODE wins): token is Ray's own
+    # default for a local Ray, which makes a token in ~/.ray/auth_token every Ray call carries.
     auth_mode: Literal["token", "disabled"] = "token"
 
 

@@ -137,7 +137,8 @@ class Cluster:
         if self.router is not None:
             try:
                 drain_s = self.config.server.drain_timeout_s
-                ray.get(self.router.stop.remote(), timeout=drain_s + 20)
+                in_flight, cut = ray.get(self.router.stop.remote(), timeout=drain_s + 20)
+                log.info("drained %d requests in flight (%d cut at the timeout)", in_flight, cut)
             except Exception:  # noqa: BLE001 - shutting down regardless
                 log.warning("router did not stop cleanly")
             ray.kill(self.router, no_restart=True)
@@ -158,17 +159,20 @@ class Cluster:
     def _init_ray(self) -> None:
         if ray.is_initialized():
             return
+        # None starts a Ray here ("local"), never joins one found on the machine.
         address = self.config.ray.address or os.environ.get("RAY_ADDRESS") or "local"
         local = address == "local"
-        if local:
-            # A Ray started here: token auth (Ray generates the token) unless the environment
-            # says otherwise, and its address is loopback (one node, nothing to reach it from).
-            os.environ.setdefault("RAY_AUTH_MODE", self.config.ray.auth_mode)
+        if local and self.config.ray.auth_mode == "disabled":
+            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        # Otherwise Ray's own default for a Ray it starts: token auth, with the token it makes
+        # in ~/.ray/auth_token ($RAY_AUTH_MODE and $RAY_AUTH_TOKEN win). Setting RAY_AUTH_MODE
+        # here would not do: Ray has read it at import.
         ray.init(
             address=address,
             namespace=self.config.ray.namespace,
             include_dashboard=False,
             log_to_driver=False,
+            # One node: its address is loopback, where Ray binds what it can.
             _node_ip_address="127.0.0.1" if local else None,
         )
         self.owns_ray = True

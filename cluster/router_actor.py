@@ -99,10 +99,12 @@ class RouterActor:
     async def explain(self, request_id: str) -> str:
         return self.backend.conductor.explain(request_id)
 
-    async def stop(self) -> int:
-        """Drain (up to server.drain_timeout_s), then stop; returns the requests cut."""
-        cut = 0
+    async def stop(self) -> tuple[int, int]:
+        """Drain (up to server.drain_timeout_s), then stop; returns the requests in flight
+        when draining began and those the drain timeout cut."""
+        in_flight = cut = 0
         if self.drain is not None:
+            in_flight = self.drain.active
             cut = await self.drain.drain(self.config.server.drain_timeout_s)
         if self._poller is not None:
             self._poller.cancel()
@@ -110,7 +112,7 @@ class RouterActor:
             await self.grpc_server.stop(grace=2)
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
-        return cut
+        return in_flight, cut
 
     async def pool_signals(self) -> dict[str, dict[str, float]]:
         """Per pool, the autoscaling signals (per replica) and the recent traffic."""
