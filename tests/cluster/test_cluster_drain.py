@@ -7,12 +7,13 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_testkit import wait_for
-from test_cluster_process import _ray_pids, _wait_for_line
+from test_cluster_process import _wait_for_line
 
 from halfmoon.cluster.client import Client, ServerError
 from halfmoon.kvstore.redis_server import free_port
@@ -30,7 +31,6 @@ def _health(address: str) -> int:
 
 @pytest.mark.timeout(600)
 def test_sigterm_lets_long_streams_finish_and_refuses_new_requests(tiny_model_dir, tmp_path):
-    before = _ray_pids()
     port, metrics_port = free_port(), free_port()
     # halfmoon's default: token auth for the Ray it starts, the token made under this HOME.
     home = tmp_path / "home"
@@ -46,7 +46,8 @@ def test_sigterm_lets_long_streams_finish_and_refuses_new_requests(tiny_model_di
     address = f"127.0.0.1:{port}"
     try:
         _wait_for_line(serve, "gRPC", timeout_s=300)
-        assert _ray_auth_modes(serve.pid) == {"token"}
+        ray_processes = _ray_children(serve.pid)
+        assert {_auth_mode(pid) for pid in ray_processes} == {"token"}
         assert (home / ".ray" / "auth_token").is_file()
         assert _health(address) == health_pb2.HealthCheckResponse.SERVING
         with Client(address) as client:
@@ -56,9 +57,11 @@ def test_sigterm_lets_long_streams_finish_and_refuses_new_requests(tiny_model_di
             ]
             firsts = [next(stream) for stream in streams]  # every stream is under way
             serve.send_signal(signal.SIGTERM)
+            signalled_s = time.monotonic()
             assert wait_for(
                 lambda: _health(address) == health_pb2.HealthCheckResponse.NOT_SERVING, 60
             )
+            not_serving_s = time.monotonic() - signalled_s
             with pytest.raises(ServerError) as refused:
                 client.complete("a new request", max_tokens=2)
             counts = [len(first.token_ids) for first in firsts]
@@ -67,7 +70,9 @@ def test_sigterm_lets_long_streams_finish_and_refuses_new_requests(tiny_model_di
                 for delta in stream:
                     counts[i] += len(delta.token_ids)
                     reasons[i] = delta.finish_reason or reasons[i]
+            streams_done_s = time.monotonic() - signalled_s
         output = _drain_output(serve, timeout_s=300)
+        exited_s = time.monotonic() - signalled_s
     finally:
         if serve.poll() is None:
             serve.kill()
@@ -77,23 +82,39 @@ def test_sigterm_lets_long_streams_finish_and_refuses_new_requests(tiny_model_di
     assert counts == [MAX_TOKENS] * NUM_STREAMS and reasons == ["length"] * NUM_STREAMS
     assert f"drained {NUM_STREAMS} requests in flight (0 cut at the timeout)" in output
     assert serve.returncode == 0
-    assert wait_for(lambda: not (_ray_pids() - before), 60)
+    assert wait_for(lambda: not any(_alive(pid) for pid in ray_processes), 60)
+    print(
+        f"\nSIGTERM with {NUM_STREAMS} streams of {MAX_TOKENS} tokens: NOT_SERVING after "
+        f"{not_serving_s:.1f}s, streams done after {streams_done_s:.1f}s, "
+        f"exit after {exited_s:.1f}s"
+    )
 
 
-def _ray_auth_modes(parent: int) -> set[str]:
-    """RAY_AUTH_MODE in the environment of the GCS and raylet that `parent` started."""
+def _ray_children(parent: int) -> list[int]:
+    """The GCS and raylet processes that `parent` started."""
     children = subprocess.run(["pgrep", "-P", str(parent)], capture_output=True, text=True)
-    modes = set()
-    for pid in children.stdout.split():
+    pids = []
+    for pid in map(int, children.stdout.split()):
         with open(f"/proc/{pid}/comm") as comm:
-            if comm.read().strip() not in ("gcs_server", "raylet"):
-                continue
-        with open(f"/proc/{pid}/environ", "rb") as environ:
-            variables = dict(
-                entry.split(b"=", 1) for entry in environ.read().split(b"\0") if b"=" in entry
-            )
-        modes.add(variables.get(b"RAY_AUTH_MODE", b"").decode())
-    return modes
+            if comm.read().strip() in ("gcs_server", "raylet"):
+                pids.append(pid)
+    return pids
+
+
+def _auth_mode(pid: int) -> str:
+    """RAY_AUTH_MODE in the environment of process `pid`."""
+    with open(f"/proc/{pid}/environ", "rb") as environ:
+        entries = environ.read().split(b"\0")
+    variables = dict(entry.split(b"=", 1) for entry in entries if b"=" in entry)
+    return variables.get(b"RAY_AUTH_MODE", b"").decode()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def _drain_output(process: subprocess.Popen, timeout_s: float) -> str:
