@@ -19,6 +19,11 @@ from halfmoon.engine.async_engine import AsyncEngine
 class RunningServer:
     address: str
     engine: AsyncEngine
+    loop: asyncio.AbstractEventLoop
+
+    def run(self, coroutine):
+        """Run `coroutine` on the server's event loop; returns its result."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
 
     def num_used_pages(self) -> int:
         return self.engine.call(lambda engine: engine.pool.num_used_pages)
@@ -55,7 +60,7 @@ def serve_model(model_dir, num_pages: int = 128, **options) -> Iterator[RunningS
     start = start_grpc_server(LocalBackend(engine), port=0, **options)
     server, port = asyncio.run_coroutine_threadsafe(start, loop).result()
     try:
-        yield RunningServer(f"127.0.0.1:{port}", engine)
+        yield RunningServer(f"127.0.0.1:{port}", engine, loop)
     finally:
         asyncio.run_coroutine_threadsafe(server.stop(None), loop).result()
         loop.call_soon_threadsafe(loop.stop)

@@ -13,7 +13,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_testkit import wait_for
-from test_cluster_process import _wait_for_line
+from test_cluster_process import _alive, _descendants, _name, _wait_for_line
 
 from halfmoon.cluster.client import Client, ServerError
 from halfmoon.kvstore.redis_server import free_port
@@ -46,8 +46,9 @@ def test_sigterm_lets_long_streams_finish_and_refuses_new_requests(tiny_model_di
     address = f"127.0.0.1:{port}"
     try:
         _wait_for_line(serve, "gRPC", timeout_s=300)
-        ray_processes = _ray_children(serve.pid)
-        assert {_auth_mode(pid) for pid in ray_processes} == {"token"}
+        started = _descendants(serve.pid)
+        ray_core = [pid for pid in started if _name(pid) in ("gcs_server", "raylet")]
+        assert ray_core and {_auth_mode(pid) for pid in ray_core} == {"token"}
         assert (home / ".ray" / "auth_token").is_file()
         assert _health(address) == health_pb2.HealthCheckResponse.SERVING
         with Client(address) as client:
@@ -82,23 +83,12 @@ def test_sigterm_lets_long_streams_finish_and_refuses_new_requests(tiny_model_di
     assert counts == [MAX_TOKENS] * NUM_STREAMS and reasons == ["length"] * NUM_STREAMS
     assert f"drained {NUM_STREAMS} requests in flight (0 cut at the timeout)" in output
     assert serve.returncode == 0
-    assert wait_for(lambda: not any(_alive(pid) for pid in ray_processes), 60)
+    assert wait_for(lambda: not any(map(_alive, started)), 60)
     print(
         f"\nSIGTERM with {NUM_STREAMS} streams of {MAX_TOKENS} tokens: NOT_SERVING after "
         f"{not_serving_s:.1f}s, streams done after {streams_done_s:.1f}s, "
         f"exit after {exited_s:.1f}s"
     )
-
-
-def _ray_children(parent: int) -> list[int]:
-    """The GCS and raylet processes that `parent` started."""
-    children = subprocess.run(["pgrep", "-P", str(parent)], capture_output=True, text=True)
-    pids = []
-    for pid in map(int, children.stdout.split()):
-        with open(f"/proc/{pid}/comm") as comm:
-            if comm.read().strip() in ("gcs_server", "raylet"):
-                pids.append(pid)
-    return pids
 
 
 def _auth_mode(pid: int) -> str:
@@ -107,14 +97,6 @@ def _auth_mode(pid: int) -> str:
         entries = environ.read().split(b"\0")
     variables = dict(entry.split(b"=", 1) for entry in entries if b"=" in entry)
     return variables.get(b"RAY_AUTH_MODE", b"").decode()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def _drain_output(process: subprocess.Popen, timeout_s: float) -> str:

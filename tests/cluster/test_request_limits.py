@@ -148,3 +148,26 @@ def test_tls_server_answers_clients_that_trust_its_ca_only(tiny_model_dir, tmp_p
         with Client(running.address) as plaintext:
             error = rejection(lambda: plaintext.model_info(timeout=10))
     assert error.code == "UNAVAILABLE" and error.unreachable
+
+
+def test_drain_refuses_new_requests_and_lets_the_stream_in_flight_finish(tiny_model_dir):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from halfmoon.cluster.drain import Drain
+
+    drain = Drain()
+    with serve_model(tiny_model_dir, drain=drain) as running, Client(running.address) as client:
+        stream = client.generate("hello", max_tokens=40, ignore_eos=True)
+        first = next(stream)
+        assert drain.active == 1
+        left = running.run(drain.drain(timeout_s=0))  # begin draining; do not wait here
+        refused = rejection(lambda: client.complete("new", max_tokens=2))
+        with grpc.insecure_channel(running.address) as channel:
+            check = health_pb2_grpc.HealthStub(channel).Check
+            status = check(health_pb2.HealthCheckRequest(service="halfmoon.v1.Halfmoon")).status
+        num_tokens = len(first.token_ids) + sum(len(delta.token_ids) for delta in stream)
+        assert running.run(drain.drain(timeout_s=60)) == 0
+    assert left == 1 and status == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert refused.code == "UNAVAILABLE" and refused.from_server
+    assert refused.message == "the server is shutting down; send the request elsewhere"
+    assert num_tokens == 40
