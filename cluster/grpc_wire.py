@@ -16,13 +16,13 @@ from halfmoon.cluster.drain import Drain, ShuttingDownError
 from halfmoon.cluster.grpc_errors import abort_with
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Halfmoon"]
-# Only new generations are refused while draining; Abort and the info calls still answer.
+# Only new generations (streams) are refused while draining; Abort and the info calls answer.
 DRAINED_METHODS = frozenset({"Generate"})
 
 
 @dataclass(frozen=True, slots=True)
 class Malformed:
-    """What the deserializer hands over when the bytes are not a `message` message."""
+    """What the deserializer hands over when the bytes are not a valid message."""
 
     message: str
 
@@ -38,7 +38,7 @@ def add_servicer(servicer, server: grpc.aio.Server, drain: Drain) -> None:
         if method.server_streaming:
             make, wrapped = grpc.unary_stream_rpc_method_handler, _stream(behavior, gate)
         else:
-            make, wrapped = grpc.unary_unary_rpc_method_handler, _unary(behavior, gate)
+            make, wrapped = grpc.unary_unary_rpc_method_handler, _unary(behavior)
         handlers[method.name] = make(
             wrapped,
             request_deserializer=_lenient(request_type),
@@ -61,13 +61,10 @@ def _lenient(message_type):
     return deserialize
 
 
-def _unary(behavior, drain: Drain | None):
+def _unary(behavior):
     async def handle(request, context):
-        await _admit(request, context, drain)
-        if drain is None:
-            return await behavior(request, context)
-        with drain.track():
-            return await behavior(request, context)
+        await _admit(request, context, None)
+        return await behavior(request, context)
 
     return handle
 
