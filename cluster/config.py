@@ -170,7 +170,8 @@ class RouterSection(Section):
     admission: Literal["none", "queue_bound", "early_rejection", "prediction_early_rejection"] = (
         "queue_bound"
     )
-    max_queued_per_worker: int = Field(32, ge=1)
+    # One engine batch (engine.max_num_seqs' default) waiting per worker.
+    max_queued_per_worker: int = Field(64, ge=1)
     # Prefill on the decode worker when at most this many prompt tokens are uncached (0: never).
     bypass_threshold_tokens: int = Field(512, ge=0)
     # Copy hot prefixes from the store into idle prefill workers' pages (router/replication.py).

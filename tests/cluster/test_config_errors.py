@@ -122,4 +122,4 @@ def test_tls_needs_both_files(tmp_path):
 
 def test_queue_bound_admission_is_the_default_and_needs_no_slo():
     config = validate_config({})
-    assert (config.router.admission, config.router.max_queued_per_worker) == ("queue_bound", 32)
+    assert (config.router.admission, config.router.max_queued_per_worker) == ("queue_bound", 64)
