@@ -51,6 +51,9 @@ class GenerateInput:
     params: SamplingParams
     ttft_slo_s: float | None = None
     tbt_slo_s: float | None = None
+    # No client limit on output (OpenAI without max_tokens): generate up to the context length,
+    # i.e. `params.max_tokens` becomes what the context leaves after the prompt.
+    to_context_end: bool = False
 
 
 @dataclass(slots=True)

@@ -142,6 +142,14 @@ def _add_serve(commands) -> None:
     cmd.add_argument(
         "--redis-url", help="Redis tier shared by every node, e.g. redis://10.0.0.10:6380/0"
     )
+    cmd.add_argument("--tls-cert", help="PEM certificate chain: serve gRPC over TLS (+ --tls-key)")
+    cmd.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    cmd.add_argument(
+        "--drain-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="on SIGTERM, how long streams in flight may take to finish (default 30)",
+    )
     cmd.set_defaults(run=_run_serve)
 
 
@@ -162,11 +170,16 @@ def _add_api_key(cmd, purpose: str) -> None:
     )
 
 
+def _add_tls_ca(cmd) -> None:
+    cmd.add_argument("--tls-ca", help="PEM CA certificate: connect over TLS, trusting this CA")
+
+
 def _add_status(commands) -> None:
     cmd = commands.add_parser(
         "status", help="show workers, their load and the KV store of a running server"
     )
     cmd.add_argument("--server", default="127.0.0.1:50051", help="server host:port")
+    _add_tls_ca(cmd)
     cmd.add_argument("--json", action="store_true", help="print the raw JSON")
     cmd.add_argument(
         "--explain",
@@ -198,6 +211,9 @@ SERVE_OVERRIDES = {
     "api_key": "server.api_key",
     "address": "ray.address",
     "redis_url": "store.redis_url",
+    "tls_cert": "server.tls_cert",
+    "tls_key": "server.tls_key",
+    "drain_timeout": "server.drain_timeout_s",
 }
 
 
@@ -217,7 +233,7 @@ def _run_status(args) -> int:
     from halfmoon.cluster.client import Client, ServerError
 
     try:
-        client = Client(args.server, api_key=args.api_key)
+        client = Client(args.server, args.tls_ca, api_key=args.api_key)
         if args.explain:
             print(client.explain(args.explain))
             return 0
@@ -269,6 +285,7 @@ def _add_generate(commands) -> None:
     cmd.add_argument("--local", action="store_true", help="run the engine in this process")
     cmd.add_argument("--model", help="checkpoint directory for --local (default: tiny model)")
     cmd.add_argument("--server", default="127.0.0.1:50051", help="server host:port")
+    _add_tls_ca(cmd)
     cmd.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (64)")
     cmd.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     cmd.add_argument("--top-p", type=float, default=1.0)

@@ -109,13 +109,29 @@ class AsyncStream:
         self.cancel()
 
 
-class Client:
-    """Blocking client: `generate` streams deltas, `complete` returns the whole result;
-    `api_key` is sent with every call when the server requires one."""
+def channel_credentials(tls_ca: str | None) -> grpc.ChannelCredentials | None:
+    """TLS credentials trusting the PEM CA file `tls_ca`; None: a plaintext channel."""
+    if tls_ca is None:
+        return None
+    with open(tls_ca, "rb") as file:
+        return grpc.ssl_channel_credentials(root_certificates=file.read())
 
-    def __init__(self, address: str = DEFAULT_ADDRESS, api_key: str | None = None) -> None:
+
+class Client:
+    """Blocking client: `generate` streams deltas, `complete` returns the whole result.
+    `tls_ca`: connect over TLS, trusting the server certificate's CA (a PEM file); `api_key` is
+    sent with every call when the server requires one."""
+
+    def __init__(
+        self, address: str = DEFAULT_ADDRESS, tls_ca: str | None = None, api_key: str | None = None
+    ) -> None:
         self.address = address
-        self._channel = grpc.insecure_channel(address)
+        credentials = channel_credentials(tls_ca)
+        self._channel = (
+            grpc.insecure_channel(address)
+            if credentials is None
+            else grpc.secure_channel(address, credentials)
+        )
         self._stub = pb_grpc.HalfmoonStub(self._channel)
         self._metadata = bearer_metadata(api_key)
 
@@ -180,9 +196,16 @@ class Client:
 class AsyncClient:
     """asyncio client with the same methods as `Client`, as coroutines and async streams."""
 
-    def __init__(self, address: str = DEFAULT_ADDRESS, api_key: str | None = None) -> None:
+    def __init__(
+        self, address: str = DEFAULT_ADDRESS, tls_ca: str | None = None, api_key: str | None = None
+    ) -> None:
         self.address = address
-        self._channel = grpc.aio.insecure_channel(address)
+        credentials = channel_credentials(tls_ca)
+        self._channel = (
+            grpc.aio.insecure_channel(address)
+            if credentials is None
+            else grpc.aio.secure_channel(address, credentials)
+        )
         self._stub = pb_grpc.HalfmoonStub(self._channel)
         self._metadata = bearer_metadata(api_key)
 

@@ -7,8 +7,11 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from copy import deepcopy
 from dataclasses import dataclass
 
 import ray
@@ -42,6 +45,10 @@ MAX_WAIT_FOR_ROOM_S = 120.0
 ROOM_POLL_S = 0.05
 MAX_ATTEMPTS = 3  # tries per request when the workers it was sent to die
 RELEASE_WAIT_S = 10.0  # the longest a release waits on one worker call
+# Prompts longer than this are tokenized in a thread, so a huge one never stalls the event
+# loop that serves every other request (tokenizers release the GIL as they go).
+INLINE_TOKENIZE_CHARS = 2048
+TOKENIZE_THREADS = 4
 
 
 @dataclass(slots=True)
@@ -87,6 +94,7 @@ class ClusterBackend:
         mode: str,
         observer=None,
         model_name: str | None = None,
+        max_queued_per_worker: int | None = None,
         *,
         pool_wait_s: float,
     ):
@@ -101,7 +109,10 @@ class ClusterBackend:
         self.stores: dict[str, ray.actor.ActorHandle] = {}
         self.max_wait_for_room_s = MAX_WAIT_FOR_ROOM_S
         self.pool_wait_s = pool_wait_s
+        self.max_queued_per_worker = max_queued_per_worker
         self.copies: set[asyncio.Task] = set()
+        self.tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="tokenize")
+        self._thread_tokenizers = threading.local()
 
     def add_worker(self, worker: Worker) -> None:
         self.workers[worker.name] = worker
@@ -136,7 +147,11 @@ class ClusterBackend:
         lease = self.leases[rid] = RequestLease(rid, RequestTrace(time.monotonic()))
         trace = lease.trace
         try:
-            token_ids = self._tokenize(request)
+            self._check_queue(rid)
+            token_ids = await self._tokenize(request)
+            if request.to_context_end:
+                left = max(self.info.max_model_len - len(token_ids), 1)
+                request.params = dataclasses.replace(request.params, max_tokens=left)
             self._check_fits(len(token_ids), request.params.max_tokens)
             trace.num_prompt_tokens = len(token_ids)
             async for delta in self._serve(request, token_ids, lease):
@@ -297,8 +312,29 @@ class ClusterBackend:
             overhead_s = self.conductor.profile.request_overhead_s
             self.conductor.observe_handoff(ttft_s - trace.prefill_compute_s - overhead_s)
 
-    def _tokenize(self, request: GenerateInput) -> list[int]:
-        token_ids = tokenize_prompt(self.tokenizer, request.prompt, self.info.vocab_size)
+    def _check_queue(self, rid: str) -> None:
+        """Reject at arrival once the requests waiting for a first token reach the bound."""
+        if self.max_queued_per_worker is None:
+            return
+        kind = "prefill" if self.mode == "disaggregated" else "decode"
+        num_workers = max(len(self._alive(kind)), 1)
+        bound = self.max_queued_per_worker * num_workers
+        waiting = sum(1 for lease in self.leases.values() if lease.trace.first_token_s is None) - 1
+        if waiting >= bound:
+            raise RejectedError(
+                f"request {rid} rejected: {waiting} requests already wait for a first token "
+                f"(bound {self.max_queued_per_worker} per {kind} worker x {num_workers}, "
+                "router.max_queued_per_worker); retry later or add workers"
+            )
+
+    async def _tokenize(self, request: GenerateInput) -> list[int]:
+        if _prompt_chars(request.prompt) <= INLINE_TOKENIZE_CHARS:
+            token_ids = tokenize_prompt(self.tokenizer, request.prompt, self.info.vocab_size)
+        else:
+            loop = asyncio.get_running_loop()
+            token_ids = await loop.run_in_executor(
+                self.tokenize_pool, self._tokenize_in_thread, request.prompt
+            )
         if len(token_ids) >= self.info.max_model_len:
             raise InvalidRequestError(
                 "prompt",
@@ -318,6 +354,14 @@ class ClusterBackend:
                 f"context length of {limit} tokens; ask for at most "
                 f"{limit - num_prompt_tokens} tokens",
             )
+
+    def _tokenize_in_thread(self, prompt) -> list[int]:
+        # Each thread its own copy: a fast tokenizer shared across threads can fail with
+        # "Already borrowed" when one call changes its truncation settings.
+        tokenizer = getattr(self._thread_tokenizers, "tokenizer", None)
+        if tokenizer is None:
+            tokenizer = self._thread_tokenizers.tokenizer = deepcopy(self.tokenizer)
+        return tokenize_prompt(tokenizer, prompt, self.info.vocab_size)
 
     async def _start(self, request: GenerateInput, token_ids: list[int], lease: RequestLease):
         """Place the attempt and start it; returns the worker that streams and its stream."""
@@ -526,6 +570,16 @@ class ClusterBackend:
             if decode is not None and decode.name in busy:
                 busy[decode.name] += 1
         return min(workers, key=lambda w: busy[w.name])
+
+
+def _prompt_chars(prompt) -> int:
+    """About how much tokenizing a prompt costs: characters of text, or list entries."""
+    if isinstance(prompt, str):
+        return len(prompt)
+    return sum(
+        len(m["content"]) if isinstance(m, dict) and isinstance(m.get("content"), str) else 1
+        for m in prompt
+    )
 
 
 def _reason_kind(message: str) -> str:

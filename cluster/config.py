@@ -27,6 +27,7 @@ from halfmoon.cluster.autoscaling_policy import (
     PrefillPlannerPolicy,
     invalid,
 )
+from halfmoon.cluster.request_limits import RequestLimits
 from halfmoon.router.policies import POLICIES
 from halfmoon.router.profile import PROFILE_DIR
 
@@ -128,6 +129,23 @@ class StoreSection(Section):
     redis_ttl_s: int = Field(3600, gt=0)
     lease_ttl_s: float = Field(30.0, gt=0)
     get_timeout_s: float = Field(30.0, gt=0)
+    # Password of the Redis server (or $HALFMOON_REDIS_PASSWORD); a password in redis_url
+    # also works. The local redis-server halfmoon starts gets a fresh random one.
+    redis_password: SecretStr | None = None
+    # Key of the HMAC-SHA256 every Redis record carries (or $HALFMOON_REDIS_HMAC_KEY); None:
+    # a random key per cluster, so records outlive the cluster only when this is set.
+    redis_hmac_key: SecretStr | None = None
+    # Connections per store node; a request waits up to redis_pool_timeout_s for one.
+    redis_max_connections: int = Field(64, ge=1)
+    redis_pool_timeout_s: float = Field(5.0, gt=0)
+
+    @field_validator("redis_hmac_key")
+    @classmethod
+    def _long_key(cls, key: SecretStr | None) -> SecretStr | None:
+        if key is not None and len(key.get_secret_value()) < 16:
+            # ValueError: the message shows the field, never the secret
+            raise ValueError("must be at least 16 characters (e.g. `openssl rand -hex 32`)")
+        return key
 
     @field_validator("redis_url")
     @classmethod
@@ -151,7 +169,13 @@ class RouterSection(Section):
     """Placement policy, SLO admission and short-prompt bypass."""
 
     policy: str = "least_loaded"
-    admission: Literal["none", "early_rejection", "prediction_early_rejection"] = "none"
+    # queue_bound: reject (RESOURCE_EXHAUSTED) once max_queued_per_worker requests per worker
+    # wait for their first token; the SLO modes also bound the queue. none: queue everything.
+    admission: Literal["none", "queue_bound", "early_rejection", "prediction_early_rejection"] = (
+        "queue_bound"
+    )
+    # One engine batch (engine.max_num_seqs' default) waiting per worker.
+    max_queued_per_worker: int = Field(64, ge=1)
     # Prefill on the decode worker when at most this many prompt tokens are uncached (0: never).
     bypass_threshold_tokens: int = Field(512, ge=0)
     # Copy hot prefixes from the store into idle prefill workers' pages (router/replication.py).
@@ -200,6 +224,12 @@ class ServerSection(Section):
     api_key: SecretStr | None = Field(None, min_length=1)
     # Prometheus file_sd JSON listing every worker's and store node's own /metrics; None: none.
     metrics_targets_file: str | None = None
+    # On SIGTERM: refuse new requests (UNAVAILABLE, health NOT_SERVING), let the streams in
+    # flight finish for up to this long, then stop.
+    drain_timeout_s: float = Field(30.0, ge=0)
+    # PEM files: serve the gRPC API over TLS (both or neither).
+    tls_cert: str | None = None
+    tls_key: str | None = None
 
     @field_validator("http_port", mode="before")
     @classmethod
@@ -218,6 +248,12 @@ class ServerSection(Section):
             for other, other_port in named[:i]:
                 if port and port == other_port:
                     raise invalid(name, f"{port} is also {other}; give each its own port")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise invalid("tls_key", "give tls_cert and tls_key together (or neither)")
+        for name in ("tls_cert", "tls_key"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise invalid(name, f"{path} is not a file; give a PEM file")
         return self
 
 
@@ -226,6 +262,9 @@ class RaySection(Section):
 
     address: str | None = None
     namespace: str = Field("halfmoon", min_length=1)
+    # Authentication of a Ray that halfmoon starts ($RAY_AUTH_MODE wins): token is Ray's own
+    # default for a local Ray, which makes a token in ~/.ray/auth_token every Ray call carries.
+    auth_mode: Literal["token", "disabled"] = "token"
 
 
 class HealthSection(Section):
@@ -254,6 +293,7 @@ class ClusterConfig(Section):
     ray: RaySection = Field(default_factory=RaySection)
     autoscaling: AutoscalingConfig = Field(default_factory=AutoscalingConfig)
     health: HealthSection = Field(default_factory=HealthSection)
+    limits: RequestLimits = Field(default_factory=RequestLimits)
 
     @field_validator("autoscaling", mode="before")
     @classmethod
@@ -282,11 +322,12 @@ class ClusterConfig(Section):
             )
 
     def _check_admission(self) -> None:
-        if self.router.admission != "none" and self.slo.ttft_s is None and self.slo.tbt_s is None:
+        no_slo = self.slo.ttft_s is None and self.slo.tbt_s is None
+        if self.router.admission in ("early_rejection", "prediction_early_rejection") and no_slo:
             raise invalid(
                 "router.admission",
                 f"{self.router.admission!r} rejects against an SLO; set slo.ttft_s or slo.tbt_s "
-                "(or admission: none)",
+                "(or admission: queue_bound)",
             )
 
     def _check_autoscaling(self) -> None:
@@ -437,7 +478,8 @@ def router_config(config: ClusterConfig, block_size: int) -> RouterConfig:
 
     return RouterConfig(
         policy=config.router.policy,
-        admission=config.router.admission,
+        # The queue bound is the backend's; the Conductor judges SLOs only.
+        admission="none" if config.router.admission == "queue_bound" else config.router.admission,
         ttft_slo_s=config.slo.ttft_s,
         tbt_slo_s=config.slo.tbt_s,
         block_size=block_size,

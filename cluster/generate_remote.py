@@ -12,7 +12,7 @@ from halfmoon.cluster.client import Client, Completion, ServerError
 def generate_remote(args) -> int:
     """Exit 0 on success, 2 when the server rejects the request as invalid, 1 otherwise."""
     sampling = sampling_kwargs(args)
-    with Client(args.server, api_key=args.api_key) as client:
+    with Client(args.server, args.tls_ca, api_key=args.api_key) as client:
         try:
             result = _run(client, args.prompt, sampling, stream_text=not args.json)
         except ServerError as error:

@@ -7,13 +7,19 @@ import uuid
 
 from halfmoon.cluster.api import halfmoon_pb2 as pb
 from halfmoon.cluster.backend import GenerateInput, ModelInfo, TokenDelta, Usage
+from halfmoon.cluster.request_limits import (
+    RequestLimits,
+    check_messages,
+    check_request_id,
+    check_stops,
+    check_text,
+    check_token_ids,
+)
 from halfmoon.engine.errors import InvalidRequestError
 from halfmoon.engine.sampling_params import SamplingParams
 from halfmoon.engine.sequence import TokenLogprobs
 from halfmoon.engine.tokenizer import Prompt
 
-MAX_PROMPT_TOKEN_IDS = 1_000_000
-MAX_REQUEST_ID_CHARS = 256
 MAX_LOGPROBS = 20
 # Proto3 `optional` fields: only those a client set reach SamplingParams, so its defaults rule.
 OPTIONAL_SAMPLING_FIELDS = (
@@ -29,8 +35,12 @@ OPTIONAL_SAMPLING_FIELDS = (
 REPEATED_SAMPLING_FIELDS = ("stop", "stop_token_ids")
 
 
-def input_from_proto(request: pb.GenerateRequest) -> GenerateInput:
-    """The backend's request; raises `InvalidRequestError` naming the first bad field."""
+def input_from_proto(
+    request: pb.GenerateRequest, limits: RequestLimits | None = None
+) -> GenerateInput:
+    """The backend's request; raises `InvalidRequestError` naming the first bad field.
+    Sizes are checked against `limits` (default: the config's defaults) before anything else."""
+    check_sizes(request, limits or RequestLimits())
     return GenerateInput(
         request_id=_request_id(request.request_id),
         prompt=_prompt(request),
@@ -38,6 +48,19 @@ def input_from_proto(request: pb.GenerateRequest) -> GenerateInput:
         ttft_slo_s=_slo(request, "ttft_slo_s"),
         tbt_slo_s=_slo(request, "tbt_slo_s"),
     )
+
+
+def check_sizes(request: pb.GenerateRequest, limits: RequestLimits) -> None:
+    """Every size limit of a `GenerateRequest`; raises `InvalidRequestError` on the first."""
+    check_request_id(request.request_id, limits)
+    kind = request.WhichOneof("input")
+    if kind == "text":
+        check_text(request.text, limits, "text")
+    elif kind == "token_ids":
+        check_token_ids(len(request.token_ids.ids), limits)
+    elif kind == "chat":
+        check_messages([m.content for m in request.chat.messages], limits, "chat.messages")
+    check_stops(request.sampling.stop, len(request.sampling.stop_token_ids), limits)
 
 
 def request_to_proto(
@@ -124,10 +147,6 @@ def model_info_from_proto(info: pb.ModelInfo) -> ModelInfo:
 
 
 def _request_id(request_id: str) -> str:
-    if len(request_id) > MAX_REQUEST_ID_CHARS:
-        raise InvalidRequestError(
-            "request_id", request_id[:32] + "...", f"must be at most {MAX_REQUEST_ID_CHARS} chars"
-        )
     return request_id or uuid.uuid4().hex
 
 
@@ -145,10 +164,8 @@ def _prompt(request: pb.GenerateRequest) -> Prompt:
 
 
 def _token_ids(ids: list[int]) -> list[int]:
-    if not 1 <= len(ids) <= MAX_PROMPT_TOKEN_IDS:
-        raise InvalidRequestError(
-            "token_ids", f"<{len(ids)} ids>", f"must hold 1 to {MAX_PROMPT_TOKEN_IDS} token ids"
-        )
+    if not ids:
+        raise InvalidRequestError("token_ids", "<0 ids>", "must hold at least one token id")
     negative = [t for t in ids if t < 0]
     if negative:
         raise InvalidRequestError("token_ids", negative[:5], "token ids must be >= 0")

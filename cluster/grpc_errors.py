@@ -26,6 +26,8 @@ from halfmoon.engine.worker_errors import WorkerCallError
 log = logging.getLogger(__name__)
 # Trailing metadata that marks a status as sent by a halfmoon server (not by the transport).
 ERROR_KEY = "halfmoon-error"
+# Status messages travel in a header; gRPC fails a call whose headers exceed 8 KiB.
+MAX_MESSAGE_CHARS = 1024
 STATUS_BY_ERROR: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
     (DuplicateRequestError, grpc.StatusCode.ALREADY_EXISTS),
@@ -47,7 +49,7 @@ def status_for(error: BaseException) -> tuple[grpc.StatusCode, str]:
         return code, _message(error, code)
     for error_type, code in STATUS_BY_ERROR:
         if isinstance(error, error_type):
-            return code, _message(error, code)
+            return code, bounded(_message(error, code))
     incident = uuid.uuid4().hex[:12]
     log.error("internal error (incident %s)", incident, exc_info=error)
     return grpc.StatusCode.INTERNAL, f"internal server error; see incident {incident} in its log"
@@ -79,6 +81,13 @@ class ServerError(HalfmoonError):
         metadata = error.trailing_metadata() or ()
         from_server = any(key == ERROR_KEY for key, _ in metadata)
         return cls(error.code().name, error.details() or "", from_server)
+
+
+def bounded(message: str, max_chars: int = MAX_MESSAGE_CHARS) -> str:
+    """`message` cut to `max_chars` characters, saying how much was left out."""
+    if len(message) <= max_chars:
+        return message
+    return f"{message[:max_chars]}... ({len(message) - max_chars} more characters)"
 
 
 def _message(error: BaseException, code: grpc.StatusCode) -> str:

@@ -16,8 +16,11 @@ from halfmoon.cluster.api import halfmoon_pb2 as pb
 from halfmoon.cluster.api import halfmoon_pb2_grpc as pb_grpc
 from halfmoon.cluster.auth import ApiKeyInterceptor
 from halfmoon.cluster.backend import Backend
+from halfmoon.cluster.drain import Drain
 from halfmoon.cluster.grpc_convert import delta_to_proto, input_from_proto, model_info_to_proto
 from halfmoon.cluster.grpc_errors import abort_with
+from halfmoon.cluster.grpc_wire import add_servicer
+from halfmoon.cluster.request_limits import RequestLimits, check_request_id
 from halfmoon.cluster.version import package_version
 from halfmoon.engine.errors import HalfmoonError, InvalidRequestError
 
@@ -25,7 +28,7 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Halfmoon"].full_name
 HEALTH_INTERVAL_S = 0.5  # how often the gRPC health status follows the backend's health()
 _FOLLOWERS: set[asyncio.Task] = set()
-MAX_MESSAGE_BYTES = 16 << 20  # room for a prompt of MAX_PROMPT_TOKEN_IDS token ids
+MAX_MESSAGE_BYTES = 16 << 20  # above every default of RequestLimits (request_limits.py)
 SERVER_OPTIONS = (
     ("grpc.so_reuseport", 0),  # a second server on a taken port must fail, not share it
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -48,14 +51,15 @@ def _mapped_errors(method):
 class HalfmoonServicer(pb_grpc.HalfmoonServicer):
     """Validates requests, streams the backend's deltas, maps errors to status codes."""
 
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Backend, limits: RequestLimits | None = None) -> None:
         self.backend = backend
+        self.limits = limits or RequestLimits()
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         try:
-            generate_input = input_from_proto(request)
+            generate_input = input_from_proto(request, self.limits)
         except InvalidRequestError as error:
             await abort_with(context, error)
         remaining_s = context.time_remaining()
@@ -79,6 +83,7 @@ class HalfmoonServicer(pb_grpc.HalfmoonServicer):
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         if not request.request_id:
             raise InvalidRequestError("request_id", "", "name the request to abort")
+        check_request_id(request.request_id, self.limits)
         return pb.AbortResponse(aborted=await self.backend.abort(request.request_id))
 
     @_mapped_errors
@@ -97,30 +102,47 @@ class HalfmoonServicer(pb_grpc.HalfmoonServicer):
 
     @_mapped_errors
     async def ExplainDecision(self, request: pb.ExplainRequest, context) -> pb.Explanation:
+        check_request_id(request.request_id, self.limits)
         text = await self.backend.explain(request.request_id)
         return pb.Explanation(request_id=request.request_id, text=text)
 
 
 async def start_grpc_server(
-    backend: Backend, host: str = "127.0.0.1", port: int = 50051, api_key: str | None = None
+    backend: Backend,
+    host: str = "127.0.0.1",
+    port: int = 50051,
+    limits: RequestLimits | None = None,
+    drain: Drain | None = None,
+    tls: tuple[bytes, bytes] | None = None,
+    api_key: str | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """Serve `backend` with health (following `backend.health()`) and reflection; returns the
     server and bound port.
 
-    `port=0` picks a free port. With `api_key`, calls other than health checks need it as
-    `authorization: Bearer` metadata. Stop with `await server.stop(grace_s)`.
+    `port=0` picks a free port; `tls` is (certificate chain, private key) in PEM. With `api_key`,
+    calls other than health checks need it as `authorization: Bearer` metadata. Stop with
+    `await drain.drain(timeout_s)` (health turns NOT_SERVING, new requests are refused, the
+    streams in flight finish), then `await server.stop(grace_s)`.
     """
     interceptors = [ApiKeyInterceptor(api_key)] if api_key else []
     server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
-    pb_grpc.add_HalfmoonServicer_to_server(HalfmoonServicer(backend), server)
+    add_servicer(HalfmoonServicer(backend, limits), server, drain or Drain())
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     await _report_health(backend, health_servicer)
+    if drain is not None:  # after this the servicer ignores the follower's updates
+        drain.on_drain(health_servicer.enter_graceful_shutdown)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
+    address = f"{host}:{port}"
     try:
-        bound_port = server.add_insecure_port(f"{host}:{port}")
+        if tls is None:
+            bound_port = server.add_insecure_port(address)
+        else:
+            certificate_chain, private_key = tls
+            credentials = grpc.ssl_server_credentials([(private_key, certificate_chain)])
+            bound_port = server.add_secure_port(address, credentials)
     except RuntimeError as error:
         raise HalfmoonError(
             f"cannot serve the gRPC API on {host}:{port} ({error}): "
@@ -132,7 +154,7 @@ async def start_grpc_server(
     )
     _FOLLOWERS.add(follower)  # the loop keeps only a weak reference to a task
     follower.add_done_callback(_FOLLOWERS.discard)
-    log.info("halfmoon gRPC API on %s:%d", host, bound_port)
+    log.info("halfmoon gRPC API on %s:%d%s", host, bound_port, " (TLS)" if tls else "")
     return server, bound_port
 
 

@@ -28,16 +28,23 @@ from halfmoon.cluster.backend import (
     TokenDelta,
     UnauthenticatedError,
 )
-from halfmoon.cluster.grpc_convert import MAX_REQUEST_ID_CHARS
+from halfmoon.cluster.drain import Drain
 from halfmoon.cluster.http_errors import error_body, http_error
 from halfmoon.cluster.openai_responses import CHAT, COMPLETION, ResponseShape
 from halfmoon.cluster.openai_schema import ChatCompletionRequest, CompletionRequest, OpenAIRequest
+from halfmoon.cluster.request_limits import (
+    RequestLimits,
+    check_prompt,
+    check_request_id,
+    check_stops,
+)
 from halfmoon.engine.errors import HalfmoonError, InvalidRequestError
 
 log = logging.getLogger(__name__)
 REQUEST_ID_HEADER = "X-Request-Id"
 CLIENT_GONE_STATUS = 499  # nginx's "client closed request"; nobody reads it
 END = object()
+BODY_OVERHEAD_BYTES = 1 << 20  # JSON fields around the prompt: sampling options, stops, ids
 
 
 class ClientGone(Exception):
@@ -48,15 +55,16 @@ class Relay:
     """Runs one request's backend stream in a task of its own, so a client that goes away
     cancels it exactly once and the backend's clean-up (abort on every worker) runs to the end."""
 
-    def __init__(self, backend: Backend, request: GenerateInput) -> None:
+    def __init__(self, backend: Backend, request: GenerateInput, drain: Drain) -> None:
         self.queue: asyncio.Queue = asyncio.Queue()
-        self.task = asyncio.create_task(self._pump(backend.generate(request)))
+        self.task = asyncio.create_task(self._pump(backend.generate(request), drain))
 
-    async def _pump(self, deltas: AsyncIterator[TokenDelta]) -> None:
+    async def _pump(self, deltas: AsyncIterator[TokenDelta], drain: Drain) -> None:
         try:
-            async with contextlib.aclosing(deltas):
-                async for delta in deltas:
-                    self.queue.put_nowait(delta)
+            with drain.track():  # a drain for shutdown waits for this stream
+                async with contextlib.aclosing(deltas):
+                    async for delta in deltas:
+                        self.queue.put_nowait(delta)
         except Exception as error:  # noqa: BLE001 - handed to the reader, who maps it
             self.queue.put_nowait(error)
         finally:
@@ -102,8 +110,12 @@ class OpenAIServer:
         model: ModelInfo,
         registry: CollectorRegistry | None = None,
         api_key: str | None = None,
+        limits: RequestLimits | None = None,
+        drain: Drain | None = None,
     ) -> None:
         self.backend = backend
+        self.limits = limits or RequestLimits()
+        self.drain = drain or Drain()
         self.tokenizer = tokenizer
         self.model = model
         self.registry = registry
@@ -132,6 +144,8 @@ class OpenAIServer:
 
     async def health(self) -> Response:
         ok, reason = await self.backend.health()
+        if self.drain.draining:
+            ok, reason = False, "shutting down"
         body = {"status": "ok" if ok else "unavailable", "reason": reason}
         return JSONResponse(body, status_code=200 if ok else 503)
 
@@ -145,7 +159,7 @@ class OpenAIServer:
         back in X-Request-Id."""
         request_id = uuid.uuid4().hex
         try:
-            request_id = _request_id(request) or request_id
+            request_id = _request_id(request, self.limits) or request_id
             self._authorize(request)
             response = await handler(request_id)
         except ClientGone:
@@ -172,11 +186,23 @@ class OpenAIServer:
 
     async def _generate(self, request: Request, request_id: str, kind: str) -> Response:
         schema = ChatCompletionRequest if kind == CHAT else CompletionRequest
-        body = _parse(schema, await request.body())
+        self.drain.check_open()
+        raw = await request.body()
+        if len(raw) > self.limits.max_prompt_bytes + BODY_OVERHEAD_BYTES:
+            raise InvalidRequestError(
+                "body",
+                f"<{len(raw)} bytes>",
+                f"at most {self.limits.max_prompt_bytes + BODY_OVERHEAD_BYTES} bytes allowed "
+                "(limits.max_prompt_bytes plus room for the other fields)",
+            )
+        body = _parse(schema, raw)
         self._check_model(body.model)
         generate_input = body.to_input(request_id, body.to_prompt(), self.model.max_model_len)
+        params = generate_input.params
+        check_prompt(generate_input.prompt, self.limits)
+        check_stops(params.stop, len(params.stop_token_ids), self.limits)
         shape = ResponseShape(kind, request_id, self.model.model, self.tokenizer)
-        relay = Relay(self.backend, generate_input)
+        relay = Relay(self.backend, generate_input, self.drain)
         if not body.stream:
             deltas = await _unless_client_gone(request, relay, relay.collect())
             return JSONResponse(shape.response(deltas))
@@ -238,15 +264,14 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def _request_id(request: Request) -> str | None:
+def _request_id(request: Request, limits: RequestLimits) -> str | None:
     request_id = request.headers.get(REQUEST_ID_HEADER)
     if request_id is None:
         return None
-    if not 1 <= len(request_id) <= MAX_REQUEST_ID_CHARS or not request_id.isprintable():
+    check_request_id(request_id, limits, REQUEST_ID_HEADER)
+    if not request_id or not request_id.isprintable():
         raise InvalidRequestError(
-            REQUEST_ID_HEADER,
-            request_id[:32],
-            f"must be 1 to {MAX_REQUEST_ID_CHARS} printable characters",
+            REQUEST_ID_HEADER, request_id[:32], "must be printable characters, at least one"
         )
     return request_id
 

@@ -7,6 +7,7 @@ import dataclasses
 import itertools
 import logging
 import os
+import secrets
 import shutil
 import subprocess
 import uuid
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 
 import ray
 import torch
+from pydantic import SecretStr
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from halfmoon.cluster.config import ClusterConfig, PoolConfig
@@ -31,6 +33,8 @@ from halfmoon.prefill_worker.worker import PrefillWorker
 from halfmoon.router.profile import Profile, load_profile
 
 log = logging.getLogger(__name__)
+REDIS_PASSWORD_ENV = "HALFMOON_REDIS_PASSWORD"
+REDIS_HMAC_KEY_ENV = "HALFMOON_REDIS_HMAC_KEY"
 WORKER_CLASSES = {"prefill": PrefillWorker, "decode": DecodeWorker}
 
 
@@ -164,7 +168,9 @@ class Cluster:
         """Stop serving and release every actor and process this cluster started."""
         if self.router is not None:
             try:
-                ray.get(self.router.stop.remote(), timeout=10)
+                drain_s = self.config.server.drain_timeout_s
+                in_flight, cut = ray.get(self.router.stop.remote(), timeout=drain_s + 20)
+                log.info("drained %d requests in flight (%d cut at the timeout)", in_flight, cut)
             except Exception:  # noqa: BLE001 - shutting down regardless
                 log.warning("router did not stop cleanly")
             ray.kill(self.router, no_restart=True)
@@ -183,14 +189,23 @@ class Cluster:
             ray.shutdown()
 
     def _init_ray(self) -> None:
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         if ray.is_initialized():
             return
+        # None starts a Ray here ("local"), never joins one found on the machine.
+        address = self.config.ray.address or os.environ.get("RAY_ADDRESS") or "local"
+        local = address == "local"
+        if local and self.config.ray.auth_mode == "disabled":
+            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        # Otherwise Ray's own default for a Ray it starts: token auth, with the token it makes
+        # in ~/.ray/auth_token ($RAY_AUTH_MODE and $RAY_AUTH_TOKEN win). Setting RAY_AUTH_MODE
+        # here would not do: Ray has read it at import.
         ray.init(
-            address=self.config.ray.address,
+            address=address,
             namespace=self.config.ray.namespace,
             include_dashboard=False,
             log_to_driver=False,
+            # One node: its address is loopback, where Ray binds what it can.
+            _node_ip_address="127.0.0.1" if local else None,
         )
         self.owns_ray = True
 
@@ -218,12 +233,18 @@ class Cluster:
 
     def _store_config(self) -> StoreConfig:
         store = self.config.store
-        url = store.redis_url
+        url, password = store.redis_url, secret(store.redis_password, REDIS_PASSWORD_ENV)
         if url is None and store.use_local_redis and shutil.which("redis-server"):
-            url = self._start_local_redis()
+            password = secrets.token_urlsafe(32)
+            self.redis, url = start_redis_server(password=password)
+        hmac_key = secret(store.redis_hmac_key, REDIS_HMAC_KEY_ENV) or secrets.token_urlsafe(32)
         return StoreConfig(
             host_capacity_bytes=store.host_capacity_bytes,
             redis_url=url,
+            redis_password=password,
+            redis_hmac_key=hmac_key,
+            redis_max_connections=store.redis_max_connections,
+            redis_pool_timeout_s=store.redis_pool_timeout_s,
             redis_ttl_s=store.redis_ttl_s,
             lease_ttl_s=store.lease_ttl_s,
             get_timeout_s=store.get_timeout_s,
@@ -238,10 +259,6 @@ class Cluster:
             return self.store_config
         capacity = int(fraction * memory)
         return self.store_config.model_copy(update={"host_capacity_bytes": capacity})
-
-    def _start_local_redis(self) -> str:
-        self.redis, url = start_redis_server()
-        return url
 
     def _spawn(self, kind: str) -> WorkerHandle:
         pool = self.pools[kind]
@@ -266,3 +283,10 @@ class Cluster:
         self.ensure_stores()
         store_name = ray.get(worker.actor.store_name.remote()) if worker.kind == "prefill" else None
         ray.get(self.router.add_worker.remote(worker.name, worker.kind, worker.actor, store_name))
+
+
+def secret(configured: SecretStr | None, env: str) -> str | None:
+    """A secret from the config, else from the environment variable `env`, else None."""
+    if configured is not None:
+        return configured.get_secret_value()
+    return os.environ.get(env) or None

@@ -244,6 +244,8 @@ TIER_COUNTERS = (
     ("misses", "misses", "Block reads the tier could not serve"),
     ("evictions", "evictions", "Blocks evicted from the tier (least recently used first)"),
     ("corrupt", "corrupt_blocks", "Blocks dropped because their checksum did not match"),
+    ("forged", "forged_blocks", "Redis records dropped because their HMAC did not match"),
+    ("pool_timeouts", "pool_timeouts", "Redis calls that waited too long for a pooled connection"),
     ("errors", "errors", "Failed operations on the tier (e.g. Redis unreachable)"),
     ("bytes_written", "written_bytes", "Bytes written into the tier"),
     ("bytes_read", "read_bytes", "Bytes read from the tier"),

@@ -129,6 +129,7 @@ class OpenAIRequest(BaseModel):
             params=self._sampling_params(max_model_len),
             ttft_slo_s=_slo("ttft_slo_s", self.ttft_slo_s),
             tbt_slo_s=_slo("tbt_slo_s", self.tbt_slo_s),
+            to_context_end=self.wanted_max_tokens() is None,
         )
 
     def _sampling_params(self, max_model_len: int) -> SamplingParams:

@@ -44,8 +44,9 @@ class RouterActor:
         self.metrics = Metrics()
         conductor = Conductor(router_config(config, info.block_size), profile)
         tokenizer = load_tokenizer(Path(info.model))
+        bound = None if config.router.admission == "none" else config.router.max_queued_per_worker
         self.backend = ClusterBackend(
-            tokenizer, info, conductor, config.mode, self._observe, served_name(config),
+            tokenizer, info, conductor, config.mode, self._observe, served_name(config), bound,
             pool_wait_s=config.router.pool_wait_s,
         )  # fmt: skip
         self.loads: dict[str, WorkerLoad] = {}
@@ -53,6 +54,7 @@ class RouterActor:
         self.steps_observed: deque[StepTiming] = deque(maxlen=OBSERVED_STEPS)
         self.grpc_server = None
         self.http_server = None
+        self.drain = None
         self.metrics_server = None
         self.targets = MetricsTargets(config.server.metrics_targets_file)
         self._poller: asyncio.Task | None = None
@@ -60,13 +62,24 @@ class RouterActor:
     async def start(self) -> dict:
         """Start the gRPC API, the OpenAI HTTP API and /metrics; returns the bound ports
         (`http_port` None when the HTTP API is off)."""
+        from halfmoon.cluster.drain import Drain
         from halfmoon.cluster.grpc_server import start_grpc_server
         from halfmoon.cluster.metrics import start_metrics_server
 
         server = self.config.server
         api_key = server.api_key.get_secret_value() if server.api_key else None
+        self.drain = Drain()
+        tls = None
+        if server.tls_cert is not None:
+            tls = (Path(server.tls_cert).read_bytes(), Path(server.tls_key).read_bytes())
         self.grpc_server, grpc_port = await start_grpc_server(
-            self.backend, server.host, server.grpc_port, api_key
+            self.backend,
+            server.host,
+            server.grpc_port,
+            self.config.limits,
+            self.drain,
+            tls,
+            api_key,
         )
         self.metrics_server, metrics_port = start_metrics_server(
             self.metrics, server.host, server.metrics_port
@@ -82,7 +95,13 @@ class RouterActor:
 
         model = await self.backend.model_info()
         api = OpenAIServer(
-            self.backend, self.backend.tokenizer, model, self.metrics.registry, api_key
+            self.backend,
+            self.backend.tokenizer,
+            model,
+            self.metrics.registry,
+            api_key,
+            self.config.limits,
+            self.drain,
         )
         self.http_server, bound_port = await start_http_server(api.app, host, port)
         return bound_port
@@ -136,7 +155,13 @@ class RouterActor:
     async def explain(self, request_id: str) -> str:
         return self.backend.conductor.explain(request_id)
 
-    async def stop(self) -> None:
+    async def stop(self) -> tuple[int, int]:
+        """Drain (up to server.drain_timeout_s), then stop; returns the requests in flight
+        when draining began and those the drain timeout cut."""
+        in_flight = cut = 0
+        if self.drain is not None:
+            in_flight = self.drain.active
+            cut = await self.drain.drain(self.config.server.drain_timeout_s)
         if self._poller is not None:
             self._poller.cancel()
         if self.http_server is not None:
@@ -146,6 +171,7 @@ class RouterActor:
         await self.backend.wait_released(RELEASE_AT_STOP_S)  # cut streams give back their pages
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
+        return in_flight, cut
 
     async def pool_signals(self) -> dict[str, dict[str, float]]:
         """Per pool, the autoscaling signals (per replica) and the recent traffic."""

@@ -44,6 +44,11 @@ def serve(config: ClusterConfig) -> int:
         print("  Ctrl-C stops it.", flush=True)
         Controller(cluster).run(stop)
     finally:
-        print("halfmoon: shutting down", file=sys.stderr, flush=True)
+        drain_s = config.server.drain_timeout_s
+        print(
+            f"halfmoon: shutting down (in-flight requests get up to {drain_s:g} s)",
+            file=sys.stderr,
+            flush=True,
+        )
         cluster.stop()
     return 0

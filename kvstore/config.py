@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 
 class StoreConfig(BaseModel):
@@ -17,6 +17,11 @@ class StoreConfig(BaseModel):
     pending_ttl_s: float = Field(60.0, gt=0)
     get_timeout_s: float = Field(30.0, gt=0)
     redis_url: str | None = None
+    redis_password: SecretStr | None = None
+    # Every Redis record carries an HMAC-SHA256 under this key; None: a random key per tier.
+    redis_hmac_key: SecretStr | None = None
+    redis_max_connections: int = Field(64, ge=1)
+    redis_pool_timeout_s: float = Field(5.0, gt=0)
     redis_ttl_s: int = Field(3600, gt=0)
     redis_prefix: str = "hm:kv:"
     redis_timeout_s: float = Field(1.0, gt=0)

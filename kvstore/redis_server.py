@@ -8,6 +8,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from pathlib import Path
 
 
 class RedisServerError(RuntimeError):
@@ -22,17 +23,21 @@ def free_port() -> int:
 
 
 def start_redis_server(
-    port: int | None = None, workdir: str | None = None, maxmemory: str = "256mb"
+    port: int | None = None,
+    workdir: str | None = None,
+    maxmemory: str = "256mb",
+    password: str | None = None,
 ) -> tuple[subprocess.Popen, str]:
     """Start redis-server (LRU eviction, no persistence) and wait until it accepts; returns
-    the process and its URL. Stop it with `process.terminate()`."""
+    the process and its URL (without the password). Stop it with `process.terminate()`."""
     binary = shutil.which("redis-server")
     if binary is None:
         raise RedisServerError("redis-server is not on PATH; `make test` / `make serve` install it")
     port = port or free_port()
+    workdir = workdir or tempfile.mkdtemp(prefix="halfmoon-redis-")
     process = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", workdir or tempfile.mkdtemp(prefix="halfmoon-redis-"),
+        [binary, _config_file(workdir, password), "--port", str(port), "--bind", "127.0.0.1",
+         "--save", "", "--appendonly", "no", "--dir", workdir,
          "--maxmemory", maxmemory, "--maxmemory-policy", "allkeys-lru"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
@@ -45,3 +50,12 @@ def start_redis_server(
             time.sleep(0.05)
     process.terminate()
     raise RedisServerError(f"redis-server did not start on port {port}")
+
+
+def _config_file(workdir: str, password: str | None) -> str:
+    """A config file readable by this user only, so the password is not on the command line."""
+    path = Path(workdir) / "redis.conf"
+    path.touch(mode=0o600)
+    path.chmod(0o600)
+    path.write_text(f'requirepass "{password}"\n' if password else "")
+    return str(path)

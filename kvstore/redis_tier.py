@@ -1,8 +1,18 @@
-"""Redis tier: cluster-wide block records with TTL; failures become misses, never exceptions."""
+"""Redis tier: cluster-wide block records with TTL; failures become misses, never exceptions.
+
+Each value is a codec record followed by an HMAC-SHA256 tag over the Redis key and the record,
+so a record written by anyone without the cluster's key (a forged one, however well formed)
+is rejected. Connections come from a bounded pool a call waits on, so load never opens
+more than `max_connections` per tier nor counts as an outage.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
+import hmac
 import logging
+import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -17,6 +27,7 @@ from halfmoon.kvstore.layout import KvLayout, LayerKV, tensor_bytes
 from halfmoon.kvstore.stats import TierStats
 
 log = logging.getLogger(__name__)
+TAG_BYTES = hashlib.sha256().digest_size
 
 
 @dataclass(slots=True)
@@ -40,7 +51,12 @@ class RedisTier:
         timeout_s: float = 1.0,
         retry_interval_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
+        hmac_key: bytes | None = None,
+        password: str | None = None,
+        max_connections: int = 64,
+        pool_timeout_s: float = 5.0,
     ) -> None:
+        """`hmac_key` None: a random key, so only this tier can read what it writes."""
         self.layout = layout
         self.ttl_s = ttl_s
         self.prefix = prefix.encode()
@@ -49,9 +65,17 @@ class RedisTier:
         self._clock = clock
         self._down_since: float | None = None
         self._retry_at = 0.0
-        self._client = aioredis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, decode_responses=False
+        self._hmac_key = hmac_key or secrets.token_bytes(32)
+        self._forgery_logged = False
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url,
+            max_connections=max_connections,
+            timeout=pool_timeout_s,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            **({"password": password} if password else {}),
         )
+        self._client = aioredis.Redis(connection_pool=pool, decode_responses=False)
 
     @property
     def available(self) -> bool:
@@ -77,7 +101,8 @@ class RedisTier:
                 [key], layer, self.layout.dtype, self.layout.page_shape,
                 [k_bytes[rows], v_bytes[rows]],
             )  # fmt: skip
-            records.append((self.record_key(key, layer), value))
+            name = self.record_key(key, layer)
+            records.append((name, self.seal(name, value)))
         return await self.put_records(records)
 
     def encode_block(self, key: bytes, data: torch.Tensor) -> list[tuple[bytes, bytes]]:
@@ -91,11 +116,16 @@ class RedisTier:
                 [key], layer, self.layout.dtype, self.layout.page_shape,
                 [flat[base : base + page], flat[base + page : base + 2 * page]],
             )  # fmt: skip
-            records.append((self.record_key(key, layer), value))
+            name = self.record_key(key, layer)
+            records.append((name, self.seal(name, value)))
         return records
 
+    def seal(self, name: bytes, record: bytes) -> bytes:
+        """`record` as stored under Redis key `name`: followed by its HMAC tag."""
+        return record + self._tag(name, record)
+
     async def put_records(self, records: Sequence[tuple[bytes, bytes]]) -> bool:
-        """SET every (redis key, value) with the TTL in one pipeline; False on failure."""
+        """SET every (redis key, sealed value) with the TTL in one pipeline; False on failure."""
         if not records or not self._may_try():
             return False
         try:
@@ -104,7 +134,7 @@ class RedisTier:
                     pipe.set(name, value, ex=self.ttl_s)
                 await pipe.execute()
         except (RedisError, OSError) as exc:
-            self._mark_down(exc)
+            self._failed(exc)
             return False
         self._mark_up()
         self.stats.bytes_written += sum(len(value) for _, value in records)
@@ -123,13 +153,13 @@ class RedisTier:
                     pipe.get(name)
                 values = await pipe.execute()
         except (RedisError, OSError) as exc:
-            self._mark_down(exc)
+            self._failed(exc)
             self.stats.misses += len(keys)
             return hits
         self._mark_up()
         records = []
         for i, value in enumerate(values):
-            record = self._validate(value, keys[i], layer) if value is not None else None
+            record = self._validate(value, names[i], keys[i], layer) if value is not None else None
             if record is not None:
                 hits.indices.append(i)
                 records.append(record)
@@ -154,7 +184,7 @@ class RedisTier:
                     pipe.exists(self.record_key(key, layer))
                 found = await pipe.execute()
         except (RedisError, OSError) as exc:
-            self._mark_down(exc)
+            self._failed(exc)
             return [False] * len(keys)
         self._mark_up()
         return [bool(count) for count in found]
@@ -162,9 +192,33 @@ class RedisTier:
     async def close(self) -> None:
         await self._client.aclose()
 
-    def _validate(self, value: bytes, key: bytes, layer: int) -> RecordView | None:
+    def _tag(self, name: bytes, record: bytes | memoryview) -> bytes:
+        mac = hmac.new(self._hmac_key, name, hashlib.sha256)
+        mac.update(record)
+        return mac.digest()
+
+    def _authentic(self, name: bytes, value: bytes) -> memoryview | None:
+        """The record in `value` if its tag is right, else None (counted, logged once)."""
+        view = memoryview(value)
+        record, tag = view[:-TAG_BYTES], view[-TAG_BYTES:]
+        if len(value) > TAG_BYTES and hmac.compare_digest(self._tag(name, record), tag):
+            return record
+        self.stats.forged += 1
+        self.stats.corrupt += 1
+        if not self._forgery_logged:
+            self._forgery_logged = True
+            log.warning(
+                "rejecting a Redis record whose HMAC does not match (forged, or written by a "
+                "cluster with another store.redis_hmac_key); further ones are only counted"
+            )
+        return None
+
+    def _validate(self, value: bytes, name: bytes, key: bytes, layer: int) -> RecordView | None:
+        record = self._authentic(name, value)
+        if record is None:
+            return None
         try:
-            record = decode_layer(value)
+            record = decode_layer(record)
             if record.keys != [key] or record.layer != layer:
                 raise CorruptRecord(f"record holds {record.keys} layer {record.layer}")
             if record.dtype != self.layout.dtype or record.page_shape != self.layout.page_shape:
@@ -181,7 +235,15 @@ class RedisTier:
         try:
             await self._client.delete(*names)
         except (RedisError, OSError) as exc:
-            self._mark_down(exc)
+            self._failed(exc)
+
+    def _failed(self, exc: BaseException) -> None:
+        """A call failed: waiting too long for a pooled connection is load, anything else
+        an outage."""
+        if isinstance(exc.__cause__, asyncio.TimeoutError) and "No connection" in str(exc):
+            self.stats.pool_timeouts += 1
+            return
+        self._mark_down(exc)
 
     def _may_try(self) -> bool:
         """While down, try again only every `retry_interval_s` so calls do not stall on connects."""

@@ -17,6 +17,8 @@ class TierStats:
     misses: int = 0
     evictions: int = 0
     corrupt: int = 0
+    forged: int = 0  # Redis records whose HMAC did not match (also in `corrupt`)
+    pool_timeouts: int = 0  # Redis calls that found no free pooled connection in time
     errors: int = 0
     bytes_written: int = 0
     bytes_read: int = 0

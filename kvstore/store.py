@@ -54,9 +54,13 @@ class KvStore:
         self.instance = instance
         self.redis = None
         if config.redis_url:
+            key, password = config.redis_hmac_key, config.redis_password
             self.redis = RedisTier(
                 config.redis_url, layout, config.redis_ttl_s, config.redis_prefix,
                 config.redis_timeout_s, config.redis_retry_interval_s, clock,
+                key.get_secret_value().encode() if key else None,
+                password.get_secret_value() if password else None,
+                config.redis_max_connections, config.redis_pool_timeout_s,
             )  # fmt: skip
         self.host = HostTier(
             layout, config.host_capacity_bytes, config.high_watermark, config.low_watermark,

@@ -19,6 +19,11 @@ from halfmoon.engine.async_engine import AsyncEngine
 class RunningServer:
     address: str
     engine: AsyncEngine
+    loop: asyncio.AbstractEventLoop
+
+    def run(self, coroutine):
+        """Run `coroutine` on the server's event loop; returns its result."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
 
     def num_used_pages(self) -> int:
         return self.engine.call(lambda engine: engine.pool.num_used_pages)
@@ -45,16 +50,17 @@ def wait_for(condition: Callable[[], bool], timeout_s: float) -> bool:
 
 
 @contextmanager
-def serve_model(model_dir, num_pages: int = 128) -> Iterator[RunningServer]:
-    """Serve the checkpoint in `model_dir` on a free loopback port until the block exits."""
+def serve_model(model_dir, num_pages: int = 128, **options) -> Iterator[RunningServer]:
+    """Serve the checkpoint in `model_dir` on a free loopback port until the block exits;
+    `options` go to `start_grpc_server` (limits, drain, tls)."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="grpc-server", daemon=True)
     thread.start()
     engine = AsyncEngine(LLMEngine(EngineConfig(model=str(model_dir), num_pages=num_pages)))
-    start = start_grpc_server(LocalBackend(engine), port=0)
+    start = start_grpc_server(LocalBackend(engine), port=0, **options)
     server, port = asyncio.run_coroutine_threadsafe(start, loop).result()
     try:
-        yield RunningServer(f"127.0.0.1:{port}", engine)
+        yield RunningServer(f"127.0.0.1:{port}", engine, loop)
     finally:
         asyncio.run_coroutine_threadsafe(server.stop(None), loop).result()
         loop.call_soon_threadsafe(loop.stop)

@@ -14,9 +14,32 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
-def _ray_pids() -> set[int]:
-    out = subprocess.run(["pgrep", "-f", "raylet|gcs_server|ray::"], capture_output=True, text=True)
-    return {int(pid) for pid in out.stdout.split()}
+def _descendants(parent: int) -> list[int]:
+    """Every process `parent` started, and theirs (Ray's GCS, raylet and workers, Redis)."""
+    found, todo = [], [parent]
+    while todo:
+        out = subprocess.run(["pgrep", "-P", str(todo.pop())], capture_output=True, text=True)
+        children = [int(pid) for pid in out.stdout.split()]
+        found += children
+        todo += children
+    return found
+
+
+def _name(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as comm:
+            return comm.read().strip()
+    except FileNotFoundError:
+        return ""
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie waiting to be reaped by init counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def _wait_for_line(process: subprocess.Popen, needle: str, timeout_s: float = 120) -> str:
@@ -34,7 +57,6 @@ def _wait_for_line(process: subprocess.Popen, needle: str, timeout_s: float = 12
 def test_serve_generate_and_shutdown_leave_no_ray_processes(tiny_model_dir, tmp_path, signum):
     from halfmoon.kvstore.redis_server import free_port
 
-    before = _ray_pids()
     port, metrics_port, http_port = free_port(), free_port(), free_port()
     env = {**os.environ, "RAY_ADDRESS": "local", "HALFMOON_CACHE": str(tmp_path)}
     serve = subprocess.Popen(
@@ -44,6 +66,9 @@ def test_serve_generate_and_shutdown_leave_no_ray_processes(tiny_model_dir, tmp_
     )  # fmt: skip
     try:
         _wait_for_line(serve, "gRPC")
+        # This server's own processes (the machine may run other Ray clusters meanwhile).
+        started = _descendants(serve.pid)
+        assert {"gcs_server", "raylet"} <= {_name(pid) for pid in started}
         out = subprocess.run(
             [sys.executable, "-m", "halfmoon.cluster.cli", "generate", "--server",
              f"127.0.0.1:{port}", "--max-tokens", "5", "--json", "Hello"],
@@ -75,9 +100,9 @@ def test_serve_generate_and_shutdown_leave_no_ray_processes(tiny_model_dir, tmp_
         serve.wait(timeout=120)
     assert serve.returncode == 0
     deadline = time.monotonic() + 30
-    while _ray_pids() - before and time.monotonic() < deadline:
+    while any(map(_alive, started)) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert _ray_pids() - before == set()
+    assert [_name(pid) for pid in started if _alive(pid)] == []
 
 
 def _stream_chat_and_completion_with_openai(base_url: str) -> None:

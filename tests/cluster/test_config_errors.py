@@ -97,3 +97,29 @@ def test_every_bad_field_gets_its_own_line():
     lines = message.splitlines()
     assert lines[0] == "config is invalid:"
     assert [line.split(" ")[2] for line in lines[1:]] == ["mode", "slo.tbt_s", "health.interval_s"]
+
+
+def test_a_short_redis_hmac_key_is_refused_without_echoing_it():
+    message = error_of({"store": {"redis_hmac_key": "tiny-secret"}})
+    assert "store.redis_hmac_key: must be at least 16 characters" in message
+    assert "tiny-secret" not in message
+
+
+def test_secrets_do_not_show_in_the_config_repr():
+    config = validate_config({"store": {"redis_password": "pw-123", "redis_hmac_key": "k" * 32}})
+    assert "pw-123" not in repr(config) and "k" * 32 not in repr(config)
+
+
+def test_tls_needs_both_files(tmp_path):
+    cert = tmp_path / "cert.pem"
+    cert.write_text("x")
+    assert "server.tls_key: give tls_cert and tls_key together" in error_of(
+        {"server": {"tls_cert": str(cert)}}
+    )
+    missing = error_of({"server": {"tls_cert": str(cert), "tls_key": str(tmp_path / "no.pem")}})
+    assert "server.tls_key: " in missing and "no.pem is not a file" in missing
+
+
+def test_queue_bound_admission_is_the_default_and_needs_no_slo():
+    config = validate_config({})
+    assert (config.router.admission, config.router.max_queued_per_worker) == ("queue_bound", 64)

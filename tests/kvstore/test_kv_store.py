@@ -128,3 +128,31 @@ async def test_redis_killed_and_restarted_costs_hits_never_requests(
     assert_same(await kv_store.get_layer(keys[2:3], 0, timeout_s=0), random_kv(1, 5))
     assert kv_store.stats().redis_available
     await kv_store.close()
+
+
+async def test_store_nodes_sharing_a_mac_key_and_password_read_each_others_blocks(
+    redis_url: str,
+) -> None:
+    import redis
+
+    admin = redis.Redis.from_url(redis_url)
+    admin.config_set("requirepass", "store-pw")
+    try:
+        secrets = {"redis_password": "store-pw", "redis_hmac_key": "shared-cluster-key-01"}
+        writer, reader = store(2, redis_url, **secrets), store(2, redis_url, **secrets)
+        stranger = store(2, redis_url, redis_password="store-pw")  # its own random MAC key
+        old = make_keys(2)
+        await put_all_layers(writer, old, seed=3)
+        await put_all_layers(writer, make_keys(2))
+        await writer.flush()
+        assert writer.stats().demotions == 2
+        assert_same(await reader.get_layer(old, 0, timeout_s=0), random_kv(2, 3))
+        assert reader.stats().redis.hits == 2 and reader.stats().redis.forged == 0
+        with pytest.raises(LayerTimeout):
+            await stranger.get_layer(old, 1, timeout_s=0)
+        assert stranger.stats().redis.forged == 2
+        for kv_store in (writer, reader, stranger):
+            await kv_store.close()
+    finally:
+        admin.execute_command("AUTH", "store-pw")
+        admin.config_set("requirepass", "")
