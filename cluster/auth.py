@@ -10,6 +10,7 @@ import grpc
 from halfmoon.cluster.grpc_errors import ERROR_KEY
 
 AUTH_METADATA = "authorization"
+API_KEY_ENV = "HALFMOON_API_KEY"  # where clients and `serve` read the key when no flag gives it
 # Health probes (load balancers, Kubernetes) carry no key.
 OPEN_GRPC_PREFIXES = ("/grpc.health.v1.Health/",)
 UNAUTHENTICATED_MESSAGE = (

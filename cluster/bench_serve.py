@@ -13,6 +13,7 @@ import time
 
 from tqdm import tqdm
 
+from halfmoon.cluster.auth import API_KEY_ENV
 from halfmoon.cluster.bench_metrics import (
     RequestResult,
     format_summary,
@@ -93,8 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     where.add_argument(
         "--api-key",
-        default=os.environ.get("OPENAI_API_KEY"),
-        help="Bearer key for HTTP servers (default: $OPENAI_API_KEY)",
+        default=os.environ.get(API_KEY_ENV) or os.environ.get("OPENAI_API_KEY"),
+        help=f"the server's API key, sent as a Bearer token on HTTP and gRPC (default: "
+        f"${API_KEY_ENV}, else $OPENAI_API_KEY)",
     )
     where.add_argument(
         "--compare",

@@ -24,16 +24,17 @@ class TargetUnreachableError(ConnectionError):
 class GrpcTarget:
     """halfmoon's `Generate` stream; prompts go as token ids."""
 
-    def __init__(self, address: str, timeout_s: float) -> None:
+    def __init__(self, address: str, timeout_s: float, api_key: str | None = None) -> None:
         self.label = f"grpc://{address}"
         self.address = address
         self.timeout_s = timeout_s
+        self.api_key = api_key
         self.server: dict = {}
         self._client: AsyncClient | None = None
 
     async def open(self, vocabulary_max_id: int) -> None:
         """Connect and check that the model takes the workload's token ids."""
-        self._client = AsyncClient(self.address)
+        self._client = AsyncClient(self.address, api_key=self.api_key)
         try:
             info = await self._client.model_info(timeout=CONNECT_TIMEOUT_S)
         except ServerError as error:
@@ -116,7 +117,8 @@ class OpenAITarget:
             ) from None
         if response.status_code == 401:
             raise TargetUnreachableError(
-                f"{self.label} refused the API key (HTTP 401); pass --api-key or set OPENAI_API_KEY"
+                f"{self.label} refused the API key (HTTP 401); pass --api-key or set "
+                "HALFMOON_API_KEY"
             )
         if response.status_code != 200:
             raise TargetUnreachableError(
@@ -246,4 +248,4 @@ def make_target(spec: str, args, tokenizer):
             timeout_s=args.request_timeout,
             endpoint=args.endpoint,
         )
-    return GrpcTarget(spec.removeprefix("grpc://"), args.request_timeout)
+    return GrpcTarget(spec.removeprefix("grpc://"), args.request_timeout, args.api_key)

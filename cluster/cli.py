@@ -9,9 +9,8 @@ import os
 import re
 import sys
 
+from halfmoon.cluster.auth import API_KEY_ENV
 from halfmoon.cluster.version import package_version
-
-API_KEY_ENV = "HALFMOON_API_KEY"
 
 BENCHMARKS = {
     "engine": "halfmoon.engine.bench",

@@ -1,20 +1,16 @@
 """`halfmoon bench serve`: exact metrics on fixed timings, workloads, arrivals, and real runs
-over gRPC (a live cluster, and --compare against a second server) and over HTTP."""
+over gRPC (a live cluster, and --compare against a second server) and over HTTP (halfmoon's
+OpenAI frontend, with its API key)."""
 
 from __future__ import annotations
 
 import json
 import statistics
-import threading
 
 import pytest
-import uvicorn
 from cluster_kit import running_cluster
-from grpc_testkit import serve_model, wait_for
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
-from starlette.routing import Route
+from grpc_testkit import serve_model
+from http_testkit import serve_openai
 
 from halfmoon.cluster.bench_metrics import RequestResult, parse_goodput, summarize
 from halfmoon.cluster.bench_workload import (
@@ -158,60 +154,9 @@ def test_text_prompts_keep_their_length_under_the_byte_tokenizer():
     assert tokenizer.encode(tokenizer.decode(prompt)) == prompt
 
 
-# --- HTTP: a stand-in for the OpenAI-compatible frontend that another branch is building. ---
+# --- HTTP and gRPC against halfmoon's own OpenAI frontend and gRPC API (one engine). ---
 
-
-def openai_stand_in() -> tuple[Starlette, list[dict]]:
-    """A tiny server speaking the OpenAI streaming wire protocol: one `text` (or chat `delta`)
-    chunk per token, a usage chunk when asked, `data: [DONE]`; every 3rd request gets 429."""
-    bodies: list[dict] = []
-
-    async def models(request: Request) -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [{"id": "tiny", "object": "model"}]})
-
-    async def complete(request: Request):
-        body = await request.json()
-        bodies.append(body)
-        if len(bodies) % 3 == 0:
-            error = {"message": "too busy", "type": "rate_limit", "code": 429}
-            return JSONResponse({"error": error}, status_code=429)
-        chat = "messages" in body
-        prompt = body["messages"][0]["content"] if chat else body["prompt"]
-        num_tokens = body["max_completion_tokens"] if chat else body["max_tokens"]
-
-        def chunk(text: str) -> dict:
-            if chat:
-                return {"choices": [{"index": 0, "delta": {"content": text}}]}
-            return {"choices": [{"index": 0, "text": text}]}
-
-        async def events():
-            for _ in range(num_tokens):
-                yield f"data: {json.dumps(chunk('x'))}\n\n"
-            usage = {"prompt_tokens": len(prompt), "completion_tokens": num_tokens}
-            yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
-            yield "data: [DONE]\n\n"
-
-        return StreamingResponse(events(), media_type="text/event-stream")
-
-    routes = [
-        Route("/v1/models", models),
-        Route("/v1/completions", complete, methods=["POST"]),
-        Route("/v1/chat/completions", complete, methods=["POST"]),
-    ]
-    return Starlette(routes=routes), bodies
-
-
-@pytest.fixture
-def http_server():
-    app, bodies = openai_stand_in()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    assert wait_for(lambda: server.started, 30.0)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    yield f"http://127.0.0.1:{port}", bodies
-    server.should_exit = True
-    thread.join(timeout=10)
+KEY = "bench-serve-key"
 
 
 def bench_json(capsys, *argv: str) -> dict:
@@ -219,24 +164,49 @@ def bench_json(capsys, *argv: str) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
-@pytest.mark.timeout(60)
+@pytest.fixture(scope="module")
+def keyed_api(tiny_model_dir):
+    with serve_openai(tiny_model_dir, api_key=KEY) as api:
+        yield api
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("backend", ["openai", "openai-chat"])
-def test_http_openai_stream_is_measured_and_rejections_counted(http_server, capsys, backend):
-    url, bodies = http_server
-    shape = ["--random-input-len", "12", "--random-output-len", "5", "--max-concurrency", "1"]
+def test_http_openai_stream_is_measured_with_the_api_key(keyed_api, capsys, backend):
+    shape = ["--random-input-len", "12", "--random-output-len", "5", "--max-concurrency", "2"]
+    base = keyed_api.base_url.removesuffix("/v1")
     report = bench_json(
-        capsys, "--backend", backend, "--base-url", url, "--num-prompts", "6", *shape
-    )
-    assert (report["completed"], report["failed"]) == (4, 2)
-    assert report["errors"] == {"HTTP_429": 2}
-    assert report["error_messages"] == {"HTTP_429": "too busy"}
-    assert (report["total_input_tokens"], report["total_output_tokens"]) == (48, 20)
+        capsys, "--backend", backend, "--base-url", base, "--api-key", KEY,
+        "--num-prompts", "6", *shape,
+    )  # fmt: skip
+    assert (report["completed"], report["failed"], report["errors"]) == (6, 0, {})
+    # The server's usage counts the prompt: chat adds the template's tokens around the 12.
+    prompt_tokens = 12 if backend == "openai" else 15
+    assert report["total_input_tokens"] == 6 * prompt_tokens
+    assert report["total_output_tokens"] == 30
     assert report["mean_ttft_ms"] > 0 and report["mean_itl_ms"] > 0
-    assert all(b["stream"] and b["stream_options"] == {"include_usage": True} for b in bodies)
-    assert {b["model"] for b in bodies} == {"tiny"}
-    assert report["server"] == {"model": "tiny"}
-    if backend == "openai":  # token ids; chat sends their text, which keeps the 12 tokens
-        assert all(len(b["prompt"]) == 12 and b["max_tokens"] == 5 for b in bodies)
+    assert report["server"] == {"model": keyed_api.model}
+
+
+@pytest.mark.timeout(120)
+def test_a_wrong_api_key_stops_the_run_with_a_clear_error(keyed_api, capsys):
+    base = keyed_api.base_url.removesuffix("/v1")
+    argv = ["bench", "serve", "--backend", "openai", "--base-url", base, "--num-prompts", "2"]
+    assert main([*argv, "--api-key", "wrong", "--model", keyed_api.model]) == 2
+    assert "refused the API key (HTTP 401)" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
+def test_compare_http_against_grpc_on_one_server(keyed_api, capsys):
+    shape = ["--num-prompts", "4", "--random-input-len", "16", "--random-output-len", "4"]
+    base = keyed_api.base_url.removesuffix("/v1")
+    report = bench_json(
+        capsys, "--api-key", KEY, "--compare", f"grpc://{keyed_api.grpc_address}", base, *shape
+    )
+    a, b = report["runs"]
+    assert a["completed"] == b["completed"] == 4
+    assert a["total_output_tokens"] == b["total_output_tokens"] == 16
+    assert report["ratio_b_over_a"]["total_output_tokens"] == 1.0
 
 
 def test_unreachable_server_is_a_clear_error(capsys):
