@@ -21,10 +21,13 @@ class RunningApi:
     grpc_address: str
     base_url: str  # http://127.0.0.1:PORT/v1
     model: str
+    loop: asyncio.AbstractEventLoop  # the servers' loop: run coroutines on it (e.g. a drain)
 
 
 @contextmanager
-def serve_openai(model_dir, api_key: str | None = None) -> Iterator[RunningApi]:
+def serve_openai(
+    model_dir, api_key: str | None = None, limits=None, drain=None
+) -> Iterator[RunningApi]:
     """Serve the checkpoint over gRPC and HTTP on free loopback ports until the block exits."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="api-servers", daemon=True)
@@ -35,7 +38,7 @@ def serve_openai(model_dir, api_key: str | None = None) -> Iterator[RunningApi]:
     async def start():
         grpc_server, grpc_port = await start_grpc_server(backend, port=0, api_key=api_key)
         model = await backend.model_info()
-        api = OpenAIServer(backend, engine.engine.tokenizer, model, None, api_key)
+        api = OpenAIServer(backend, engine.engine.tokenizer, model, None, api_key, limits, drain)
         http_server, http_port = await start_http_server(api.app, port=0)
         return grpc_server, grpc_port, http_server, http_port, model.model
 
@@ -44,7 +47,7 @@ def serve_openai(model_dir, api_key: str | None = None) -> Iterator[RunningApi]:
 
     grpc_server, grpc_port, http_server, http_port, model = run(start())
     try:
-        yield RunningApi(f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{http_port}/v1", model)
+        yield RunningApi(f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{http_port}/v1", model, loop)
     finally:
         run(http_server.stop())
         run(grpc_server.stop(None))

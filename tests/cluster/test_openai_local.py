@@ -129,3 +129,26 @@ def test_messages_use_a_default_template_when_the_tokenizer_has_none():
     got = tokenize_prompt(tokenizer, messages, len(tokenizer))
     text = "system: be brief\nuser: hi\nassistant:"
     assert got == tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_http_requests_obey_the_request_limits_and_the_drain(tiny_model_dir):
+    import asyncio
+
+    from halfmoon.cluster.drain import Drain
+    from halfmoon.cluster.request_limits import RequestLimits
+
+    limits = RequestLimits(max_stop_strings=2, max_prompt_bytes=1000)
+    drain = Drain()
+    with serve_openai(tiny_model_dir, limits=limits, drain=drain) as api:
+        url = api.base_url + "/completions"
+        body = {"model": api.model, "prompt": "hi", "max_tokens": 2}
+        stops = httpx.post(url, json={**body, "stop": ["a", "b", "c"]})
+        assert stops.status_code == 400 and stops.json()["error"]["param"] == "stop"
+        huge = httpx.post(url, json={**body, "prompt": "x" * 2_000_000})
+        assert huge.status_code == 400 and huge.json()["error"]["param"] == "body"
+        assert httpx.post(url, json=body).status_code == 200
+        asyncio.run_coroutine_threadsafe(drain.drain(0.0), api.loop).result()
+        refused = httpx.post(url, json=body)
+        assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
+        health = httpx.get(api.base_url.removesuffix("/v1") + "/health")
+        assert health.status_code == 503 and health.json()["reason"] == "shutting down"
