@@ -17,6 +17,7 @@ BENCHMARKS = {
     "router": "halfmoon.router.bench",
     "transfer": "halfmoon.cluster.bench_transfer",
     "replay": "halfmoon.cluster.bench_replay",
+    "capacity": "halfmoon.router.bench_capacity",
 }
 # Commands whose own parser lives in their module; everything after the name is theirs.
 FORWARDED = {"simulate": "halfmoon.router.simulate", "profile": "halfmoon.cluster.measured_profile"}
