@@ -78,7 +78,8 @@ def highest_passing(
 
 @dataclass(slots=True)
 class Point:
-    """One simulated run at `rate_rps` (the trace's rate times `scale`)."""
+    """One simulated run at `rate_rps` (the trace's rate times `scale`); `rejected` is the
+    fraction of requests rejected at arrival."""
 
     scale: float
     rate_rps: float
@@ -88,6 +89,7 @@ class Point:
     tbt_mean_s: float
     tbt_p90_s: float
     hit_rate: float
+    rejected: float
     wall_s: float
 
     def to_dict(self) -> dict:
@@ -173,6 +175,7 @@ class ModeSweep:
             summary.tbt_mean_s,
             summary.tbt_p90_s,
             summary.hit_rate,
+            summary.rejected / max(summary.requests, 1),
             time.perf_counter() - started,
         )
 
