@@ -79,17 +79,33 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated disaggregated splits N+M, all with the same N + M, which is also "
         "the colocated instance count (default: %(default)s)",
     )
-    parser.add_argument("--ttft-slo", type=float, default=30.0, help="TTFT SLO, seconds")
     parser.add_argument(
-        "--tbt-slos", type=parse_floats, default=(0.1, 0.2, 0.3), help="TBT thresholds, seconds"
+        "--ttft-slo", type=float, default=30.0, help="TTFT SLO, seconds (default: %(default)s)"
     )
     parser.add_argument(
-        "--target", type=float, default=0.9, help="fraction of requests that must meet both SLOs"
+        "--tbt-slos",
+        type=parse_floats,
+        default=(0.1, 0.2, 0.3),
+        help="comma-separated TBT thresholds, seconds (default: 0.1,0.2,0.3)",
     )
     parser.add_argument(
-        "--tolerance", type=float, default=0.03, help="bisection stops within this relative gap"
+        "--target",
+        type=float,
+        default=0.9,
+        help="fraction of requests that must meet both SLOs (default: %(default)s)",
     )
-    parser.add_argument("--block-size", type=int, default=512, help="tokens per trace hash id")
+    parser.add_argument(
+        "--tolerance",
+        type=float,
+        default=0.03,
+        help="bisection stops within this relative gap (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        default=512,
+        help="tokens per trace hash id (default: %(default)s)",
+    )
     parser.add_argument(
         "--cache-blocks-per-instance",
         type=int,
@@ -101,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-batched-tokens",
         type=int,
         default=2048,
-        help="colocated engines' token budget per step (decode tokens + prefill chunk)",
+        help="colocated engines' token budget per step, decode tokens + prefill chunk "
+        "(default: %(default)s)",
     )
     parser.add_argument(
         "--colocated-routing",
