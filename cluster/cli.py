@@ -21,6 +21,7 @@ BENCHMARKS = {
     "transfer": "halfmoon.cluster.bench_transfer",
     "replay": "halfmoon.cluster.bench_replay",
     "serve": "halfmoon.cluster.bench_serve",
+    "capacity": "halfmoon.router.bench_capacity",
 }
 # Commands whose own parser lives in their module; everything after the name is theirs.
 FORWARDED = {"simulate": "halfmoon.router.simulate", "profile": "halfmoon.cluster.measured_profile"}

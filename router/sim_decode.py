@@ -59,17 +59,18 @@ class SimDecode:
             steps += 1
         return steps
 
-    def advance(self, now: float) -> list[Finished]:
-        """Run every step that starts before `now`; return the sequences that finished."""
+    def advance(self, now: float, until_finish: bool = False) -> list[Finished]:
+        """Run every step that starts before `now` (with `until_finish`, stop after the first
+        step in which a sequence finishes); return the sequences that finished."""
         done: list[Finished] = []
-        while self.batch_size > 0 and self.clock_s < now:
+        while self.batch_size > 0 and self.clock_s < now and not (until_finish and done):
             cap = self._leaves[0][0] - self.steps
             steps = self._steps_to_reach(now - self.clock_s, cap)
             self.clock_s += self._run_time(steps)
             self.kv_tokens += self.batch_size * steps
             self.steps += steps
             self._pop_finished(done)
-        if self.batch_size == 0 and self.clock_s < now:
+        if self.batch_size == 0 and self.clock_s < now and not (until_finish and done):
             self.clock_s = now
         return done
 
@@ -80,6 +81,17 @@ class SimDecode:
             self.batch_size -= 1
             self.kv_tokens -= context + num_steps
             done.append(Finished(request_id, self.clock_s, (self.clock_s - join_s) / num_steps))
+
+    def step(self, seconds: float) -> list[Finished]:
+        """Run one step of the batch that took `seconds` (a step that also computed prefill
+        chunks, priced by `CostModel.step_time`); return the sequences that finished."""
+        done: list[Finished] = []
+        self.clock_s += seconds
+        if self.batch_size > 0:
+            self.kv_tokens += self.batch_size
+            self.steps += 1
+            self._pop_finished(done)
+        return done
 
     def stall(self, seconds: float) -> None:
         """Hold the batch for `seconds` (a prefill run on this instance)."""

@@ -7,6 +7,7 @@ import heapq
 import time
 from dataclasses import dataclass
 
+import numpy as np
 from tqdm import tqdm
 
 from halfmoon.router.conductor import Conductor
@@ -102,6 +103,13 @@ class Simulation:
         replicator = self.conductor.replicator
         summary.replications = replicator.num_completed if replicator is not None else 0
         return summary
+
+    def latencies(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per-request TTFT and TBT seconds in trace order after `run` (inf when rejected)."""
+        outcomes = [self._outcomes[str(i)] for i in range(len(self._outcomes))]
+        ttft = np.array([np.inf if o.rejected else o.ttft_s for o in outcomes])
+        tbt = np.array([np.inf if o.rejected else max(o.tbt_s, 0.0) for o in outcomes])
+        return ttft, tbt
 
     def _arrive(self, rid: str, now: float) -> None:
         record = self._records[rid]
