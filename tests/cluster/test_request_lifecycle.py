@@ -59,9 +59,19 @@ def _idle(cluster, client_info) -> dict:
 
 
 async def _one(client: AsyncClient, i: int, rng: random.Random) -> str:
-    """One request that finishes, is cancelled, or runs out of deadline at a random point."""
+    """One request that finishes, is cancelled, or runs out of deadline at a random point; or
+    is turned away by admission's queue bound, one more exit path that must hold nothing."""
     prompt = f"request {i} " + "w" * rng.randrange(10, 120)
     fate = rng.choice(["finish", "finish", "cancel", "deadline"])
+    try:
+        return await _meet(client, prompt, fate, rng)
+    except ServerError as error:
+        if error.code != "RESOURCE_EXHAUSTED":
+            raise
+        return "rejected"
+
+
+async def _meet(client: AsyncClient, prompt: str, fate: str, rng: random.Random) -> str:
     if fate == "finish":
         await client.complete(prompt, max_tokens=rng.randrange(1, 12), temperature=0.0)
         return fate
@@ -69,6 +79,8 @@ async def _one(client: AsyncClient, i: int, rng: random.Random) -> str:
         try:
             await client.complete(prompt, max_tokens=60, timeout=rng.uniform(0.01, 1.5))
         except ServerError as error:
+            if error.code == "RESOURCE_EXHAUSTED":
+                raise
             assert error.code == "DEADLINE_EXCEEDED", error
         return fate
     stream = client.generate(prompt, max_tokens=60, ignore_eos=True)
@@ -84,9 +96,11 @@ async def _one(client: AsyncClient, i: int, rng: random.Random) -> str:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_cancels_and_deadlines_at_random_points_leave_nothing_held(tiny_model_dir):
+@pytest.mark.parametrize("admission", ["none", "queue_bound"])  # all 150 in; half turned away
+def test_cancels_and_deadlines_at_random_points_leave_nothing_held(tiny_model_dir, admission):
     rng = random.Random(15)
-    with running_cluster(tiny_model_dir, **{"engine.num_pages": 512}) as (cluster, client):
+    settings = {"engine.num_pages": 512, "router.admission": admission}
+    with running_cluster(tiny_model_dir, **settings) as (cluster, client):
         address = client.address
 
         async def run() -> list:
