@@ -96,10 +96,11 @@ async def _meet(client: AsyncClient, prompt: str, fate: str, rng: random.Random)
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("admission", ["none", "queue_bound"])  # all 150 in; half turned away
-def test_cancels_and_deadlines_at_random_points_leave_nothing_held(tiny_model_dir, admission):
+def test_cancels_and_deadlines_at_random_points_leave_nothing_held(tiny_model_dir):
     rng = random.Random(15)
-    settings = {"engine.num_pages": 512, "router.admission": admission}
+    # Admission off lets all 150 in (with the default queue bound about half would be turned
+    # away, the `rejected` fate, which holds nothing either: 83 of 150 when last run).
+    settings = {"engine.num_pages": 512, "router.admission": "none"}
     with running_cluster(tiny_model_dir, **settings) as (cluster, client):
         address = client.address
 
