@@ -5,6 +5,8 @@ need=()
 command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
 # promtool (checks deploy/prometheus/prometheus.yml in the tests) ships in Debian's prometheus.
 command -v promtool >/dev/null 2>&1 || need+=(prometheus)
+# openssl makes the self-signed certificate of the gRPC TLS test.
+command -v openssl >/dev/null 2>&1 || need+=(openssl)
 [ ${#need[@]} -eq 0 ] && exit 0
 sudo=""
 [ "$(id -u)" -ne 0 ] && sudo="sudo"
