@@ -205,7 +205,8 @@ def test_a_killed_worker_loses_no_request_that_streamed_nothing(tiny_model_dir, 
     }
     with running_cluster(tiny_model_dir, **settings) as (cluster, client):
         address = client.address
-        assert _health(address) == SERVING
+        # Health follows the workers every 0.5 s: SERVING once both pools have registered.
+        _wait_until(lambda: _health(address) == SERVING, 30, "SERVING at start")
         victim = next(w for w in cluster.workers.values() if w.kind == pool)
         results: list = [None] * len(prompts)
         deltas = [0] * len(prompts)
