@@ -259,9 +259,12 @@ class ClusterBackend:
             if not worker.draining:
                 self._route_to(worker)
 
+    def _pool_kinds(self) -> tuple[str, ...]:
+        """The pools a request needs: decode alone when colocated."""
+        return ("decode",) if self.mode == "colocated" else ("prefill", "decode")
+
     def _missing_pool(self) -> str | None:
-        kinds = ("decode",) if self.mode == "colocated" else ("prefill", "decode")
-        return next((kind for kind in kinds if not self._alive(kind)), None)
+        return next((kind for kind in self._pool_kinds() if not self._alive(kind)), None)
 
     async def wait_released(self, timeout_s: float) -> None:
         """Wait (up to `timeout_s`) for the releases under way, e.g. when the server stops."""
@@ -549,8 +552,7 @@ class ClusterBackend:
         }
 
     async def health(self) -> tuple[bool, str]:
-        kinds = ("decode",) if self.mode == "colocated" else ("prefill", "decode")
-        counts = {kind: len(self._alive(kind)) for kind in kinds}
+        counts = {kind: len(self._alive(kind)) for kind in self._pool_kinds()}
         missing = [kind for kind, count in counts.items() if count == 0]
         live = ", ".join(f"{count} {kind}" for kind, count in counts.items())
         if missing:

@@ -121,7 +121,7 @@ def run_hf_static(model_dir: Path, work: Workload, batch_size: int, device: str 
             model.generate(
                 ids, attention_mask=mask, do_sample=False, max_new_tokens=new, pad_token_id=2
             )
-    _sync(device)
+    sync_device(device)
     return time.perf_counter() - started
 
 
@@ -155,7 +155,8 @@ def run_hf_continuous(
     return wall
 
 
-def _sync(device: str) -> None:
+def sync_device(device: str) -> None:
+    """Wait for the device's queued work (CUDA runs asynchronously; CPU does not)."""
     if device == "cuda":
         torch.cuda.synchronize()
 

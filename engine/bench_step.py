@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from halfmoon.engine.bench import SETUPS
+from halfmoon.engine.bench import SETUPS, sync_device
 from halfmoon.engine.init_model import default_model_dir, ensure_model
 
 
@@ -25,11 +25,11 @@ def copy_bandwidth_bytes_s(device: str, num_bytes: int = 1 << 30) -> float:
     src = torch.empty(num_bytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    _sync(device)
+    sync_device(device)
     started = time.perf_counter()
     for _ in range(5):
         dst.copy_(src)
-    _sync(device)
+    sync_device(device)
     return 2 * 5 * num_bytes / (time.perf_counter() - started)
 
 
@@ -49,11 +49,11 @@ def decode_step_times(llm, batch_size: int, context: int, steps: int) -> tuple[f
     for _ in range(3):  # warm: the first steps at a new width may compile
         engine.step()
     device = engine.device.type
-    _sync(device)
+    sync_device(device)
     started = time.perf_counter()
     for _ in range(steps):
         engine.step()
-    _sync(device)
+    sync_device(device)
     wall_s = (time.perf_counter() - started) / steps
     device_s = None
     if device == "cuda":
@@ -61,17 +61,12 @@ def decode_step_times(llm, batch_size: int, context: int, steps: int) -> tuple[f
         with torch.profiler.profile(activities=activities) as prof:
             for _ in range(steps):
                 engine.step()
-            _sync(device)
+            sync_device(device)
         device_us = sum(event.self_device_time_total for event in prof.key_averages())
         device_s = device_us / 1e6 / steps
     for rid in ids:
         engine.abort(rid)
     return wall_s, device_s
-
-
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def main(argv: list[str] | None = None) -> int:
