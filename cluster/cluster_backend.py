@@ -9,6 +9,7 @@ import dataclasses
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from copy import deepcopy
@@ -49,6 +50,7 @@ RELEASE_WAIT_S = 10.0  # the longest a release waits on one worker call
 # loop that serves every other request (tokenizers release the GIL as they go).
 INLINE_TOKENIZE_CHARS = 2048
 TOKENIZE_THREADS = 4
+RECENT_TRACES = 1024  # finished requests whose timeline `explain` can still show
 
 
 @dataclass(slots=True)
@@ -81,6 +83,30 @@ class RequestTrace:
     early_token: tuple | None = None
     outcome: str = "error"
     reason: str = ""
+    arrived_wall_s: float = dataclasses.field(default_factory=time.time)
+    # (stage, seconds since arrival) in the order they happened: `halfmoon status --explain`.
+    timeline: list[tuple[str, float]] = dataclasses.field(default_factory=list)
+
+    def mark(self, stage: str, at_s: float | None = None) -> None:
+        """Note that `stage` was reached now (or at monotonic time `at_s`)."""
+        when = time.monotonic() if at_s is None else at_s
+        self.timeline.append((stage, when - self.arrived_s))
+
+    def mark_wall(self, stage: str, wall_s: float) -> None:
+        """Note a stage a worker timed with its wall clock (time.time())."""
+        if wall_s:
+            self.timeline.append((stage, wall_s - self.arrived_wall_s))
+
+    def explain_timeline(self) -> str:
+        workers = ", ".join(
+            f"{kind} {name}"
+            for kind, name in (("prefill", self.prefill_instance), ("decode", self.decode_instance))
+            if name
+        )
+        lines = [f"timeline ({self.outcome}; {workers}; ms since arrival at the router):"]
+        for stage, offset_s in sorted(self.timeline, key=lambda item: item[1]):
+            lines.append(f"  {offset_s * 1e3:9.2f}  {stage}")
+        return "\n".join(lines)
 
 
 class ClusterBackend:
@@ -111,6 +137,7 @@ class ClusterBackend:
         self.pool_wait_s = pool_wait_s
         self.max_queued_per_worker = max_queued_per_worker
         self.copies: set[asyncio.Task] = set()
+        self.recent_traces: OrderedDict[str, RequestTrace] = OrderedDict()
         self.tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="tokenize")
         self._thread_tokenizers = threading.local()
 
@@ -149,6 +176,7 @@ class ClusterBackend:
         try:
             self._check_queue(rid)
             token_ids = await self._tokenize(request)
+            trace.mark("tokenized")
             if request.to_context_end:
                 left = max(self.info.max_model_len - len(token_ids), 1)
                 request.params = dataclasses.replace(request.params, max_tokens=left)
@@ -201,6 +229,7 @@ class ClusterBackend:
             lease.early_sent = True
             trace.num_output_tokens = 1
             trace.first_token_s = trace.last_token_s = time.monotonic()
+            trace.mark("first token out", trace.first_token_s)
             self._observe_first_token(rid, trace)
             yield TokenDelta([early[0]], "", logprobs=[early[1]] if early[1] else [])
         async for out in self._outputs(worker, stream):
@@ -213,7 +242,10 @@ class ClusterBackend:
                 trace.outcome = "cancelled" if out.finish_reason == "abort" else "finished"
             if trace.first_token_s is None and new_ids:
                 trace.first_token_s = time.monotonic()
+                trace.mark("first token out", trace.first_token_s)
                 self._observe_first_token(rid, trace)
+            elif not lease.streamed:
+                trace.mark("first decode output")
             trace.last_token_s = time.monotonic()
             delta = self._delta(out, trace)
             delta.token_ids = new_ids
@@ -280,6 +312,10 @@ class ClusterBackend:
             trace = lease.trace
             self.conductor.on_finish(lease.request_id, time.monotonic(), trace.num_output_tokens)
             self.leases.pop(lease.request_id, None)
+            trace.mark("released")
+            self.recent_traces[lease.request_id] = trace
+            while len(self.recent_traces) > RECENT_TRACES:
+                self.recent_traces.popitem(last=False)
             if self.observer is not None:
                 self.observer(trace)
 
@@ -374,6 +410,7 @@ class ClusterBackend:
             worker = attempt.decode = await self._pick_colocated(lease)
             trace.decode_instance = worker.name
             trace.prefill_started_s = time.monotonic()
+            trace.mark("sent to the worker", trace.prefill_started_s)
             return worker, worker.handle.generate_colocated.options(num_returns="streaming").remote(
                 rid, token_ids, params, attempt.ticket
             )
@@ -385,6 +422,7 @@ class ClusterBackend:
             ttft_slo_s=request.ttft_slo_s, tbt_slo_s=request.tbt_slo_s,
         )  # fmt: skip
         decision = await self._route(route, lease)
+        trace.mark("routed")
         trace.predicted_ttft_s = decision.predicted_ttft_s
         if decision.rejected:
             raise RejectedError(f"request {rid} rejected: {decision.reason}")
@@ -399,16 +437,28 @@ class ClusterBackend:
             )
         prefill = attempt.prefill = self.workers[decision.prefill_instance]
         trace.prefill_instance = prefill.name
+        # Reserve and prefill start together: the decode worker's reads wait in the store for
+        # the layers, so neither waits for the other's round trip. A reserve that fails ends
+        # the attempt, and its release aborts the prefill by ticket.
         attempt.reserve = decode.handle.reserve.remote(
             rid, token_ids, params, prefill.store_name, attempt.ticket
         )
-        await self._call(decode, attempt.reserve)
+        prefilled = prefill.handle.prefill.remote(rid, token_ids, params, True, attempt.ticket)
         trace.prefill_started_s = time.monotonic()
         self.conductor.on_prefill_start(rid, trace.prefill_started_s)
-        result = await self._call(
-            prefill, prefill.handle.prefill.remote(rid, token_ids, params, True, attempt.ticket)
-        )
+        await self._call(decode, attempt.reserve)
+        trace.mark("decode pages reserved")
+        result = await self._call(prefill, prefilled)
         now = time.monotonic()
+        trace.mark("prefill returned", now)
+        for stage, wall_s in (
+            ("prefill call began on the worker", result.arrived_at),
+            ("prefill compute began", result.started_at),
+            ("prefill compute ended", result.computed_at),
+            ("last layer published", result.last_layer_published_at),
+            ("every layer stored", result.finished_at),
+        ):
+            trace.mark_wall(stage, wall_s)
         self.conductor.on_prefill_done(rid, now)
         cached = result.num_local_cached_tokens + result.num_loaded_tokens
         # The cost model is refined from the workers' engine steps (RouterActor polls them).
@@ -500,11 +550,26 @@ class ClusterBackend:
                 log.warning("could not abort %s on %s: the worker is gone", request_id, worker.name)
         return True
 
+    def timeline(self, request_id: str) -> list[tuple[str, float]]:
+        """(stage, seconds since arrival) of a request in flight or recently finished."""
+        lease = self.leases.get(request_id)
+        trace = lease.trace if lease is not None else self.recent_traces.get(request_id)
+        if trace is None:
+            raise RequestNotFoundError(request_id)
+        return sorted(trace.timeline, key=lambda item: item[1])
+
     async def explain(self, request_id: str) -> str:
-        try:
-            return self.conductor.explain(request_id)
-        except KeyError as error:
-            raise RequestNotFoundError(request_id) from error
+        """The Conductor's decision (disaggregated) and the request's timeline, if still kept."""
+        parts = []
+        with contextlib.suppress(KeyError):
+            parts.append(self.conductor.explain(request_id))
+        lease = self.leases.get(request_id)
+        trace = lease.trace if lease is not None else self.recent_traces.get(request_id)
+        if trace is not None:
+            parts.append(trace.explain_timeline())
+        if not parts:
+            raise RequestNotFoundError(request_id)
+        return "\n".join(parts)
 
     async def model_info(self) -> ModelInfo:
         info = self.info

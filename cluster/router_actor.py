@@ -153,7 +153,11 @@ class RouterActor:
         return await self.backend.server_info()
 
     async def explain(self, request_id: str) -> str:
-        return self.backend.conductor.explain(request_id)
+        return await self.backend.explain(request_id)
+
+    async def timeline(self, request_id: str) -> list[tuple[str, float]]:
+        """(stage, seconds since arrival) of a recent request, as `explain` shows them."""
+        return self.backend.timeline(request_id)
 
     async def stop(self) -> tuple[int, int]:
         """Drain (up to server.drain_timeout_s), then stop; returns the requests in flight

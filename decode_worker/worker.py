@@ -99,11 +99,11 @@ class DecodeWorker(EngineWorker):
         try:
             await receive
         except asyncio.CancelledError:
-            engine.abort(request_id)
+            self._free(request_id)
             yield aborted(request_id)
             return
         except Exception as error:  # noqa: BLE001 - the router learns why, as data
-            engine.abort(request_id)
+            self._free(request_id)
             yield WorkerError("UNAVAILABLE", f"receiving the KV of {request_id} failed: {error}")
             return
         self.timings[request_id].joined_at = time.time()
@@ -136,6 +136,13 @@ class DecodeWorker(EngineWorker):
         receive = self.receives.pop(request_id, None)
         if receive is not None:
             receive.cancel()
+            return self._free(request_id)
+        return self._engine().abort(request_id)
+
+    def _free(self, request_id: str) -> bool:
+        """Abort a request whose KV was being received: its pages are freed only once the
+        writes already issued into them have landed."""
+        self.engine.kv.wait_writes()
         return self._engine().abort(request_id)
 
     async def drain_transfers(self) -> list[tuple[int, float]]:
@@ -154,6 +161,7 @@ class DecodeWorker(EngineWorker):
         return self.stores[name]
 
     async def _receive(self, store, request_id: str, units, pages: list[int]) -> None:
+        await asyncio.sleep(0)  # let the reserve's reply go out before the reads are sent
         kv_cache = self.engine.kv
         timings = self.timings[request_id]
         # Gets for the next RECEIVE_AHEAD units are in flight at once (each waits in the store
@@ -171,6 +179,7 @@ class DecodeWorker(EngineWorker):
 
         for unit in itertools.islice(upcoming, RECEIVE_AHEAD):
             ask(unit)
+        written = None  # the last layer write: on CUDA it lands after it is issued
         while pending:
             unit, refs = pending.popleft()
             if (following := next(upcoming, None)) is not None:
@@ -178,10 +187,12 @@ class DecodeWorker(EngineWorker):
             unit_pages = pages[unit.first_block : unit.first_block + len(unit.keys)]
             for layer, ref in enumerate(refs):
                 kv = await ref
-                kv_cache.write_layer(layer, unit_pages, kv)
+                written = kv_cache.write_layer(layer, unit_pages, kv, ordered=False)
                 timings.num_bytes += kv.nbytes
                 if not timings.first_layer_received_at:
                     timings.first_layer_received_at = time.time()
+        if written is not None and not written.done():  # writes land in order: the last says all
+            await asyncio.to_thread(written.wait)
         timings.all_received_at = time.time()
         self.transfers.append((timings.num_bytes, timings.all_received_at - timings.reserved_at))
 

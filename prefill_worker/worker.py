@@ -46,6 +46,7 @@ class PrefillResult:
     num_loaded_tokens: int
     arrived_at: float
     started_at: float
+    computed_at: float  # the engine produced the first token
     finished_at: float
     last_layer_published_at: float
 
@@ -145,6 +146,7 @@ class PrefillWorker(EngineWorker, KVHooks):
                 last = out
             if last.finish_reason == "abort":
                 return aborted(request_id)
+            computed_at = time.time()
             await self._flush(job)
         except HalfmoonError as error:
             return WorkerError.of(error)
@@ -161,6 +163,7 @@ class PrefillWorker(EngineWorker, KVHooks):
             num_loaded_tokens=job.num_loaded_tokens,
             arrived_at=arrived_at,
             started_at=job.started_at or arrived_at,
+            computed_at=computed_at,
             finished_at=time.time(),
             last_layer_published_at=job.last_layer_published_at,
         )

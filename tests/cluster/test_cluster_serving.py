@@ -211,6 +211,7 @@ def test_the_prefill_token_is_streamed_before_the_hand_off_to_decode(tiny_model_
         stream = client.generate(prompt, max_tokens=6, temperature=0.0, logprobs=2)
         with stream:
             deltas = list(stream)
+        explained = client.explain(stream.request_id)
     expected = tiny_llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0))[0]
     first = deltas[0]
     assert first.token_ids == expected.token_ids[:1] and first.text == ""
@@ -221,3 +222,18 @@ def test_the_prefill_token_is_streamed_before_the_hand_off_to_decode(tiny_model_
     assert [lp.token_id for lp in logprobs] == expected.token_ids
     assert all(len(lp.top) == 2 for lp in logprobs)
     assert deltas[-1].usage.completion_tokens == 6
+    # The router's timeline of the request, in the order things happened.
+    stages = [line.split("  ")[-1].strip() for line in explained.split("timeline")[1].splitlines()]
+    in_order = [
+        "tokenized",
+        "routed",
+        "prefill compute began",
+        "prefill compute ended",
+        "every layer stored",
+        "prefill returned",
+        "first token out",
+        "first decode output",
+        "released",
+    ]
+    assert [stage for stage in stages if stage in in_order] == in_order, explained
+    assert {"decode pages reserved", "prefill call began on the worker"} <= set(stages)

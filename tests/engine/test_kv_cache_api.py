@@ -22,6 +22,18 @@ def test_a_layer_written_into_pages_reads_back_exactly_in_page_order(tiny_model_
     assert torch.count_nonzero(kv_cache.layers[1][0]) == 0  # other layers untouched
 
 
+def test_on_cpu_a_write_has_landed_when_it_returns(tiny_model_dir):
+    kv_cache = LLM(str(tiny_model_dir), num_pages=8).engine.kv
+    shape = (1, *kv_cache.layers[0][0].shape[1:])
+    written = kv_cache.write_layer(
+        0, [5], LayerKV(torch.ones(shape), torch.ones(shape)), ordered=False
+    )
+    assert written.done()
+    written.wait()
+    kv_cache.wait_writes()
+    assert torch.all(kv_cache.layers[0][0][5] == 1)
+
+
 def test_page_events_are_kept_only_once_asked_for_and_taken_once(tiny_model_dir):
     llm = LLM(str(tiny_model_dir), num_pages=16)
     params = SamplingParams(max_tokens=1, temperature=0.0)
@@ -47,3 +59,21 @@ def test_on_cuda_reads_land_in_pinned_host_memory_off_the_compute_stream(tiny_mo
     assert read.k.device.type == "cpu" and read.k.is_pinned()
     assert torch.equal(read.k, k[[1, 0]].to(kv_cache.dtype))
     assert torch.equal(read.v, (2 * k)[[1, 0]].to(kv_cache.dtype))
+
+
+@pytest.mark.gpu
+def test_on_cuda_an_unordered_write_lands_on_the_side_stream_and_says_when(tiny_model_dir):
+    kv_cache = LLM(str(tiny_model_dir), num_pages=16, device="cuda").engine.kv
+    shape = (3, *kv_cache.layers[0][0].shape[1:])
+    k = torch.randn(shape)  # pageable host memory: staged through pinned memory
+    written = kv_cache.write_layer(1, [2, 8, 5], LayerKV(k, -k), ordered=False)
+    assert written.copied is not None
+    written.wait()
+    assert written.done()
+    read = kv_cache.read_layer(1, [5, 2]).wait()
+    assert torch.equal(read.k, k[[2, 0]].to(kv_cache.dtype))
+    assert torch.equal(read.v, -k[[2, 0]].to(kv_cache.dtype))
+    # An ordered write: work queued on the compute stream after it sees the new values.
+    kv_cache.write_layer(1, [2], LayerKV(torch.zeros(shape[1:]).unsqueeze(0), k[:1]))
+    assert torch.count_nonzero(kv_cache.layers[1][0][2]) == 0
+    kv_cache.wait_writes()

@@ -1,0 +1,30 @@
+"""`halfmoon bench ttft`'s report: stage medians, the ratio to the engine and the goal."""
+
+from __future__ import annotations
+
+import argparse
+
+from halfmoon.cluster.bench_ttft import ModeResult, make_prompts, report
+
+
+def test_the_report_orders_stage_medians_and_checks_the_goal_against_the_engine():
+    result = ModeResult("disaggregated")
+    result.ttft_s = [0.030, 0.020, 0.040]
+    result.add_timeline([("tokenized", 0.001), ("first token out", 0.020)])
+    result.add_timeline([("tokenized", 0.003), ("routed", 0.004), ("first token out", 0.030)])
+    result.add_timeline([("tokenized", 0.002), ("tokenized", 0.009), ("first token out", 0.010)])
+    args = argparse.Namespace(device="cpu", prompt_tokens=64, requests=3, request_rate=0.0)
+    out = report([0.010, 0.012, 0.014], [result], args)
+    mode = out["modes"]["disaggregated"]
+    assert out["engine_prefill_p50_ms"] == 12.0
+    assert round(out["goal_ttft_p50_ms"], 6) == 29.0  # 2 x 12 ms + 5 ms
+    assert round(mode["ttft_p50_ms"], 6) == 30.0 and not mode["goal_met"]
+    assert round(mode["ttft_over_engine"], 3) == 2.5
+    assert list(mode["stages_p50_ms"]) == ["tokenized", "routed", "first token out"]
+    assert round(mode["stages_p50_ms"]["tokenized"], 6) == 2.0  # a repeated mark: the first
+
+
+def test_prompts_are_distinct_so_nothing_is_served_from_a_cache():
+    prompts = make_prompts(8, 32, 256, seed=0)
+    assert len({tuple(p[:16]) for p in prompts}) == 8
+    assert all(len(p) == 32 and min(p) >= 6 for p in prompts)
