@@ -245,7 +245,15 @@ def measure(args: argparse.Namespace, layout: KvLayout) -> tuple[list[Row], dict
     return rows(times, layout, intact), skipped
 
 
-def time_requests(pair: Pair, paths, tokens, requests, layout, times, bar) -> None:
+def time_requests(
+    pair: Pair,
+    paths: list[str],
+    tokens: list[int],
+    requests: int,
+    layout: KvLayout,
+    times: dict[tuple[str, int], list[float]],
+    bar: tqdm,
+) -> None:
     """Per-request seconds into `times[(path, num_tokens)]`, paths interleaved."""
     for num_tokens in tokens:
         blocks = -(-num_tokens // layout.block_size)

@@ -36,7 +36,8 @@ def test_store_object_and_gloo_deliver_the_exact_bytes_sent(ray_session) -> None
             ray.kill(actor)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.slow
+@pytest.mark.timeout(180)
 def test_bench_reports_every_cpu_path_intact_and_skips_the_cuda_ones(ray_session, capsys) -> None:
     argv = ["--tokens", "40,64", "--requests", "2", "--json"]
     assert bench_rdt.main(argv) == 0
@@ -47,3 +48,12 @@ def test_bench_reports_every_cpu_path_intact_and_skips_the_cuda_ones(ray_session
     assert sorted(summary["skipped"]) == ["cuda_ipc", "nccl"]
     # 40 tokens fill 3 blocks of the tiny model's 4 layers x 2 KV heads of 32 x fp16.
     assert summary["rows"][0]["request_bytes"] == 3 * 4 * 2 * 16 * 2 * 32 * 2
+
+
+def test_cuda_runs_ipc_on_one_gpu_and_nccl_only_across_two() -> None:
+    one_gpu, skipped = bench_rdt.plan_paths("cuda", 1)
+    assert one_gpu == ["store", "object", "gloo", "cuda_ipc"]
+    assert list(skipped) == ["nccl"] and "needs >= 2" in skipped["nccl"]
+    assert bench_rdt.plan_paths("cuda", 2) == (list(bench_rdt.PATHS), {})
+    cpu, skipped = bench_rdt.plan_paths("cpu", 0)
+    assert cpu == ["store", "object", "gloo"] and sorted(skipped) == ["cuda_ipc", "nccl"]
