@@ -31,7 +31,7 @@ test-gpu:
 	@if [ -d .whl ]; then bash deploy/gpu/test-gpu.sh $(PYTEST_ARGS); \
 	else $(MAKE) -s $(STAMP) && bash deploy/gpu/test-gpu.sh $(PYTEST_ARGS); fi
 
-# GPU benchmarks (bench step, kernels, engine --device cuda): JSON and logs into $(OUT) or bench-gpu/.
+# GPU benchmarks (bench step, kernels, engine, rdt --device cuda): JSON and logs into $(OUT) or bench-gpu/.
 bench-gpu:
 	@if [ -d .whl ]; then bash deploy/gpu/bench-gpu.sh; \
 	else $(MAKE) -s $(STAMP) && bash deploy/gpu/bench-gpu.sh; fi

@@ -17,6 +17,7 @@ BENCHMARKS = {
     "step": "halfmoon.engine.bench_step",
     "kernels": "halfmoon.kernels.bench",
     "kvstore": "halfmoon.kvstore.bench",
+    "rdt": "halfmoon.kvstore.bench_rdt",
     "router": "halfmoon.router.bench",
     "transfer": "halfmoon.cluster.bench_transfer",
     "replay": "halfmoon.cluster.bench_replay",

@@ -22,3 +22,5 @@ run step step --device cuda --json
 run step-eager step --device cuda --eager --json
 run kernels kernels --json
 run engine engine --device cuda --eager --json
+run rdt rdt --device cuda --json
+run rdt-gpu-shape rdt --device cuda --shape gpu --tokens 1024,4096,8192 --requests 10 --json
