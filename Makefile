@@ -31,10 +31,11 @@ test-gpu:
 	@if [ -d .whl ]; then bash deploy/gpu/test-gpu.sh $(PYTEST_ARGS); \
 	else $(MAKE) -s $(STAMP) && bash deploy/gpu/test-gpu.sh $(PYTEST_ARGS); fi
 
-# GPU benchmarks (bench step, kernels, engine, rdt --device cuda): JSON and logs into $(OUT) or bench-gpu/.
+# GPU benchmarks (bench step, kernels, engine, rdt, ttft on CUDA): JSON and logs into $(OUT) or
+# bench-gpu/; BENCH="ttft rdt" runs only those (names as in deploy/gpu/bench-gpu.sh).
 bench-gpu:
-	@if [ -d .whl ]; then bash deploy/gpu/bench-gpu.sh; \
-	else $(MAKE) -s $(STAMP) && bash deploy/gpu/bench-gpu.sh; fi
+	@if [ -d .whl ]; then bash deploy/gpu/bench-gpu.sh $(BENCH); \
+	else $(MAKE) -s $(STAMP) && bash deploy/gpu/bench-gpu.sh $(BENCH); fi
 
 # Wheels and .debs the GPU host lacks (Python 3.12, x86_64), into .whl/ (ignored by git).
 wheelhouse: $(STAMP)

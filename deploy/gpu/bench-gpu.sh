@@ -10,9 +10,14 @@ if [ -z "$HALFMOON_GPU" ]; then
 fi
 out=${OUT:-bench-gpu}
 mkdir -p "$out"
+# `bench-gpu.sh NAME...` runs only the named benchmarks (the device allows 10 minutes a call).
+only=" $* "
 run() {  # NAME ARGS...: `halfmoon bench ARGS`, JSON to $out/NAME.json, log to $out/NAME.log
   local name=$1
   shift
+  if [ "$only" != "  " ] && [[ "$only" != *" $name "* ]]; then
+    return 0
+  fi
   echo "== bench $*" >&2
   "$HALFMOON_PY" -m halfmoon.cluster.cli bench "$@" >"$out/$name.json" 2>"$out/$name.log" ||
     echo "bench $name failed (see $out/$name.log)" >&2
@@ -24,3 +29,6 @@ run kernels kernels --json
 run engine engine --device cuda --eager --json
 run rdt rdt --device cuda --json
 run rdt-gpu-shape rdt --device cuda --shape gpu --tokens 1024,4096,8192 --requests 10 --json
+# Issue 13: served TTFT against the engine's own prefill, one at a time and at 2 req/s.
+run ttft ttft --device cuda --prompt-tokens 1024 --requests 24 --json
+run ttft-2rps ttft --device cuda --prompt-tokens 1024 --requests 48 --max-tokens 128 --request-rate 2 --json
