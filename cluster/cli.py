@@ -22,6 +22,7 @@ BENCHMARKS = {
     "replay": "halfmoon.cluster.bench_replay",
     "serve": "halfmoon.cluster.bench_serve",
     "capacity": "halfmoon.router.bench_capacity",
+    "live-capacity": "halfmoon.cluster.bench_live_capacity",
 }
 # Commands whose own parser lives in their module; everything after the name is theirs.
 FORWARDED = {"simulate": "halfmoon.router.simulate", "profile": "halfmoon.cluster.measured_profile"}
