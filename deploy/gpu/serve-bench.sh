@@ -33,9 +33,9 @@ else
   exit 0
 fi
 mkdir -p "$out"
+hm=("$HALFMOON_PY" -m halfmoon.cluster.cli)  # an array, not a function: `timeout` runs it
 started=$SECONDS
 budget=${SERVE_BENCH_BUDGET_S:-540}
-hm() { "$HALFMOON_PY" -m halfmoon.cluster.cli "$@"; }
 
 # step ESTIMATE_S LIMIT_S NAME CMD...: run CMD under `timeout`, stdout to $out/NAME.json (or
 # .out), stderr to $out/NAME.log; skipped when the budget has no LIMIT_S left.
@@ -71,8 +71,8 @@ trap stop_server EXIT
 start_server() {
   local mode=$1 config=$2
   echo "== serve $mode (about 60 s: Ray, weights, start-up profile, CUDA graphs; at most 240 s)" >&2
-  hm serve --config "$config" >"$out/serve-$mode.log" 2>&1 &
-  serve_pid=$!
+  "${hm[@]}" serve --config "$config" >"$out/serve-$mode.log" 2>&1 &
+  serve_pid=$!  # the Python process itself: SIGTERM stops the cluster cleanly
   local t0=$SECONDS
   while [ $((SECONDS - t0)) -lt 240 ]; do
     if ! kill -0 "$serve_pid" 2>/dev/null; then
@@ -80,7 +80,7 @@ start_server() {
       serve_pid=
       return 1
     fi
-    if hm status --server "$server" >/dev/null 2>&1; then
+    if "${hm[@]}" status --server "$server" --json 2>/dev/null | grep -q "\"mode\": \"$mode\""; then
       echo "   serving after $((SECONDS - t0)) s" >&2
       return 0
     fi
@@ -125,22 +125,23 @@ for mode in disaggregated colocated; do
   # runs refit it online; the check also simulates with the refit one). Rates: fractions of the
   # simulated capacity; when the simulator meets the SLOs always (or never) it fails before
   # sending any load, and three fixed rates run instead.
-  if ! step 90 200 "live-capacity-$mode" hm bench live-capacity --server "$server" \
+  if ! step 90 200 "live-capacity-$mode" "${hm[@]}" bench live-capacity --server "$server" \
       "${workload[@]}" --disable-tqdm --json; then
-    grep -q "tighten\|loosen" "$out/live-capacity-$mode.log" 2>/dev/null &&
-      step 90 200 "live-capacity-$mode" hm bench live-capacity --server "$server" \
+    mv "$out/live-capacity-$mode.log" "$out/live-capacity-$mode-default-rates.log"
+    grep -q "tighten\|loosen" "$out/live-capacity-$mode-default-rates.log" &&
+      step 90 200 "live-capacity-$mode" "${hm[@]}" bench live-capacity --server "$server" \
         "${workload[@]}" --rates 2,5,8 --disable-tqdm --json
   fi
   # Seeds apart from the check's (0-2) and each other's: no run finds its prompts cached.
   for rate in 2 8; do
-    step 40 150 "serve-$mode-${rate}rps" hm bench serve --server "$server" "${workload[@]}" \
+    step 40 150 "serve-$mode-${rate}rps" "${hm[@]}" bench serve --server "$server" "${workload[@]}" \
       --request-rate "$rate" --seed $((100 + rate)) --metric-percentiles 50,99 --disable-tqdm \
       --json
   done
   "$HALFMOON_PY" -c "import urllib.request, sys; sys.stdout.write(urllib.request.urlopen(
 'http://127.0.0.1:$metrics_port/metrics', timeout=10).read().decode())" \
     >"$out/metrics-$mode.txt" 2>/dev/null || true
-  hm status --server "$server" --json >"$out/status-$mode.json" 2>/dev/null || true
+  "${hm[@]}" status --server "$server" --json >"$out/status-$mode.json" 2>/dev/null || true
   stop_server
 done
 
