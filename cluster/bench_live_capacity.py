@@ -301,8 +301,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=serve_defaults.block_tokens,
         help="tokens per trace hash id (%(default)s)",
     )
-    work.add_argument("--random-input-len", type=int, default=1024, help="(%(default)s)")
-    work.add_argument("--random-output-len", type=int, default=128, help="(%(default)s)")
+    work.add_argument(
+        "--random-input-len", type=int, default=1024, help="mean prompt tokens (%(default)s)"
+    )
+    work.add_argument(
+        "--random-output-len", type=int, default=128, help="mean output tokens (%(default)s)"
+    )
     work.add_argument(
         "--random-range-ratio",
         type=float,
