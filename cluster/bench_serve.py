@@ -145,6 +145,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="lengths uniform in [len*(1-r), len*(1+r)], 0 <= r < 1 (%(default)s)",
     )
     work.add_argument(
+        "--random-output-range-ratio",
+        type=float,
+        help="the same for output lengths alone, e.g. 0 for fixed outputs under varied prompts "
+        "(default: --random-range-ratio)",
+    )
+    work.add_argument(
         "--seed", type=int, default=0, help="seed of random prompts and arrivals (%(default)s)"
     )
     work.add_argument(
@@ -246,6 +252,7 @@ def build_requests(args, vocabulary: list[int]) -> list[BenchRequest]:
             args.random_range_ratio,
             vocabulary,
             args.seed,
+            args.random_output_range_ratio,
         )
     if arrival == "trace":
         if args.request_rate is not None:

@@ -49,19 +49,25 @@ def random_requests(
     range_ratio: float,
     vocabulary: Sequence[int],
     seed: int,
+    output_range_ratio: float | None = None,
 ) -> list[BenchRequest]:
-    """Lengths uniform in [len * (1 - ratio), len * (1 + ratio)], token ids uniform, seeded."""
-    if not 0.0 <= range_ratio < 1.0:
-        raise WorkloadError(f"--random-range-ratio {range_ratio} must be in [0, 1)")
+    """Lengths uniform in [len * (1 - ratio), len * (1 + ratio)], token ids uniform, seeded;
+    output lengths by `output_range_ratio` when given (else by `range_ratio` too)."""
+    if output_range_ratio is None:
+        output_range_ratio = range_ratio
+    for flag, ratio in (("", range_ratio), ("-output", output_range_ratio)):
+        if not 0.0 <= ratio < 1.0:
+            raise WorkloadError(f"--random{flag}-range-ratio {ratio} must be in [0, 1)")
     rng = random.Random(seed)
 
-    def length(mean: int) -> int:
-        low = max(1, math.floor(mean * (1 - range_ratio)))
-        return rng.randint(low, max(low, math.ceil(mean * (1 + range_ratio))))
+    def length(mean: int, ratio: float) -> int:
+        low = max(1, math.floor(mean * (1 - ratio)))
+        return rng.randint(low, max(low, math.ceil(mean * (1 + ratio))))
 
     requests = []
     for _ in range(num_prompts):
-        num_input, num_output = length(input_len), length(output_len)
+        num_input = length(input_len, range_ratio)
+        num_output = length(output_len, output_range_ratio)
         prompt = [rng.choice(vocabulary) for _ in range(num_input)]
         requests.append(BenchRequest(prompt, num_output))
     return requests

@@ -24,6 +24,7 @@ BENCHMARKS = {
     "serve": "halfmoon.cluster.bench_serve",
     "capacity": "halfmoon.router.bench_capacity",
     "ttft": "halfmoon.cluster.bench_ttft",
+    "live-capacity": "halfmoon.cluster.bench_live_capacity",
 }
 # Commands whose own parser lives in their module; everything after the name is theirs.
 FORWARDED = {"simulate": "halfmoon.router.simulate", "profile": "halfmoon.cluster.measured_profile"}

@@ -38,6 +38,7 @@ from halfmoon.engine.worker_info import WorkerInfo
 from halfmoon.kvstore.keys import block_keys
 from halfmoon.router.conductor import Conductor
 from halfmoon.router.decision import Decision
+from halfmoon.router.profile import profile_to_dict
 from halfmoon.router.replication import Replication
 from halfmoon.router.request import RouteRequest
 
@@ -614,6 +615,10 @@ class ClusterBackend:
             "in_flight": len(self.leases),
             "health": dict(zip(("ok", "reason"), await self.health(), strict=True)),
             "ttft_prediction_error": error,
+            # What a simulator needs to mirror this cluster (`halfmoon bench live-capacity`):
+            # the router's settings and its profile as it stands (measured, refit online).
+            "router": dataclasses.asdict(self.conductor.config),
+            "profile": profile_to_dict(self.conductor.profile),
         }
 
     async def health(self) -> tuple[bool, str]:

@@ -66,18 +66,33 @@ def load_profile(path: str | Path) -> Profile:
     if not path.is_file():
         raise ProfileError(f"profile {path} does not exist; pick one from {PROFILE_DIR}")
     data = yaml.safe_load(path.read_text()) or {}
+    return profile_from_dict(data, path)
+
+
+def profile_from_dict(data: object, source: str | Path) -> Profile:
+    """A profile from its YAML mapping (or the same mapping as JSON, e.g. from a server);
+    `source` names where it came from in errors, and is the name when the mapping has none."""
+    path = source
     if not isinstance(data, dict):
-        raise ProfileError(f"profile {path} is not a YAML mapping")
+        raise ProfileError(f"profile {path} is not a mapping")
     values = {}
     for name in _FIELDS:
         if name not in data:
             raise ProfileError(f"profile {path} lacks `{name}`")
-        value = float(data[name])
+        try:
+            value = float(data[name])
+        except (TypeError, ValueError):
+            raise ProfileError(
+                f"profile {path}: `{name}` = {data[name]!r} is not a number"
+            ) from None
         if not math.isfinite(value) or value < 0 or (value == 0 and name != "transfer_latency_s"):
             raise ProfileError(f"profile {path}: `{name}` = {data[name]!r} must be positive")
         values[name] = value
+    assumptions = data.get("assumptions") or {}
+    if not isinstance(assumptions, dict):
+        raise ProfileError(f"profile {path}: `assumptions` must be a mapping")
     return Profile(
-        name=str(data.get("name", path.stem)),
+        name=str(data.get("name", Path(str(path)).stem)),
         cost=CostModel.from_dict(data),
         kv_bytes_per_token=int(values["kv_bytes_per_token"]),
         num_layers=int(values["num_layers"]),
@@ -86,7 +101,7 @@ def load_profile(path: str | Path) -> Profile:
         transfer_latency_s=values["transfer_latency_s"],
         decode_kv_capacity_tokens=int(values["decode_kv_capacity_tokens"]),
         cache_bytes_per_instance=values["cache_bytes_per_instance"],
-        assumptions=dict(data.get("assumptions") or {}),
+        assumptions=dict(assumptions),
         request_overhead_s=_overhead(path, data, "request_overhead_s"),
         handoff_s=_overhead(path, data, "handoff_s"),
     )
@@ -94,16 +109,24 @@ def load_profile(path: str | Path) -> Profile:
 
 def save_profile(profile: Profile, path: str | Path) -> None:
     """Write `profile` as YAML that `load_profile` reads back unchanged."""
+    Path(path).write_text(yaml.safe_dump(profile_to_dict(profile), sort_keys=False))
+
+
+def profile_to_dict(profile: Profile) -> dict:
+    """The mapping `save_profile` writes and `profile_from_dict` reads."""
     data = {"name": profile.name, "assumptions": profile.assumptions}
     data.update({name: getattr(profile, name) for name in _FIELDS})
     data["request_overhead_s"] = profile.request_overhead_s
     data["handoff_s"] = profile.handoff_s
     data.update(profile.cost.to_dict())
-    Path(path).write_text(yaml.safe_dump(data, sort_keys=False))
+    return data
 
 
-def _overhead(path: Path, data: dict, name: str) -> float:
-    value = float(data.get(name, 0.0))
+def _overhead(path: str | Path, data: dict, name: str) -> float:
+    try:
+        value = float(data.get(name, 0.0))
+    except (TypeError, ValueError):
+        raise ProfileError(f"profile {path}: `{name}` = {data[name]!r} is not a number") from None
     if not math.isfinite(value) or value < 0:
         raise ProfileError(f"profile {path}: `{name}` = {value!r} must be >= 0")
     return value

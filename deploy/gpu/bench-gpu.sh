@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU benchmarks of issues 12 and 13, each ours against its baseline in one run; JSON
+# The GPU benchmarks of issues 12, 13 and 17, each ours against its baseline in one run; JSON
 # results and logs go to $OUT (default bench-gpu/). Needs a CUDA host.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -32,3 +32,9 @@ run rdt-gpu-shape rdt --device cuda --shape gpu --tokens 1024,4096,8192 --reques
 # Issue 13: served TTFT against the engine's own prefill, one at a time and at 2 req/s.
 run ttft ttft --device cuda --prompt-tokens 1024 --requests 24 --json
 run ttft-2rps ttft --device cuda --prompt-tokens 1024 --requests 48 --max-tokens 128 --request-rate 2 --json
+# The serving benchmarks (issues 12 and 17) with what is left of the device's 10 minutes; a
+# step that no longer fits is skipped (then run `make bench-gpu BENCH=serve` alone).
+if [ "$only" = "  " ] || [[ "$only" == *" serve "* ]]; then
+  OUT="$out" SERVE_BENCH_BUDGET_S=$((570 - SECONDS)) bash deploy/gpu/serve-bench.sh ||
+    echo "serve-bench failed (see $out/)" >&2
+fi

@@ -278,3 +278,21 @@ def test_grpc_errors_are_counted_by_code(cluster_address, capsys):
     assert report["errors"] == {"INVALID_ARGUMENT": 2}
     assert "context length" in report["error_messages"]["INVALID_ARGUMENT"]
     assert report["request_throughput"] == 0.0 and report["mean_ttft_ms"] == 0.0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(480)  # the module cluster starts in the first test (90 s when busy)
+def test_live_capacity_runs_three_rates_against_the_simulator(cluster_address, capsys):
+    """`bench live-capacity` on this cluster: SLOs so loose that both sides meet them."""
+    argv = ["bench", "live-capacity", "--server", cluster_address, "--json", "--disable-tqdm"]
+    slos = ["--ttft-slo", "600", "--tbt-slo", "600", "--rates", "4,8,16"]
+    assert main([*argv, "--num-prompts", "6", *SMALL[2:], *slos]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["mode"], report["instances"]) == ("disaggregated", "1P+1D")
+    assert report["profile"].startswith("measured-")
+    assert [row["rate_rps"] for row in report["rates"]] == [4.0, 8.0, 16.0]
+    for row in report["rates"]:
+        assert row["live"]["completed"] == 6 and row["live"]["total_output_tokens"] == 36
+        assert row["live_attainment"] == row["simulated_attainment"] == 1.0
+        assert row["simulated_refit_attainment"] == 1.0
+    assert report["all_agree"] is True
