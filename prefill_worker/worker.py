@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import logging
 import queue
 import threading
 import time
@@ -29,6 +30,7 @@ from halfmoon.kvstore.locate import local_store, local_store_name
 from halfmoon.kvstore.transfer import TransferUnit, plan_transfer
 from halfmoon.prefill_worker.warm import adopt_blocks
 
+log = logging.getLogger(__name__)
 RECENT_REQUESTS = 1024
 # Blocks warmed per engine call: bounds the memory in flight and the pause of the step loop.
 WARM_CHUNK_BLOCKS = 64
@@ -285,13 +287,19 @@ class PrefillWorker(EngineWorker, KVHooks):
         self.outbox.put((job, unit.keys, layer, self.engine.kv.read_layer(layer, pages)))
 
     def _send_forever(self) -> None:
-        """Publisher thread: hands snapshots to the store so the step loop never waits on it."""
+        """Publisher thread: hands snapshots to the store so the step loop never waits on it.
+        One `put_layer` call per snapshot: batching the backlog into one call was measured
+        slower (its serialization holds the GIL longer against the step thread)."""
         while True:
             job, keys, layer, snapshot = self.outbox.get()
             if keys is None:
                 snapshot.set_result(None)  # a flush marker: everything queued before it is sent
                 continue
-            job.puts.append(self.store.put_layer.remote(keys, layer, snapshot.wait()))
+            try:
+                job.puts.append(self.store.put_layer.remote(keys, layer, snapshot.wait()))
+            except Exception as error:  # noqa: BLE001 - the thread must live; the flush fails
+                log.exception("publishing a KV snapshot of %d blocks failed", len(keys))
+                job.puts.append(_failed(error))
 
     async def _flush(self, job: _Job) -> None:
         """Wait until every layer of `job` was sent and stored."""
@@ -303,3 +311,7 @@ class PrefillWorker(EngineWorker, KVHooks):
 
 def _plan_keys(job: _Job) -> list[bytes]:
     return [key for unit in job.units for key in unit.keys]
+
+
+async def _failed(error: Exception) -> None:
+    raise error
