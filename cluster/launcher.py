@@ -76,14 +76,10 @@ class Cluster:
         for kind, pool in self.pools.items():
             for _ in range(pool.replicas):
                 self._spawn(kind)
-        first = next(iter(self.workers.values()))
-        self.info = ray.get(first.actor.info.remote())
-        self.store_config = self._store_config()
-        self.ensure_stores()
-        self.profile = self._profile()
         # On this process's node (the head under `ray up`): its ports are where clients look.
+        # Started now, so its process comes up while the workers load the model.
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        self.router = (
+        router = (
             ray.remote(RouterActor)
             .options(
                 name=f"halfmoon-router-{self.cluster_id}",
@@ -91,8 +87,19 @@ class Cluster:
                 max_concurrency=10_000,
                 scheduling_strategy=here,
             )
-            .remote(self.config, self.info, self.profile)
+            .remote(self.config)
         )
+        try:
+            first = next(iter(self.workers.values()))
+            self.info = ray.get(first.actor.info.remote())
+            self.store_config = self._store_config()
+            self.ensure_stores()
+            self.profile = self._profile()
+            ray.get(router.setup.remote(self.info, self.profile))
+        except BaseException:
+            ray.kill(router, no_restart=True)
+            raise
+        self.router = router
         self.ports = ray.get(self.router.start.remote())
         for node_id, store in self.stores.items():  # started before the router existed
             ray.get(self.router.add_store.remote(store_node_name(node_id), store))

@@ -37,18 +37,14 @@ RELEASE_AT_STOP_S = 5.0
 class RouterActor:
     """One per cluster: the frontend clients talk to and the Conductor that places requests."""
 
-    def __init__(self, config: ClusterConfig, info: WorkerInfo, profile: Profile) -> None:
+    def __init__(self, config: ClusterConfig) -> None:
+        # Created before the workers answer, so this process starts (and imports) while they
+        # load the model; `setup` gives it what it needs from them.
         from halfmoon.cluster.metrics import Metrics
 
         self.config = config
         self.metrics = Metrics()
-        conductor = Conductor(router_config(config, info.block_size), profile)
-        tokenizer = load_tokenizer(Path(info.model))
-        bound = None if config.router.admission == "none" else config.router.max_queued_per_worker
-        self.backend = ClusterBackend(
-            tokenizer, info, conductor, config.mode, self._observe, served_name(config), bound,
-            pool_wait_s=config.router.pool_wait_s,
-        )  # fmt: skip
+        self.backend: ClusterBackend | None = None
         self.loads: dict[str, WorkerLoad] = {}
         self.finished: deque[tuple[float, int, int, int]] = deque()  # (time, in, out, cached)
         self.steps_observed: deque[StepTiming] = deque(maxlen=OBSERVED_STEPS)
@@ -58,6 +54,17 @@ class RouterActor:
         self.metrics_server = None
         self.targets = MetricsTargets(config.server.metrics_targets_file)
         self._poller: asyncio.Task | None = None
+
+    async def setup(self, info: WorkerInfo, profile: Profile) -> None:
+        """The model's facts (from a worker) and the cost profile: the Conductor and the backend."""
+        config = self.config
+        conductor = Conductor(router_config(config, info.block_size), profile)
+        tokenizer = load_tokenizer(Path(info.model))
+        bound = None if config.router.admission == "none" else config.router.max_queued_per_worker
+        self.backend = ClusterBackend(
+            tokenizer, info, conductor, config.mode, self._observe, served_name(config), bound,
+            pool_wait_s=config.router.pool_wait_s,
+        )  # fmt: skip
 
     async def start(self) -> dict:
         """Start the gRPC API, the OpenAI HTTP API and /metrics; returns the bound ports

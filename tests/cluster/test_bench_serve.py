@@ -221,7 +221,7 @@ def test_unreachable_server_is_a_clear_error(capsys):
 
 @pytest.fixture(scope="module")
 def cluster_address(tiny_model_dir, ray_session):
-    with running_cluster(tiny_model_dir) as (cluster, client):
+    with running_cluster(tiny_model_dir, **{"router.profile": None}) as (cluster, client):
         yield client.address
 
 

@@ -50,7 +50,8 @@ def test_sigterm_lets_long_streams_finish_and_refuses_new_requests(tiny_model_di
         ray_core = [pid for pid in started if _name(pid) in ("gcs_server", "raylet")]
         assert ray_core and {_auth_mode(pid) for pid in ray_core} == {"token"}
         assert (home / ".ray" / "auth_token").is_file()
-        assert _health(address) == health_pb2.HealthCheckResponse.SERVING
+        # Health follows the workers every 0.5 s: SERVING once both pools have registered.
+        assert wait_for(lambda: _health(address) == health_pb2.HealthCheckResponse.SERVING, 30)
         with Client(address) as client:
             streams = [
                 client.generate(f"stream {i}", max_tokens=MAX_TOKENS, ignore_eos=True)
