@@ -161,7 +161,6 @@ class DecodeWorker(EngineWorker):
         return self.stores[name]
 
     async def _receive(self, store, request_id: str, units, pages: list[int]) -> None:
-        await asyncio.sleep(0)  # let the reserve's reply go out before the reads are sent
         kv_cache = self.engine.kv
         timings = self.timings[request_id]
         # Gets for the next RECEIVE_AHEAD units are in flight at once (each waits in the store
