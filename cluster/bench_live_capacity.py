@@ -25,7 +25,12 @@ import numpy as np
 from halfmoon.cluster import bench_serve
 from halfmoon.cluster.bench_metrics import summarize
 from halfmoon.cluster.bench_targets import TargetUnreachableError, make_target
-from halfmoon.cluster.bench_workload import BenchRequest, WorkloadError, scale_records
+from halfmoon.cluster.bench_workload import (
+    BenchRequest,
+    WorkloadError,
+    add_random_length_options,
+    scale_records,
+)
 from halfmoon.cluster.client import Client, ServerError
 from halfmoon.cluster.config import EngineSection
 from halfmoon.router.capacity import MAX_SCALE, highest_passing
@@ -301,23 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=serve_defaults.block_tokens,
         help="tokens per trace hash id (%(default)s)",
     )
-    work.add_argument(
-        "--random-input-len", type=int, default=1024, help="mean prompt tokens (%(default)s)"
-    )
-    work.add_argument(
-        "--random-output-len", type=int, default=128, help="mean output tokens (%(default)s)"
-    )
-    work.add_argument(
-        "--random-range-ratio",
-        type=float,
-        default=0.0,
-        help="input lengths uniform in [len*(1-r), len*(1+r)] (%(default)s)",
-    )
-    work.add_argument(
-        "--random-output-range-ratio",
-        type=float,
-        help="the same for output lengths (default: --random-range-ratio)",
-    )
+    add_random_length_options(work)
     work.add_argument(
         "--seed",
         type=int,

@@ -28,6 +28,7 @@ from halfmoon.cluster.bench_workload import (
     TRACE_BLOCK_TOKENS,
     BenchRequest,
     WorkloadError,
+    add_random_length_options,
     arrival_times,
     prompt_vocabulary,
     random_requests,
@@ -132,24 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=1.0,
         help="trace arrivals speed-up: send time = trace time / X (%(default)s)",
     )
-    work.add_argument(
-        "--random-input-len", type=int, default=1024, help="mean prompt tokens (%(default)s)"
-    )
-    work.add_argument(
-        "--random-output-len", type=int, default=128, help="mean output tokens (%(default)s)"
-    )
-    work.add_argument(
-        "--random-range-ratio",
-        type=float,
-        default=0.0,
-        help="lengths uniform in [len*(1-r), len*(1+r)], 0 <= r < 1 (%(default)s)",
-    )
-    work.add_argument(
-        "--random-output-range-ratio",
-        type=float,
-        help="the same for output lengths alone, e.g. 0 for fixed outputs under varied prompts "
-        "(default: --random-range-ratio)",
-    )
+    add_random_length_options(work)
     work.add_argument(
         "--seed", type=int, default=0, help="seed of random prompts and arrivals (%(default)s)"
     )

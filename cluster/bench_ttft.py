@@ -25,9 +25,11 @@ from tqdm import tqdm
 from halfmoon.cluster.client import AsyncClient
 from halfmoon.cluster.config import ClusterConfig, load_config
 from halfmoon.cluster.launcher import Cluster
+from halfmoon.engine.bench import sync_device
 from halfmoon.engine.init_model import GPU_BENCH_SHAPE, default_model_dir, ensure_model
 from halfmoon.engine.llm_engine import LLMEngine
 from halfmoon.engine.sampling_params import SamplingParams
+from halfmoon.router.sim_report import percentile
 
 GOAL_FACTOR, GOAL_SLACK_S = 2.0, 0.005
 
@@ -46,11 +48,6 @@ class ModeResult:
             if stage not in seen:  # a retried request marks some stages twice: the first counts
                 seen.add(stage)
                 self.stages.setdefault(stage, []).append(offset_s)
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
 
 
 def make_prompts(num: int, num_tokens: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -94,7 +91,7 @@ def engine_prefill_times(config: ClusterConfig, prompts: list[list[int]]) -> lis
         engine.add_request(prompt, params, f"engine-{i}")
         while engine.has_unfinished_requests():
             engine.step()
-        _sync(engine_config.device)
+        sync_device(engine.kv.device.type)
         if i:
             times.append(time.perf_counter() - started)
     del engine
@@ -146,11 +143,6 @@ def serve_mode(config: ClusterConfig, prompts, max_tokens: int, rate: float, bar
     return result
 
 
-def _sync(device: str) -> None:
-    if device != "cpu" and torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def report(engine_s: list[float], results: list[ModeResult], args) -> dict:
     engine_p50 = statistics.median(engine_s)
     goal_s = GOAL_FACTOR * engine_p50 + GOAL_SLACK_S
@@ -169,7 +161,7 @@ def report(engine_s: list[float], results: list[ModeResult], args) -> dict:
         stages = {stage: medians[stage] * 1e3 for stage in sorted(medians, key=medians.get)}
         out["modes"][result.mode] = {
             "ttft_p50_ms": ttft_p50 * 1e3,
-            "ttft_p99_ms": percentile(result.ttft_s, 99) * 1e3,
+            "ttft_p99_ms": percentile(sorted(result.ttft_s), 0.99) * 1e3,
             "ttft_over_engine": ttft_p50 / engine_p50,
             "overhead_p50_ms": (ttft_p50 - engine_p50) * 1e3,
             "goal_met": ttft_p50 <= goal_s,

@@ -551,19 +551,22 @@ class ClusterBackend:
 
     def timeline(self, request_id: str) -> list[tuple[str, float]]:
         """(stage, seconds since arrival) of a request in flight or recently finished."""
-        lease = self.leases.get(request_id)
-        trace = lease.trace if lease is not None else self.recent_traces.get(request_id)
+        trace = self._kept_trace(request_id)
         if trace is None:
             raise RequestNotFoundError(request_id)
         return sorted(trace.timeline, key=lambda item: item[1])
+
+    def _kept_trace(self, request_id: str) -> RequestTrace | None:
+        """The trace of a request in flight or among the last RECENT_TRACES finished."""
+        lease = self.leases.get(request_id)
+        return lease.trace if lease is not None else self.recent_traces.get(request_id)
 
     async def explain(self, request_id: str) -> str:
         """The Conductor's decision (disaggregated) and the request's timeline, if still kept."""
         parts = []
         with contextlib.suppress(KeyError):
             parts.append(self.conductor.explain(request_id))
-        lease = self.leases.get(request_id)
-        trace = lease.trace if lease is not None else self.recent_traces.get(request_id)
+        trace = self._kept_trace(request_id)
         if trace is not None:
             parts.append(trace.explain_timeline())
         if not parts:
