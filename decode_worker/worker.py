@@ -6,9 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import itertools
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 
 import ray
@@ -23,7 +22,6 @@ from halfmoon.kvstore.locate import local_store
 from halfmoon.kvstore.transfer import plan_transfer
 
 RECENT_TIMINGS = 1024
-RECEIVE_AHEAD = 8  # transfer units whose layers are requested ahead of the one being copied
 
 
 @dataclasses.dataclass(slots=True)
@@ -163,33 +161,25 @@ class DecodeWorker(EngineWorker):
     async def _receive(self, store, request_id: str, units, pages: list[int]) -> None:
         kv_cache = self.engine.kv
         timings = self.timings[request_id]
-        # Gets for the next RECEIVE_AHEAD units are in flight at once (each waits in the store
-        # for its put), so a prompt whose KV is all published costs one round trip, not one
-        # per unit; the window bounds how long a get may wait for a chunk not computed yet.
-        pending: deque[list] = deque()
-        upcoming = iter(units)
-
-        def ask(unit) -> None:
-            refs = [
-                store.get_layer.remote(unit.keys, layer, self.get_timeout_s)
-                for layer in range(kv_cache.num_layers)
-            ]
-            pending.append([unit, refs])
-
-        for unit in itertools.islice(upcoming, RECEIVE_AHEAD):
-            ask(unit)
+        # One stream for the whole prompt: the store sends each layer of each unit as soon as
+        # it is put, so a prompt whose KV is all published costs one round trip, and the
+        # store holds one call for this request however many units and layers it has.
+        stream = store.stream_layers.options(num_returns="streaming").remote(
+            [unit.keys for unit in units], kv_cache.num_layers, self.get_timeout_s
+        )
         written = None  # the last layer write: on CUDA it lands after it is issued
-        while pending:
-            unit, refs = pending.popleft()
-            if (following := next(upcoming, None)) is not None:
-                ask(following)
-            unit_pages = pages[unit.first_block : unit.first_block + len(unit.keys)]
-            for layer, ref in enumerate(refs):
-                kv = await ref
-                written = kv_cache.write_layer(layer, unit_pages, kv, ordered=False)
-                timings.num_bytes += kv.nbytes
-                if not timings.first_layer_received_at:
-                    timings.first_layer_received_at = time.time()
+        try:
+            for unit in units:
+                unit_pages = pages[unit.first_block : unit.first_block + len(unit.keys)]
+                for layer in range(kv_cache.num_layers):
+                    kv = await (await anext(stream))
+                    written = kv_cache.write_layer(layer, unit_pages, kv, ordered=False)
+                    timings.num_bytes += kv.nbytes
+                    if not timings.first_layer_received_at:
+                        timings.first_layer_received_at = time.time()
+        except BaseException:
+            ray.cancel(stream)  # aborted or failed: the store stops waiting for the rest
+            raise
         if written is not None and not written.done():  # writes land in order: the last says all
             await asyncio.to_thread(written.wait)
         timings.all_received_at = time.time()

@@ -122,11 +122,12 @@ class Receiver:
             torch.cuda.current_stream().synchronize()  # the layer is in place, not queued
 
     async def from_store(self, store, keys: list[bytes]) -> None:
-        """Every layer of `keys` from the store node, gets all in flight as the decode worker."""
-        layers = range(self.num_layers)
-        refs = [store.get_layer.remote(keys, layer, GET_TIMEOUT_S) for layer in layers]
-        for layer, ref in enumerate(refs):
-            await self.take(layer, await ref)
+        """Every layer of `keys` from the store node, one stream as the decode worker reads."""
+        stream = store.stream_layers.options(num_returns="streaming").remote(
+            [keys], self.num_layers, GET_TIMEOUT_S
+        )
+        for layer in range(self.num_layers):
+            await self.take(layer, await (await anext(stream)))
 
     async def clear(self) -> None:
         self.k.zero_()

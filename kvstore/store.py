@@ -6,7 +6,7 @@ import asyncio
 import copy
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 
 from halfmoon.kvstore.config import StoreConfig
@@ -105,6 +105,17 @@ class KvStore:
         self._stats.host.bytes_read += kv.nbytes
         self._stats.get_latency.record(time.perf_counter() - start)
         return kv
+
+    async def stream_layers(
+        self, units: Sequence[Sequence[bytes]], num_layers: int, timeout_s: float | None = None
+    ) -> AsyncIterator[LayerKV]:
+        """Every layer of every unit of blocks, unit by unit and layer by layer, each as soon
+        as it is put: `get_layer` in that order, each waiting up to `timeout_s` from the end
+        of the one before. One reader, one call: a decode worker receives a whole prompt
+        through a single stream instead of one call per unit and layer."""
+        for keys in units:
+            for layer in range(num_layers):
+                yield await self.get_layer(keys, layer, timeout_s)
 
     def cached_prefix(self, keys: Sequence[bytes]) -> int:
         """How many leading blocks of `keys` the host tier holds with every layer."""

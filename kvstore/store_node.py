@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 
 import ray
 import torch
@@ -14,6 +14,13 @@ from halfmoon.kvstore.layout import KvLayout, LayerKV
 from halfmoon.kvstore.metrics_endpoint import actor_registry, serve_actor_metrics
 from halfmoon.kvstore.stats import StoreStats
 from halfmoon.kvstore.store import KvStore, PrefixHit
+
+# A read waits inside the actor until its layer is put, holding one of the actor's call slots;
+# a put that finds every slot taken would wait for a read to time out, and the reads wait for
+# that put: a stall of `get_timeout_s`. A decode worker reads a whole prompt through one
+# stream (one slot), so the slots bound the requests receiving from this node at once, far
+# above what its decode workers' pages can hold. Waiting coroutines cost a few KB each.
+MAX_CONCURRENT_CALLS = 100_000
 
 
 class StoreNode:
@@ -32,6 +39,13 @@ class StoreNode:
         self, keys: Sequence[bytes], layer: int, timeout_s: float | None = None
     ) -> LayerKV:
         return await self.store.get_layer(keys, layer, timeout_s)
+
+    async def stream_layers(
+        self, units: Sequence[Sequence[bytes]], num_layers: int, timeout_s: float | None = None
+    ) -> AsyncIterator[LayerKV]:
+        """Call with `.options(num_returns="streaming")`; `ray.cancel` it to stop early."""
+        async for kv in self.store.stream_layers(units, num_layers, timeout_s):
+            yield kv
 
     async def lookup(self, keys: Sequence[bytes]) -> PrefixHit:
         return await self.store.lookup(keys)
@@ -83,7 +97,7 @@ def start_store_node(
         name=name,
         get_if_exists=True,
         num_cpus=0,
-        max_concurrency=1000,
+        max_concurrency=MAX_CONCURRENT_CALLS,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
     )
     return actor.remote(layout, config or StoreConfig(), name)

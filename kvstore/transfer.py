@@ -2,9 +2,10 @@
 
 Both workers derive the same plan from the prompt alone, so the decode worker can wait for
 unit u, layer l before the prefill worker has computed it. A unit is `chunk_tokens` of the
-prompt (the prefill chunk); it moves as one `put_layer` / `get_layer` per layer, never per
-block. Full blocks carry their prefix-chain keys, so what is sent also serves as cache; a
-partial last block gets a key private to the request.
+prompt (the prefill chunk); it is put as one `put_layer` per layer, never per block, and the
+decode worker reads every unit's layers back through one `stream_layers` per request. Full
+blocks carry their prefix-chain keys, so what is sent also serves as cache; a partial last
+block gets a key private to the request.
 """
 
 from __future__ import annotations

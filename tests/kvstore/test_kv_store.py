@@ -48,6 +48,38 @@ async def test_get_layer_waits_for_a_later_put_layer() -> None:
     assert_same(LayerKV(got.k[1:], got.v[1:]), random_kv(1, 2))
 
 
+async def test_stream_layers_yields_unit_by_unit_layer_by_layer_as_each_is_put() -> None:
+    kv_store, first, second = store(), make_keys(2), make_keys(1)
+    stream = kv_store.stream_layers([first, second], LAYOUT.num_layers, timeout_s=30)
+    await kv_store.put_layer(first, 0, random_kv(2, 0))
+    assert_same(await anext(stream), random_kv(2, 0))
+    ahead = asyncio.create_task(anext(stream))  # layer 1 of the first unit is not put yet
+    await kv_store.put_layer(second, 0, random_kv(1, 10))  # a later unit first: no effect
+    await asyncio.sleep(0)
+    assert not ahead.done()
+    for layer in range(1, LAYOUT.num_layers):
+        await kv_store.put_layer(first, layer, random_kv(2, layer))
+    assert_same(await ahead, random_kv(2, 1))
+    assert_same(await anext(stream), random_kv(2, 2))
+    assert_same(await anext(stream), random_kv(1, 10))
+    for layer in range(1, LAYOUT.num_layers):
+        await kv_store.put_layer(second, layer, random_kv(1, 10 + layer))
+    assert [got.shape for got in [kv async for kv in stream]] == [(1, *LAYOUT.page_shape)] * 2
+    assert kv_store.stats().host.leased_blocks == 0
+
+
+async def test_a_stream_times_out_per_layer_and_holds_no_lease_after() -> None:
+    kv_store, keys = store(), make_keys(2)
+    await kv_store.put_layer(keys, 0, random_kv(2, 0))
+    stream = kv_store.stream_layers([keys], LAYOUT.num_layers, timeout_s=0.05)
+    await anext(stream)
+    with pytest.raises(LayerTimeout, match="layer 1"):
+        await anext(stream)
+    for layer in range(1, LAYOUT.num_layers):  # complete: the producer's own lease ends
+        await kv_store.put_layer(keys, layer, random_kv(2, layer))
+    assert kv_store.stats().host.leased_blocks == 0
+
+
 async def test_get_layer_timeout_names_the_layer_and_releases_its_lease() -> None:
     kv_store, keys = store(num_blocks=2), make_keys(2)
     await put_all_layers(kv_store, keys[:1])

@@ -60,3 +60,30 @@ def test_concurrent_writers_and_readers_on_the_same_keys(node) -> None:
     assert stats.host.blocks == 6 and stats.host.leased_blocks == 0
     for actor in readers + writers:
         ray.kill(actor)
+
+
+def test_a_stream_crosses_the_actor_and_a_cancel_ends_it(node) -> None:
+    first, second = make_keys(2), make_keys(3)
+    stream = node.stream_layers.options(num_returns="streaming").remote(
+        [first, second], LAYOUT.num_layers, 30.0
+    )
+    for layer in range(LAYOUT.num_layers):
+        ray.get(node.put_layer.remote(first, layer, random_kv(2, layer)))
+    for layer in range(LAYOUT.num_layers):
+        assert_same(ray.get(next(stream)), random_kv(2, layer))
+    ray.cancel(stream)  # the second unit is never put: the store stops waiting for it
+    with pytest.raises(ray.exceptions.TaskCancelledError):
+        ray.get(next(stream))
+    assert ray.get(node.stats.remote()).host.leased_blocks == 0
+
+
+@pytest.mark.timeout(120)
+def test_reads_waiting_in_the_node_never_hold_back_a_put(node) -> None:
+    # Each waiting read holds one of the actor's call slots. With Ray's default of 1,000 for
+    # async actors, the put below waited until these reads timed out (they wait for it).
+    keys = make_keys(1)
+    waiting = [node.get_layer.remote(keys, 0, 60.0) for _ in range(1_100)]
+    ray.get(node.stats.remote())  # the calls before this one have started
+    ray.get(node.put_layer.remote(keys, 0, random_kv(1, 5)), timeout=30)
+    for kv in ray.get(waiting, timeout=30):
+        assert_same(kv, random_kv(1, 5))
