@@ -438,16 +438,18 @@ class ClusterBackend:
             )
         prefill = attempt.prefill = self.workers[decision.prefill_instance]
         trace.prefill_instance = prefill.name
+        # Reserve and prefill start together: the decode worker's reads wait in the store for
+        # the layers, so neither waits for the other's round trip. A reserve that fails ends
+        # the attempt, and its release aborts the prefill by ticket.
         attempt.reserve = decode.handle.reserve.remote(
             rid, token_ids, params, prefill.store_name, attempt.ticket
         )
-        await self._call(decode, attempt.reserve)
+        prefilled = prefill.handle.prefill.remote(rid, token_ids, params, True, attempt.ticket)
         trace.prefill_started_s = time.monotonic()
-        trace.mark("decode pages reserved", trace.prefill_started_s)
         self.conductor.on_prefill_start(rid, trace.prefill_started_s)
-        result = await self._call(
-            prefill, prefill.handle.prefill.remote(rid, token_ids, params, True, attempt.ticket)
-        )
+        await self._call(decode, attempt.reserve)
+        trace.mark("decode pages reserved")
+        result = await self._call(prefill, prefilled)
         now = time.monotonic()
         trace.mark("prefill returned", now)
         for stage, wall_s in (
