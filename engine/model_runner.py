@@ -16,6 +16,7 @@ from halfmoon.engine.model_config import ModelConfig
 from halfmoon.engine.rope import cos_sin_cache
 from halfmoon.engine.scheduler import ScheduledSeq
 from halfmoon.engine.sequence import Sequence
+from halfmoon.kernels import ops
 from halfmoon.kernels.attention import AttentionMetadata
 
 
@@ -141,6 +142,8 @@ class ModelRunner:
             decode_block_tables=tables[num_prefill:].to(device),
             decode_seq_lens=(torch.tensor(starts[num_prefill:]) + 1).to(device),
         )
+        if num_prefill and not any(starts[:num_prefill]) and ops.dense_prefill():
+            meta.prefill_dense_lens = counts[:num_prefill]
         sampled = [
             i
             for i, (item, s, n) in enumerate(zip(batch, starts, counts, strict=True))

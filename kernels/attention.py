@@ -24,6 +24,9 @@ class AttentionMetadata:
     prefill_prefix_lens: torch.Tensor
     decode_block_tables: torch.Tensor
     decode_seq_lens: torch.Tensor
+    # The prefill runs' lengths, on the host, when no run has a cached prefix: they then
+    # attend over this step's own K/V (`ops.causal_attention`), with no page reads.
+    prefill_dense_lens: list[int] | None = None
 
 
 def paged_attention(
@@ -39,7 +42,10 @@ def paged_attention(
     ops.store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
     split = meta.num_prefill_tokens
     parts = []
-    if split > 0:
+    if split > 0 and meta.prefill_dense_lens is not None:
+        dense = (query[:split], key[:split], value[:split], meta.prefill_dense_lens, scale)
+        parts.append(ops.causal_attention(*dense))
+    elif split > 0:
         parts.append(
             ops.prefill_attention(
                 query[:split],

@@ -12,7 +12,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from halfmoon.kernels import reference
+from halfmoon.kernels import ops, reference
 
 NO_CUDA = (
     "no CUDA device: kernel benchmarks need a GPU; CPU correctness is covered by tests/kernels"
@@ -172,6 +172,33 @@ def prefill_case(kernels: ModuleType, config: BenchConfig, device: torch.device)
     )
 
 
+def engine_prefill_case(config: BenchConfig, device: torch.device) -> Case:
+    """The prefill workload as the engine runs it: runs with no cached prefix go to
+    `ops.causal_attention` (torch's fused attention per run, over the step's own K/V), not to
+    the paged kernel; the torch side is one batched SDPA call over the same dense K/V."""
+    batch, length, heads = config.prefill_batch, config.prefill_len, config.num_q_heads
+    shape = (batch * length, config.num_kv_heads, config.head_dim)
+    query = torch.randn(batch * length, heads, config.head_dim, dtype=torch.float16, device=device)
+    key = torch.randn(shape, dtype=torch.float16, device=device)
+    value = torch.randn_like(key)
+
+    def dense(x: torch.Tensor) -> torch.Tensor:
+        return x.view(batch, length, x.shape[1], -1).transpose(1, 2)
+
+    scale = config.head_dim**-0.5
+    flops = 4 * batch * heads * config.head_dim * length * (length + 1) / 2
+    return Case(
+        "prefill_engine_dispatch",
+        f"{batch} runs x {length} tokens",
+        lambda: ops.causal_attention(query, key, value, [length] * batch, scale),
+        lambda: F.scaled_dot_product_attention(
+            dense(query), dense(key), dense(value), is_causal=True, scale=scale, enable_gqa=True
+        ),
+        flops,
+        "TFLOP/s",
+    )
+
+
 def memory_cases(kernels: ModuleType, config: BenchConfig, device: torch.device) -> list[Case]:
     """The bandwidth-bound kernels over as many tokens as the prefill workload."""
     tokens = config.prefill_batch * config.prefill_len
@@ -226,6 +253,7 @@ def run_cases(
 ) -> list[KernelResult]:
     """Build every workload on `device`, time both sides, and relate the Triton side to the peak."""
     cases = [decode_case(kernels, config, device), prefill_case(kernels, config, device)]
+    cases.append(engine_prefill_case(config, device))
     cases += memory_cases(kernels, config, device)
     results = []
     for case in cases:

@@ -3,6 +3,11 @@
 CUDA tensors run the Triton kernels, everything else the torch references.
 `HALFMOON_KERNELS=torch|triton` forces one backend (tests run Triton on CPU with
 `TRITON_INTERPRET=1`).
+
+Prefill runs with no cached prefix attend over the step's own K/V with torch's fused
+attention (`causal_attention`; FlashAttention on CUDA), which measured faster than the paged
+Triton kernel on an H100 (issue 13); runs over a cached prefix read it from the pages.
+`HALFMOON_PREFILL_ATTENTION=paged` sends every run through the paged kernel.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import torch
 from halfmoon.kernels import reference
 
 BACKEND_ENV = "HALFMOON_KERNELS"
+PREFILL_ENV = "HALFMOON_PREFILL_ATTENTION"
 
 
 def backend_for(tensor: torch.Tensor) -> ModuleType:
@@ -43,6 +49,19 @@ def prefill_attention(query, k_cache, v_cache, cu_seqlens_q, block_tables, prefi
     return backend_for(query).prefill_attention(
         query, k_cache, v_cache, cu_seqlens_q, block_tables, prefix_lens, scale
     )
+
+
+def dense_prefill() -> bool:
+    """Whether prefill runs without a cached prefix take `causal_attention` (the default)."""
+    policy = os.environ.get(PREFILL_ENV, "auto")
+    if policy not in ("auto", "paged"):
+        raise ValueError(f"{PREFILL_ENV}={policy!r}: expected 'auto' or 'paged'")
+    return policy == "auto"
+
+
+def causal_attention(query, key, value, run_lens, scale):
+    """Ragged runs of `run_lens` tokens, each causal over itself only (no cached prefix)."""
+    return reference.causal_attention(query, key, value, run_lens, scale)
 
 
 def gather_pages(cache, page_ids):

@@ -87,6 +87,33 @@ def prefill_attention(
     return out
 
 
+def causal_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    run_lens: list[int],
+    scale: float,
+) -> torch.Tensor:
+    """Ragged runs (lengths on the host) that start at position 0: each run attends causally
+    to its own `key`/`value` rows ([T, kv_heads, D]), the same as `prefill_attention` with no
+    prefix, without reading the pages. torch's fused SDPA kernels do the work on any device."""
+    out = torch.empty_like(query)
+    start = 0
+    for length in run_lens:
+        end = start + length
+        attn = F.scaled_dot_product_attention(
+            query[start:end].transpose(0, 1).unsqueeze(0),
+            key[start:end].transpose(0, 1).unsqueeze(0).to(query.dtype),
+            value[start:end].transpose(0, 1).unsqueeze(0).to(query.dtype),
+            is_causal=True,
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[start:end] = attn[0].transpose(0, 1)
+        start = end
+    return out
+
+
 def gather_pages(cache: torch.Tensor, page_ids: torch.Tensor) -> torch.Tensor:
     """Pack the listed pages of one layer's cache into one contiguous `[n, block, H, D]` buffer."""
     return cache[page_ids.long()].contiguous()

@@ -41,10 +41,12 @@ def test_bench_workloads_relate_each_kernel_to_peak_and_torch():
     results = bench.run_cases(triton_kernels, config, torch.device("cpu"), peaks, one_call_timer)
     kernels = [r.kernel for r in results]
     assert kernels == [
-        "paged_decode_attention", "prefill_attention", "store_kv", "gather_pages",
-        "scatter_pages", "rms_norm", "rotary_embedding",
+        "paged_decode_attention", "prefill_attention", "prefill_engine_dispatch", "store_kv",
+        "gather_pages", "scatter_pages", "rms_norm", "rotary_embedding",
     ]  # fmt: skip
     assert len(calls) == 2 * len(results)
+    ours, batched = calls[4], calls[5]  # the engine's per-run dispatch vs one batched SDPA
+    torch.testing.assert_close(ours, batched.transpose(1, 2).flatten(0, 1), atol=2e-3, rtol=2e-3)
     decode = results[0]
     kv_bytes = 2 * 2 * 40 * 2 * 64 * 2 + 2 * (2 * 4 * 64) * 2
     assert decode.achieved == pytest.approx(kv_bytes / 2e-3 / 1e9)

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import pytest
+
 from halfmoon.engine import LLM, SamplingParams
+from halfmoon.kernels import ops
 
 
-def test_tiny_model_greedy_tokens_equal_between_triton_and_torch(tiny_model_dir, monkeypatch):
+# auto: first chunks take the dense prefill path, later chunks the paged kernel; paged: all.
+@pytest.mark.parametrize("prefill", ["auto", "paged"])
+def test_tiny_model_greedy_tokens_equal_between_triton_and_torch(
+    tiny_model_dir, monkeypatch, prefill
+):
+    monkeypatch.setenv(ops.PREFILL_ENV, prefill)
     prompts = ["The cache", "x" * 40, "a"]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     monkeypatch.setenv("HALFMOON_KERNELS", "torch")
