@@ -128,6 +128,8 @@ class StoreSection(Section):
     use_local_redis: bool = True
     redis_ttl_s: int = Field(3600, gt=0)
     lease_ttl_s: float = Field(30.0, gt=0)
+    # How long a read waits for a layer once its producer should have put it: a decode worker's
+    # reads, from the moment its request's prefill returned; a prefix load, from its start.
     get_timeout_s: float = Field(30.0, gt=0)
     # Password of the Redis server (or $HALFMOON_REDIS_PASSWORD); a password in redis_url
     # also works. The local redis-server halfmoon starts gets a fresh random one.

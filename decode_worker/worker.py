@@ -22,6 +22,11 @@ from halfmoon.kvstore.locate import local_store
 from halfmoon.kvstore.transfer import plan_transfer
 
 RECENT_TIMINGS = 1024
+# Until the router hands the request over (its prefill returned), the reads wait for the
+# prefill however long it queues and computes, up to this bound: the router aborts the
+# reservation when the prefill fails or its worker dies. After the hand-off, what is still
+# missing must land within `get_timeout_s`.
+PREFILL_WAIT_S = 3600.0
 
 
 @dataclasses.dataclass(slots=True)
@@ -95,10 +100,18 @@ class DecodeWorker(EngineWorker):
             return
         engine = self._engine()
         try:
-            await receive
+            await asyncio.wait_for(receive, self.get_timeout_s)
         except asyncio.CancelledError:
             self._free(request_id)
             yield aborted(request_id)
+            return
+        except TimeoutError:
+            self._free(request_id)
+            yield WorkerError(
+                "UNAVAILABLE",
+                f"the KV of {request_id} was not all in the store {self.get_timeout_s} s after "
+                "its prefill ended (store.get_timeout_s)",
+            )
             return
         except Exception as error:  # noqa: BLE001 - the router learns why, as data
             self._free(request_id)
@@ -165,7 +178,9 @@ class DecodeWorker(EngineWorker):
         # it is put, so a prompt whose KV is all published costs one round trip, and the
         # store holds one call for this request however many units and layers it has.
         stream = store.stream_layers.options(num_returns="streaming").remote(
-            [unit.keys for unit in units], kv_cache.num_layers, self.get_timeout_s
+            [unit.keys for unit in units],
+            kv_cache.num_layers,
+            max(self.get_timeout_s, PREFILL_WAIT_S),
         )
         written = None  # the last layer write: on CUDA it lands after it is issued
         try:

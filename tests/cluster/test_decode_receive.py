@@ -1,0 +1,86 @@
+"""A decode worker's reads wait for a prefill however long it queues, and time out only once
+the prefill has returned (real decode worker and store node actors, the tiny model)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+import ray
+import torch
+
+from halfmoon.decode_worker.worker import DecodeWorker
+from halfmoon.engine.config import EngineConfig
+from halfmoon.engine.llm_engine import LLMEngine
+from halfmoon.engine.sampling_params import SamplingParams
+from halfmoon.engine.worker_errors import WorkerError
+from halfmoon.kvstore.layout import KvLayout, LayerKV
+from halfmoon.kvstore.store_node import start_store_node
+from halfmoon.kvstore.transfer import plan_transfer
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+GET_TIMEOUT_S = 0.5
+PROMPT = list(range(3, 60))  # 57 tokens: two units of 32, the last with a partial block
+
+
+@pytest.fixture
+def parts(tiny_model_dir):
+    config = EngineConfig(model=str(tiny_model_dir), num_pages=32, prefill_chunk_size=32)
+    local = LLMEngine(config)  # the plan's keys and the KV layout, as the prefill worker has
+    k_cache = local.kv.layers[0][0]  # [pages, block_size, kv_heads, head_dim]
+    layout = KvLayout(local.kv.num_layers, *k_cache.shape[1:], dtype=k_cache.dtype)
+    store = start_store_node(layout, name=f"receive-test-{uuid.uuid4().hex[:8]}")
+    decode = (
+        ray.remote(DecodeWorker)
+        .options(max_concurrency=100)
+        .remote("decode-0", config, store, GET_TIMEOUT_S)
+    )
+    yield local.root_key, layout, store, decode
+    ray.kill(decode)
+    ray.kill(store)
+
+
+def put_layers(store, units, layout: KvLayout, skip_last: bool = False) -> None:
+    for unit in units:
+        for layer in range(layout.num_layers):
+            if skip_last and unit is units[-1] and layer == layout.num_layers - 1:
+                continue
+            zeros = torch.zeros(len(unit.keys), *layout.page_shape, dtype=layout.dtype)
+            ray.get(store.put_layer.remote(unit.keys, layer, LayerKV(zeros, zeros.clone())))
+
+
+def outputs(decode, request_id: str) -> list:
+    async def collect():
+        stream = decode.generate.options(num_returns="streaming").remote(request_id, 7)
+        return [await ref async for ref in stream]
+
+    return asyncio.run(collect())
+
+
+@pytest.mark.timeout(120)
+def test_reads_wait_for_a_prefill_that_starts_after_the_read_timeout(parts):
+    root_key, layout, store, decode = parts
+    units = plan_transfer(root_key, PROMPT, layout.block_size, 32, "late")
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    assert ray.get(decode.reserve.remote("late", PROMPT, params)) == 4
+    asyncio.run(asyncio.sleep(4 * GET_TIMEOUT_S))  # the prefill queues behind others
+    put_layers(store, units, layout)
+    got = outputs(decode, "late")
+    assert not any(isinstance(out, WorkerError) for out in got), got
+    tokens = [token for out in got for token in out.new_token_ids]
+    assert got[-1].finished and tokens[0] == 7 and len(tokens) == 3  # 7: the prefill's token
+
+
+@pytest.mark.timeout(120)
+def test_a_layer_still_missing_after_the_hand_off_fails_within_the_timeout(parts):
+    root_key, layout, store, decode = parts
+    units = plan_transfer(root_key, PROMPT, layout.block_size, 32, "lost")
+    params = SamplingParams(max_tokens=3, temperature=0.0)
+    ray.get(decode.reserve.remote("lost", PROMPT, params))
+    put_layers(store, units, layout, skip_last=True)
+    (error,) = outputs(decode, "lost")
+    assert isinstance(error, WorkerError) and error.code == "UNAVAILABLE"
+    assert "store.get_timeout_s" in error.message
+    counters = ray.get(decode.counters.remote())
+    assert counters["num_used_pages"] == 0 and counters["num_receiving"] == 0
