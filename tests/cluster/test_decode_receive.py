@@ -19,13 +19,12 @@ from halfmoon.kvstore.layout import KvLayout, LayerKV
 from halfmoon.kvstore.store_node import start_store_node
 from halfmoon.kvstore.transfer import plan_transfer
 
-pytestmark = pytest.mark.usefixtures("ray_session")
 GET_TIMEOUT_S = 0.5
 PROMPT = list(range(3, 60))  # 57 tokens: two units of 32, the last with a partial block
 
 
-@pytest.fixture
-def parts(tiny_model_dir):
+@pytest.fixture(scope="module")
+def parts(tiny_model_dir, ray_session):
     config = EngineConfig(model=str(tiny_model_dir), num_pages=32, prefill_chunk_size=32)
     local = LLMEngine(config)  # the plan's keys and the KV layout, as the prefill worker has
     k_cache = local.kv.layers[0][0]  # [pages, block_size, kv_heads, head_dim]

@@ -99,11 +99,10 @@ async def _meet(client: AsyncClient, prompt: str, fate: str, rng: random.Random)
 def test_cancels_and_deadlines_at_random_points_leave_nothing_held(tiny_model_dir):
     rng = random.Random(15)
     # Admission off lets all 150 in (with the default queue bound about half would be turned
-    # away, the `rejected` fate, which holds nothing either: 83 of 150 when last run).
-    # Without admission all 150 queue at once, and on a slow 2-core run the last prefills
-    # start more than the default 30 s after their decode reads began: give the reads time,
-    # this test is about what cancels and deadlines leave behind.
-    settings = {"engine.num_pages": 512, "router.admission": "none", "store.get_timeout_s": 180}
+    # away, the `rejected` fate, which holds nothing either: 83 of 150 when last run). On a
+    # slow 2-core run the last prefills start more than `store.get_timeout_s` (30 s) after
+    # their decode reads began: the reads wait for them.
+    settings = {"engine.num_pages": 512, "router.admission": "none"}
     with running_cluster(tiny_model_dir, **settings) as (cluster, client):
         address = client.address
 
