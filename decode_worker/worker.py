@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
@@ -21,12 +22,19 @@ from halfmoon.engine.worker_errors import WorkerError, aborted
 from halfmoon.kvstore.locate import local_store
 from halfmoon.kvstore.transfer import plan_transfer
 
+log = logging.getLogger(__name__)
 RECENT_TIMINGS = 1024
 # Until the router hands the request over (its prefill returned), the reads wait for the
 # prefill however long it queues and computes, up to this bound: the router aborts the
 # reservation when the prefill fails or its worker dies. After the hand-off, what is still
 # missing must land within `get_timeout_s`.
 PREFILL_WAIT_S = 3600.0
+# A reservation whose KV has landed (or whose receive failed) and that no `generate` claims
+# within this many seconds is freed: the router that made it died or lost track of it. The
+# router hands over as soon as its prefill returns, which is after the last layer was stored.
+HANDOFF_TIMEOUT_S = 60.0
+# Ids of reservations freed that way, kept so a late `generate` says why it finds none.
+EXPIRED_IDS = 1024
 
 
 @dataclasses.dataclass(slots=True)
@@ -45,10 +53,20 @@ class DecodeWorker(EngineWorker):
 
     kind = "decode"
 
-    def __init__(self, name: str, config: EngineConfig, store=None, get_timeout_s: float = 30.0):
+    def __init__(
+        self,
+        name: str,
+        config: EngineConfig,
+        store=None,
+        get_timeout_s: float = 30.0,
+        handoff_timeout_s: float = HANDOFF_TIMEOUT_S,
+    ):
         super().__init__(name, LLMEngine(config))
         self.store = store
         self.get_timeout_s = get_timeout_s
+        self.handoff_timeout_s = handoff_timeout_s
+        self.expired: OrderedDict[str, None] = OrderedDict()
+        self.num_expired_reservations = 0
         self.chunk_tokens = config.prefill_chunk_size or config.max_num_batched_tokens
         self.receives: dict[str, asyncio.Task] = {}
         self.stores: dict[str, object] = {}
@@ -56,7 +74,10 @@ class DecodeWorker(EngineWorker):
         self.timings: OrderedDict[str, ReceiveTimings] = OrderedDict()
 
     def _extra_counters(self) -> dict:
-        return {"num_receiving": len(self.receives)}
+        return {
+            "num_receiving": len(self.receives),
+            "num_expired_reservations": self.num_expired_reservations,
+        }
 
     async def reserve(
         self,
@@ -84,9 +105,9 @@ class DecodeWorker(EngineWorker):
             request_id,
         )
         self._record(request_id, ReceiveTimings(reserved_at=time.time()))
-        self.receives[request_id] = asyncio.create_task(
-            self._receive(store, request_id, units, pages)
-        )
+        receive = asyncio.create_task(self._receive(store, request_id, units, pages))
+        receive.add_done_callback(lambda task: self._await_handoff(request_id, task))
+        self.receives[request_id] = receive
         return len(pages)
 
     async def generate(
@@ -95,6 +116,13 @@ class DecodeWorker(EngineWorker):
         """Wait for the last layer, join the batch, and stream the request's outputs; a
         failure is the last item, as a `WorkerError`."""
         receive = self.receives.pop(request_id, None)
+        if receive is None and request_id in self.expired:
+            yield WorkerError(
+                "UNAVAILABLE",
+                f"the reservation of {request_id} was freed: nothing claimed it "
+                f"{self.handoff_timeout_s:g} s after its KV landed",
+            )
+            return
         if receive is None:
             yield WorkerError("NOT_FOUND", f"request {request_id} has no reservation here")
             return
@@ -149,6 +177,31 @@ class DecodeWorker(EngineWorker):
             receive.cancel()
             return self._free(request_id)
         return self._engine().abort(request_id)
+
+    def _await_handoff(self, request_id: str, receive: asyncio.Task) -> None:
+        """The receive ended: free its pages unless `generate` or `abort` claims it within
+        `handoff_timeout_s` (its router died between the reserve and the hand-off)."""
+        if receive.cancelled() or self.receives.get(request_id) is not receive:
+            return  # aborted, or already handed over
+        loop = asyncio.get_running_loop()
+        loop.call_later(self.handoff_timeout_s, self._expire, request_id, receive)
+
+    def _expire(self, request_id: str, receive: asyncio.Task) -> None:
+        if self.receives.get(request_id) is not receive:
+            return
+        del self.receives[request_id]
+        failure = receive.exception()  # retrieved, so asyncio does not log it as lost
+        log.warning(
+            "freed the reservation of %s: no hand-off %g s after its KV %s",
+            request_id,
+            self.handoff_timeout_s,
+            "landed" if failure is None else f"failed ({failure})",
+        )
+        self.num_expired_reservations += 1
+        self.expired[request_id] = None
+        while len(self.expired) > EXPIRED_IDS:
+            self.expired.popitem(last=False)
+        self._free(request_id)
 
     def _free(self, request_id: str) -> bool:
         """Abort a request whose KV was being received: its pages are freed only once the

@@ -1,5 +1,6 @@
 """A decode worker's reads wait for a prefill however long it queues, and time out only once
-the prefill has returned (real decode worker and store node actors, the tiny model)."""
+the prefill has returned; a reservation nobody hands over is freed (real decode worker and
+store node actors, the tiny model)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from halfmoon.kvstore.store_node import start_store_node
 from halfmoon.kvstore.transfer import plan_transfer
 
 GET_TIMEOUT_S = 0.5
+HANDOFF_TIMEOUT_S = 3.0
 PROMPT = list(range(3, 60))  # 57 tokens: two units of 32, the last with a partial block
 
 
@@ -33,7 +35,7 @@ def parts(tiny_model_dir, ray_session):
     decode = (
         ray.remote(DecodeWorker)
         .options(max_concurrency=100)
-        .remote("decode-0", config, store, GET_TIMEOUT_S)
+        .remote("decode-0", config, store, GET_TIMEOUT_S, HANDOFF_TIMEOUT_S)
     )
     yield local.root_key, layout, store, decode
     ray.kill(decode)
@@ -83,3 +85,26 @@ def test_a_layer_still_missing_after_the_hand_off_fails_within_the_timeout(parts
     assert "store.get_timeout_s" in error.message
     counters = ray.get(decode.counters.remote())
     assert counters["num_used_pages"] == 0 and counters["num_receiving"] == 0
+
+
+@pytest.mark.timeout(120)
+def test_a_reservation_never_handed_over_is_freed(parts):
+    """The router died between the reserve and the hand-off: the pages come back."""
+    root_key, layout, store, decode = parts
+    units = plan_transfer(root_key, PROMPT, layout.block_size, 32, "orphan")
+    params = SamplingParams(max_tokens=3, temperature=0.0)
+    expired = ray.get(decode.counters.remote())["num_expired_reservations"]
+    assert ray.get(decode.reserve.remote("orphan", PROMPT, params)) == 4
+    put_layers(store, units, layout)
+    counters = ray.get(decode.counters.remote())
+    assert counters["num_used_pages"] == 4  # held while the hand-off may still come
+    for _ in range(200):
+        counters = ray.get(decode.counters.remote())
+        if counters["num_used_pages"] == 0:
+            break
+        asyncio.run(asyncio.sleep(0.1))
+    assert counters["num_used_pages"] == 0 and counters["num_receiving"] == 0
+    assert counters["num_expired_reservations"] == expired + 1
+    (error,) = outputs(decode, "orphan")  # a hand-off after the expiry says why
+    assert isinstance(error, WorkerError) and error.code == "UNAVAILABLE"
+    assert "was freed" in error.message
