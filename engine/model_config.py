@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,65 +41,116 @@ class ModelConfig:
     max_model_len: int
 
 
-def load_model_config(model_dir: str | Path) -> ModelConfig:
-    """Read and check `config.json` through `transformers.AutoConfig`."""
-    from transformers import AutoConfig
+# What transformers' config class of each architecture assumes for a key config.json leaves
+# out (`save_pretrained` writes only values that differ from these). tests/engine/
+# test_model_config.py checks every entry against transformers' own classes.
+_DEFAULTS: dict[str, dict] = {
+    "LlamaForCausalLM": dict(
+        vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=None, head_dim=None,
+        max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        attention_bias=False, eos_token_id=2, sliding_window=None,
+    ),
+    "MistralForCausalLM": dict(
+        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=None,
+        max_position_embeddings=4096 * 32, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        attention_bias=False, eos_token_id=2, sliding_window=4096,
+    ),
+    "Qwen2ForCausalLM": dict(
+        vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=32, head_dim=None,
+        max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        attention_bias=False, eos_token_id=None, sliding_window=4096, use_sliding_window=False,
+    ),
+    "Qwen3ForCausalLM": dict(
+        vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=32, head_dim=128,
+        max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        attention_bias=False, eos_token_id=None, sliding_window=4096, use_sliding_window=False,
+    ),
+}  # fmt: skip
+DEFAULT_ROPE_THETA = 10000.0
 
+
+def load_model_config(model_dir: str | Path) -> ModelConfig:
+    """Read and check `config.json`, with transformers' defaults for the keys it leaves out.
+
+    Read as JSON rather than through `transformers.AutoConfig`: importing a transformers
+    config class costs ~3 s of CPU (it pulls in torch.distributed), paid by every worker."""
     path = Path(model_dir)
-    if not (path / "config.json").is_file():
+    file = path / "config.json"
+    if not file.is_file():
         raise ModelLoadError(
             f"model directory {str(path)!r} has no config.json: pass a Hugging Face checkpoint "
             "directory, or run `halfmoon init-model DIR` to create the default tiny model"
         )
-    hf = AutoConfig.from_pretrained(path)
-    architecture = (getattr(hf, "architectures", None) or ["<none>"])[0]
+    try:
+        raw = json.loads(file.read_text())
+    except (OSError, ValueError) as error:
+        raise ModelLoadError(f"cannot read {file}: {error}") from error
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"{file} must hold a JSON object, not {type(raw).__name__}")
+    architecture = (raw.get("architectures") or ["<none>"])[0]
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
             f"architecture {architecture!r} in {path} is not supported; supported: "
             + ", ".join(SUPPORTED_ARCHITECTURES)
         )
-    rope = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
-    rope_theta = float(rope.pop("rope_theta", getattr(hf, "rope_theta", 10000.0)))
+    hf = {**_DEFAULTS[architecture], **{k: v for k, v in raw.items() if v is not None}}
+    for key in ("head_dim", "num_key_value_heads", "eos_token_id", "sliding_window"):
+        if key in raw and raw[key] is None:  # an explicit null overrides a default
+            hf[key] = None
+    try:
+        return _model_config(architecture, hf)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as error:
+        raise ModelLoadError(f"{file} is not a valid {architecture} config: {error!r}") from error
+
+
+def _model_config(architecture: str, hf: dict) -> ModelConfig:
+    # transformers 5 writes `rope_parameters` (with `rope_theta` inside); older checkpoints
+    # write `rope_scaling` and a top-level `rope_theta`.
+    rope = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
+    rope_theta = float(rope.pop("rope_theta", hf.get("rope_theta", DEFAULT_ROPE_THETA)))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ModelLoadError(
             f"rope type {rope_type!r} is not supported; "
             f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
-    num_heads = hf.num_attention_heads
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
-    max_positions = hf.max_position_embeddings
+    num_heads = int(hf["num_attention_heads"])
+    head_dim = hf["head_dim"] or int(hf["hidden_size"]) // num_heads
+    max_positions = int(hf["max_position_embeddings"])
     return ModelConfig(
         architecture=architecture,
-        vocab_size=hf.vocab_size,
-        hidden_size=hf.hidden_size,
-        intermediate_size=hf.intermediate_size,
-        num_layers=hf.num_hidden_layers,
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=int(hf["hidden_size"]),
+        intermediate_size=int(hf["intermediate_size"]),
+        num_layers=int(hf["num_hidden_layers"]),
         num_heads=num_heads,
-        num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
-        head_dim=head_dim,
-        rms_norm_eps=hf.rms_norm_eps,
+        num_kv_heads=int(hf["num_key_value_heads"] or num_heads),
+        head_dim=int(head_dim),
+        rms_norm_eps=float(hf["rms_norm_eps"]),
         rope_theta=rope_theta,
         rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
         max_position_embeddings=max_positions,
-        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-        qkv_bias=architecture == "Qwen2ForCausalLM" or bool(getattr(hf, "attention_bias", False)),
+        tie_word_embeddings=bool(hf["tie_word_embeddings"]),
+        qkv_bias=architecture == "Qwen2ForCausalLM" or bool(hf["attention_bias"]),
         qk_norm=architecture == "Qwen3ForCausalLM",
-        eos_token_ids=_eos_ids(hf),
+        eos_token_ids=_eos_ids(hf["eos_token_id"]),
         max_model_len=min(max_positions, _sliding_window(hf) or math.inf),
     )
 
 
-def _eos_ids(hf) -> tuple[int, ...]:
-    eos = getattr(hf, "eos_token_id", None)
+def _eos_ids(eos) -> tuple[int, ...]:
     if eos is None:
         return ()
-    return tuple(eos) if isinstance(eos, list | tuple) else (eos,)
+    return tuple(int(i) for i in eos) if isinstance(eos, list | tuple) else (int(eos),)
 
 
-def _sliding_window(hf) -> int | None:
+def _sliding_window(hf: dict) -> int | None:
     # We attend over the full context; cap the context where a sliding window would differ.
-    window = getattr(hf, "sliding_window", None)
-    if window is None or getattr(hf, "use_sliding_window", True) is False:
+    window = hf.get("sliding_window")
+    if window is None or hf.get("use_sliding_window", True) is False:
         return None
     return int(window)

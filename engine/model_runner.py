@@ -30,7 +30,7 @@ class ModelRunner:
         self.forward_s = 0.0  # time inside the model's forward passes, for overhead figures
         with torch.device("meta"):
             model = CausalLM(cfg)
-        model = model.to_empty(device=device).to(dtype)
+        _materialize(model, device, dtype)
         if cfg.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
         load_weights(model, model_dir)
@@ -151,3 +151,17 @@ class ModelRunner:
         ]
         sample_rows = (ends[sampled] - 1).to(device)
         return torch.tensor(tokens, device=device), positions.to(device), meta, sample_rows, sampled
+
+
+def _materialize(model: torch.nn.Module, device, dtype: torch.dtype) -> None:
+    """Give a meta-device model uninitialised tensors on `device` (the checkpoint fills them).
+
+    `Module.to_empty` does the same through `torch.empty_like`, whose meta-tensor path imports
+    sympy: most of a second of every worker's start."""
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            tensor = torch.empty(param.shape, dtype=dtype, device=device)
+            setattr(module, name, torch.nn.Parameter(tensor, requires_grad=param.requires_grad))
+        for name, buffer in module.named_buffers(recurse=False):
+            kind = dtype if buffer.is_floating_point() else buffer.dtype
+            module.register_buffer(name, torch.empty(buffer.shape, dtype=kind, device=device))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Union
 
@@ -21,9 +22,33 @@ def load_tokenizer(model_dir: Path):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(model_dir)
+        return AutoTokenizer.from_pretrained(model_dir, **_light_config(Path(model_dir)))
     except (OSError, ValueError) as error:
         raise ModelLoadError(f"cannot load a tokenizer from {model_dir}: {error}") from error
+
+
+def _light_config(model_dir: Path) -> dict:
+    """`config=` for AutoTokenizer when tokenizer_config.json names the tokenizer class.
+
+    AutoTokenizer loads the model's config to choose a class, and importing the model's config
+    class costs ~3 s of CPU (it pulls in torch.distributed), paid by every worker and router.
+    When the checkpoint names its tokenizer class (and has no custom code), AutoTokenizer
+    reads only `model_type` and `tokenizer_class` from the config, which the generic config
+    class holds as well. tests/engine/test_tokenizer_load.py compares both ways."""
+    from transformers import PretrainedConfig  # the name in transformers 4 and 5
+
+    try:
+        declared = json.loads((model_dir / "tokenizer_config.json").read_text())
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}  # AutoTokenizer's own path, and its own error
+    if not isinstance(declared, dict) or not isinstance(config, dict):
+        return {}
+    if not declared.get("tokenizer_class") or "auto_map" in declared or "auto_map" in config:
+        return {}
+    light = PretrainedConfig.from_dict(config)
+    light._name_or_path = str(model_dir)
+    return {"config": light}
 
 
 def tokenize_prompt(tokenizer, prompt: Prompt, vocab_size: int) -> list[int]:
