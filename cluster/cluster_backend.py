@@ -200,18 +200,24 @@ class ClusterBackend:
     async def _serve(
         self, request: GenerateInput, token_ids: list[int], lease: RequestLease
     ) -> AsyncIterator[TokenDelta]:
-        """Serve the request, moving it to other workers while a dead one had streamed none of
-        it (beyond the prefill's first token, which the next decode worker continues from)."""
+        """Serve the request, moving it to other workers while a dead one (or one whose KV never
+        arrived) had streamed none of it (beyond the prefill's first token, which the next
+        decode worker continues from)."""
         while True:
             try:
                 async for delta in self._attempt(request, token_ids, lease):
                     yield delta
                 return
-            except WorkerCallError:
-                if not lease.aborted:
+            except WorkerCallError as error:
+                if lease.aborted:
+                    yield self._aborted_delta(lease.trace)
+                    return
+                if not error.retryable or lease.streamed or lease.num_attempts >= MAX_ATTEMPTS:
                     raise
-                yield self._aborted_delta(lease.trace)
-                return
+                log.warning("retrying request %s on other workers: %s", lease.request_id, error)
+                await self._end_attempt(lease)
+                self.conductor.on_abandon(lease.request_id)
+                lease.retry()
             except WorkerDiedError:
                 if lease.streamed or lease.aborted or lease.num_attempts >= MAX_ATTEMPTS:
                     raise
@@ -457,13 +463,13 @@ class ClusterBackend:
             ("prefill compute began", result.started_at),
             ("prefill compute ended", result.computed_at),
             ("last layer published", result.last_layer_published_at),
-            ("every layer stored", result.finished_at),
+            ("prefill call returned on the worker", result.finished_at),
         ):
             trace.mark_wall(stage, wall_s)
         self.conductor.on_prefill_done(rid, now)
         cached = result.num_local_cached_tokens + result.num_loaded_tokens
         # The cost model is refined from the workers' engine steps (RouterActor polls them).
-        trace.prefill_compute_s = result.finished_at - result.started_at
+        trace.prefill_compute_s = result.computed_at - result.started_at
         trace.num_cached_tokens, trace.num_loaded_tokens = cached, result.num_loaded_tokens
         if trace.early_token is None:  # a retry continues from the first token already out
             trace.early_token = (result.first_token_id, result.logprobs)

@@ -121,6 +121,7 @@ class DecodeWorker(EngineWorker):
                 "UNAVAILABLE",
                 f"the reservation of {request_id} was freed: nothing claimed it "
                 f"{self.handoff_timeout_s:g} s after its KV landed",
+                retryable=True,
             )
             return
         if receive is None:
@@ -139,11 +140,14 @@ class DecodeWorker(EngineWorker):
                 "UNAVAILABLE",
                 f"the KV of {request_id} was not all in the store {self.get_timeout_s} s after "
                 "its prefill ended (store.get_timeout_s)",
+                retryable=True,
             )
             return
         except Exception as error:  # noqa: BLE001 - the router learns why, as data
             self._free(request_id)
-            yield WorkerError("UNAVAILABLE", f"receiving the KV of {request_id} failed: {error}")
+            yield WorkerError(
+                "UNAVAILABLE", f"receiving the KV of {request_id} failed: {error}", retryable=True
+            )
             return
         self.timings[request_id].joined_at = time.time()
         try:

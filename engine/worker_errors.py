@@ -22,10 +22,13 @@ CODE_BY_ERROR: tuple[tuple[type[HalfmoonError], str], ...] = (
 
 @dataclass(frozen=True, slots=True)
 class WorkerError:
-    """A worker call's failure: a gRPC status name and a message fit for the client."""
+    """A worker call's failure: a gRPC status name and a message fit for the client.
+    `retryable`: nothing of the request was computed here, so the router may run it again on
+    other workers (e.g. its KV never reached the decode worker)."""
 
     code: str
     message: str
+    retryable: bool = False
 
     @classmethod
     def of(cls, error: HalfmoonError) -> WorkerError:
@@ -41,6 +44,7 @@ class WorkerCallError(HalfmoonError):
     def __init__(self, error: WorkerError) -> None:
         super().__init__(error.message)
         self.code = error.code
+        self.retryable = error.retryable
 
 
 def aborted(request_id: str) -> WorkerError:

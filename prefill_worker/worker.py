@@ -49,7 +49,7 @@ class PrefillResult:
     arrived_at: float
     started_at: float
     computed_at: float  # the engine produced the first token
-    finished_at: float
+    finished_at: float  # the call returned (its last layers may still be on their way)
     last_layer_published_at: float
 
 
@@ -90,6 +90,8 @@ class PrefillWorker(EngineWorker, KVHooks):
         self.num_loaded_tokens = 0
         self.engine.record_page_events()
         self.published_at: OrderedDict[str, float] = OrderedDict()
+        self.flushes: set[asyncio.Task] = set()  # puts still in flight after a prefill returned
+        self.num_failed_flushes = 0
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()
         threading.Thread(target=self._send_forever, name="kv-publisher", daemon=True).start()
 
@@ -107,6 +109,8 @@ class PrefillWorker(EngineWorker, KVHooks):
         return {
             "num_loaded_tokens": self.num_loaded_tokens,
             "forward_s": self.engine.runner.forward_s,
+            "num_flushing": len(self.flushes),
+            "num_failed_flushes": self.num_failed_flushes,
         }
 
     async def prefill(
@@ -118,7 +122,9 @@ class PrefillWorker(EngineWorker, KVHooks):
         ticket: str | None = None,
     ) -> PrefillResult | WorkerError:
         """Compute the prompt's KV, publish it, and return the first token (a `WorkerError`
-        when it fails or was aborted: `ticket` names this call for `abort`).
+        when it fails or was aborted: `ticket` names this call for `abort`). It returns as
+        soon as the first token is computed: the last layers' puts finish in the background
+        (the decode worker's reads wait for them), so the first token never waits for them.
 
         With `layerwise=False` the KV is sent only after the whole prompt is computed (the
         baseline the transfer benchmark compares against)."""
@@ -149,13 +155,13 @@ class PrefillWorker(EngineWorker, KVHooks):
             if last.finish_reason == "abort":
                 return aborted(request_id)
             computed_at = time.time()
-            await self._flush(job)
         except HalfmoonError as error:
             return WorkerError.of(error)
         finally:
             self.jobs.pop(request_id, None)
-            if job.lease_id is not None:
+            if job.lease_id is not None:  # the loaded prefix is in our pages by now
                 self.store.release.remote(job.lease_id)
+        self._flush_later(request_id, job)
         return PrefillResult(
             request_id=request_id,
             first_token_id=last.new_token_ids[0],
@@ -307,6 +313,20 @@ class PrefillWorker(EngineWorker, KVHooks):
         self.outbox.put((job, None, -1, sent))
         await asyncio.wrap_future(sent)
         await asyncio.gather(*job.puts)
+
+    def _flush_later(self, request_id: str, job: _Job) -> None:
+        """Finish `job`'s puts in the background; a failure is logged (the decode worker's
+        reads then fail and the router retries the request from its first token)."""
+        flush = asyncio.get_running_loop().create_task(self._flush(job))
+        self.flushes.add(flush)
+
+        def done(task: asyncio.Task) -> None:
+            self.flushes.discard(task)
+            if not task.cancelled() and task.exception() is not None:
+                log.error("storing the KV of %s failed: %s", request_id, task.exception())
+                self.num_failed_flushes += 1
+
+        flush.add_done_callback(done)
 
 
 def _plan_keys(job: _Job) -> list[bytes]:

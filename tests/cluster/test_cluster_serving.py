@@ -229,7 +229,7 @@ def test_the_prefill_token_is_streamed_before_the_hand_off_to_decode(tiny_model_
         "routed",
         "prefill compute began",
         "prefill compute ended",
-        "every layer stored",
+        "prefill call returned on the worker",
         "prefill returned",
         "first token out",
         "first decode output",
