@@ -105,10 +105,11 @@ def all_registered(controller: Controller) -> bool:
 
 
 def run_during_removal(client: Client, remove) -> tuple[list, list[int]]:
-    """Stream DURING_REMOVAL concurrently, call `remove` once tokens flow; returns each
-    request's outcome and the indices of requests still running after CALL_TIMEOUT_S."""
+    """Stream DURING_REMOVAL concurrently, call `remove` once decode output flows (a second
+    delta: the first is the prefill's token); returns each request's outcome and the indices
+    of requests still running after CALL_TIMEOUT_S."""
     outcomes: list = [None] * len(DURING_REMOVAL)
-    first_tokens = threading.Event()
+    decoding = threading.Event()
 
     def run(i: int) -> None:
         try:
@@ -116,11 +117,13 @@ def run_during_removal(client: Client, remove) -> tuple[list, list[int]]:
                 DURING_REMOVAL[i], max_tokens=DURING_MAX_TOKENS, temperature=0.0,
                 ignore_eos=True, timeout=CALL_TIMEOUT_S,
             )  # fmt: skip
-            tokens = []
+            tokens, deltas = [], 0
             with stream:
                 for delta in stream:
                     tokens += delta.token_ids
-                    first_tokens.set()
+                    deltas += 1
+                    if deltas >= 2:
+                        decoding.set()
             outcomes[i] = tokens
         except ServerError as error:
             outcomes[i] = error.code
@@ -128,7 +131,7 @@ def run_during_removal(client: Client, remove) -> tuple[list, list[int]]:
     threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(4)]
     for thread in threads:
         thread.start()
-    first_tokens.wait(CALL_TIMEOUT_S)
+    decoding.wait(CALL_TIMEOUT_S)
     remove()
     for thread in threads:
         thread.join(CALL_TIMEOUT_S + 10)
