@@ -20,6 +20,7 @@ from halfmoon.engine.sampling_params import SamplingParams
 from halfmoon.engine.worker_base import EngineWorker
 from halfmoon.engine.worker_errors import WorkerError, aborted
 from halfmoon.kvstore.locate import local_store
+from halfmoon.kvstore.shared_arena import MappedArena, map_arena
 from halfmoon.kvstore.transfer import plan_transfer
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,8 @@ class DecodeWorker(EngineWorker):
         self.chunk_tokens = config.prefill_chunk_size or config.max_num_batched_tokens
         self.receives: dict[str, asyncio.Task] = {}
         self.stores: dict[str, object] = {}
+        self.arenas: dict[object, MappedArena | None] = {}  # by store handle, mapped once
+        self.num_shared_reads = 0
         self.transfers: list[tuple[int, float]] = []  # (bytes, seconds) of finished receives
         self.timings: OrderedDict[str, ReceiveTimings] = OrderedDict()
 
@@ -77,6 +80,7 @@ class DecodeWorker(EngineWorker):
         return {
             "num_receiving": len(self.receives),
             "num_expired_reservations": self.num_expired_reservations,
+            "num_shared_reads": self.num_shared_reads,
         }
 
     async def reserve(
@@ -105,7 +109,7 @@ class DecodeWorker(EngineWorker):
             request_id,
         )
         self._record(request_id, ReceiveTimings(reserved_at=time.time()))
-        receive = asyncio.create_task(self._receive(store, request_id, units, pages))
+        receive = asyncio.create_task(self._receive(store, request_id, units, pages, store_name))
         receive.add_done_callback(lambda task: self._await_handoff(request_id, task))
         self.receives[request_id] = receive
         return len(pages)
@@ -228,23 +232,45 @@ class DecodeWorker(EngineWorker):
             self.stores[name] = ray.get_actor(name)
         return self.stores[name]
 
-    async def _receive(self, store, request_id: str, units, pages: list[int]) -> None:
+    async def _arena(self, store, store_name: str | None) -> MappedArena | None:
+        """The store node's shared arena, when it is on this node (mapped once per store)."""
+        key = store_name or id(store)
+        if key not in self.arenas:
+            info = await store.arena_info.remote()
+            self.arenas[key] = map_arena(info, ray.get_runtime_context().get_node_id())
+        return self.arenas[key]
+
+    async def _receive(
+        self, store, request_id: str, units, pages: list[int], store_name: str | None = None
+    ) -> None:
         kv_cache = self.engine.kv
         timings = self.timings[request_id]
+        arena = await self._arena(store, store_name)
         # One stream for the whole prompt: the store sends each layer of each unit as soon as
         # it is put, so a prompt whose KV is all published costs one round trip, and the
-        # store holds one call for this request however many units and layers it has.
-        stream = store.stream_layers.options(num_returns="streaming").remote(
+        # store holds one call for this request however many units and layers it has. On
+        # the store's own node it sends only where the layer is in its shared arena, and
+        # the layer is copied from there (no Ray object carries it).
+        method = store.stream_layers if arena is None else store.stream_slots
+        stream = method.options(num_returns="streaming").remote(
             [unit.keys for unit in units],
             kv_cache.num_layers,
             max(self.get_timeout_s, PREFILL_WAIT_S),
         )
         written = None  # the last layer write: on CUDA it lands after it is issued
+        holds: list[int] = []  # leases on arena slots, released once copied out
         try:
             for unit in units:
                 unit_pages = pages[unit.first_block : unit.first_block + len(unit.keys)]
                 for layer in range(kv_cache.num_layers):
-                    kv = await (await anext(stream))
+                    item = await (await anext(stream))
+                    if arena is None:
+                        kv = item
+                    else:
+                        slots, hold = item
+                        kv = arena.read(slots, layer)
+                        holds.append(hold)
+                        self.num_shared_reads += 1
                     written = kv_cache.write_layer(layer, unit_pages, kv, ordered=False)
                     timings.num_bytes += kv.nbytes
                     if not timings.first_layer_received_at:
@@ -252,6 +278,9 @@ class DecodeWorker(EngineWorker):
         except BaseException:
             ray.cancel(stream)  # aborted or failed: the store stops waiting for the rest
             raise
+        finally:
+            if holds:
+                store.release_many.remote(holds)
         if written is not None and not written.done():  # writes land in order: the last says all
             await asyncio.to_thread(written.wait)
         timings.all_received_at = time.time()

@@ -18,9 +18,10 @@ from tqdm import tqdm
 
 from halfmoon.kvstore.config import StoreConfig
 from halfmoon.kvstore.layout import KvLayout, LayerKV
+from halfmoon.kvstore.shared_arena import map_arena
 from halfmoon.kvstore.store_node import start_store_node
 
-PATHS = ("store", "object", "gloo", "cuda_ipc", "nccl")
+PATHS = ("store", "shared", "object", "gloo", "cuda_ipc", "nccl")
 TWO_SIDED = {"gloo", "nccl"}  # collective send/recv; cuda_ipc is one-sided
 # A transfer RDT cannot finish fails after this (Ray's default, 60 s, then kills both actors).
 RDT_TIMEOUT_MS = 20_000
@@ -43,6 +44,8 @@ class Sender:
         """Remember the peers; with `backend`, join a collective group with the receiver."""
         self.me = ray.get_runtime_context().current_actor
         self.receiver, self.store = receiver, store
+        node_id = ray.get_runtime_context().get_node_id()
+        self.arena = map_arena(await store.arena_info.remote(), node_id)
         if backend is not None:
             from ray.experimental.collective import create_collective_group
 
@@ -68,6 +71,8 @@ class Sender:
         start = time.perf_counter()
         if path == "store":
             await self._via_store(num_blocks)
+        elif path == "shared":
+            await self._via_shared(num_blocks)
         elif path == "object":
             layers = range(self.num_layers)
             await asyncio.gather(
@@ -85,6 +90,19 @@ class Sender:
             for layer in range(self.num_layers)
         ]
         await asyncio.gather(received, *puts)
+
+    async def _via_shared(self, num_blocks: int) -> None:
+        # As the prefill worker does on its own node: claim the slots, copy each layer into
+        # the store's shared arena, and tell the store (no layer crosses Ray's object store).
+        keys = [os.urandom(16) for _ in range(num_blocks)]
+        received = self.receiver.from_arena.remote(self.store, keys)
+        slots, lease_id = await self.store.claim.remote(keys)
+        notices = []
+        for layer in range(self.num_layers):
+            self.arena.write(slots, layer, self.read(layer, num_blocks, "cpu"))
+            last = lease_id if layer == self.num_layers - 1 else None
+            notices.append(self.store.layer_written.remote(keys, layer, slots, last))
+        await asyncio.gather(received, *notices)
 
     async def _via_rdt(self, transport: str, num_blocks: int) -> None:
         # The sender returns the tensors from its own RDT method and hands the ref to the
@@ -128,6 +146,22 @@ class Receiver:
         )
         for layer in range(self.num_layers):
             await self.take(layer, await (await anext(stream)))
+
+    async def from_arena(self, store, keys: list[bytes]) -> None:
+        """Every layer of `keys` copied out of the store node's shared arena, as the decode
+        worker on the store's node reads: one stream of (slots, lease), leases released."""
+        if not hasattr(self, "arena"):
+            node_id = ray.get_runtime_context().get_node_id()
+            self.arena = map_arena(await store.arena_info.remote(), node_id)
+        stream = store.stream_slots.options(num_returns="streaming").remote(
+            [keys], self.num_layers, GET_TIMEOUT_S
+        )
+        holds = []
+        for layer in range(self.num_layers):
+            slots, hold = await (await anext(stream))
+            await self.take(layer, self.arena.read(slots, layer))
+            holds.append(hold)
+        await store.release_many.remote(holds)
 
     async def clear(self) -> None:
         self.k.zero_()
@@ -209,11 +243,11 @@ def plan_paths(device: str, num_gpus: int) -> tuple[list[str], dict[str, str]]:
     """The paths this host can run, and why each other one is skipped."""
     if device == "cpu":
         why = "carries CUDA tensors: run with --device cuda on a GPU host"
-        return ["store", "object", "gloo"], {"cuda_ipc": why, "nccl": why}
+        return ["store", "shared", "object", "gloo"], {"cuda_ipc": why, "nccl": why}
     if num_gpus >= 2:
         return list(PATHS), {}
     reason = f"NCCL joins one process per GPU; this host has {num_gpus} GPU (needs >= 2)"
-    return ["store", "object", "gloo", "cuda_ipc"], {"nccl": reason}
+    return ["store", "shared", "object", "gloo", "cuda_ipc"], {"nccl": reason}
 
 
 def measure(args: argparse.Namespace, layout: KvLayout) -> tuple[list[Row], dict[str, str]]:
@@ -281,8 +315,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         prog="halfmoon bench rdt",
         description="Moves one request's KV, layer by layer, from a sender actor (as the "
         "prefill worker) to a receiver actor (as the decode worker) and prints per-request "
-        "transfer time p50/p99 and GB/s for: store = put_layer/get_layer through a real store "
-        "node (today's path); object = the layer as a plain Ray object-store argument; gloo = "
+        "transfer time p50/p99 and GB/s for: store = put_layer through a real store node, read "
+        "back through one stream as the decode worker reads (the path across nodes); shared = "
+        "the layers copied into the store node's shared-memory arena with a claim and one "
+        "notice per layer, and out of it by a reader told where they are (the workers' path "
+        "when they share the store's node); "
+        "object = the layer as a plain Ray object-store argument; gloo = "
         "Ray Direct Transport over gloo (CPU tensors, staged through host memory with --device "
         "cuda); and with --device cuda, tensors on the GPU: cuda_ipc = RDT over CUDA IPC (both "
         "actors on one GPU) and nccl = RDT over NCCL (one GPU each, needs >= 2). gloo and nccl "

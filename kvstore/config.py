@@ -16,6 +16,9 @@ class StoreConfig(BaseModel):
     lease_ttl_s: float = Field(30.0, gt=0)
     pending_ttl_s: float = Field(60.0, gt=0)
     get_timeout_s: float = Field(30.0, gt=0)
+    # The host tier in shared memory: prefill workers on the node copy layers straight into
+    # it (kvstore/shared_arena.py) instead of sending them through Ray's object store.
+    shared_arena: bool = True
     redis_url: str | None = None
     redis_password: SecretStr | None = None
     # Every Redis record carries an HMAC-SHA256 under this key; None: a random key per tier.

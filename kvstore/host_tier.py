@@ -13,6 +13,7 @@ from halfmoon.kvstore.errors import StoreFull
 from halfmoon.kvstore.eviction import LruEviction
 from halfmoon.kvstore.layout import KvLayout, LayerKV
 from halfmoon.kvstore.leases import LeaseTable
+from halfmoon.kvstore.shared_arena import copy_in, create_arena, slot_pages
 
 
 @dataclass(slots=True)
@@ -60,6 +61,7 @@ class HostTier:
         pending_ttl_s: float = 60.0,
         keep_evicted_data: bool = False,
         clock: Callable[[], float] = time.monotonic,
+        shared: bool = False,
     ) -> None:
         num_slots = capacity_bytes // layout.block_bytes
         if num_slots < 1:
@@ -74,9 +76,12 @@ class HostTier:
         self.pending_ttl_s = pending_ttl_s
         self.keep_evicted_data = keep_evicted_data
         self.num_evictions = 0
-        self._arena = torch.empty((num_slots, layout.block_bytes), dtype=torch.uint8)
-        shape = (num_slots, layout.num_layers, 2, *layout.page_shape)
-        self._pages = self._arena.view(layout.dtype).view(shape)
+        # Shared: producers on this node write layers into it themselves (`claim`/`written`).
+        made = create_arena(num_slots * layout.block_bytes) if shared else None
+        self.arena_path = made[1] if made else None
+        arena = made[0] if made else torch.empty(num_slots * layout.block_bytes, dtype=torch.uint8)
+        self._arena = arena.view(num_slots, layout.block_bytes)
+        self._pages = slot_pages(arena, layout, num_slots)
         self._free = list(range(num_slots - 1, -1, -1))
         self._slots: dict[bytes, int] = {}
         self._present = np.zeros((num_slots, layout.num_layers), dtype=bool)
@@ -118,16 +123,48 @@ class HostTier:
         result.evicted = self._make_room(len(new_keys), [k for k in batch if k in self._slots])
         for key in new_keys:
             self._take_slot(key)
-        for slot, row, length in _runs([self._slots[key] for key in keys]):
-            # Slice copies run at memcpy speed; advanced-index assignment is several times slower.
-            self._pages[slot : slot + length, layer, 0].copy_(kv.k[row : row + length])
-            self._pages[slot : slot + length, layer, 1].copy_(kv.v[row : row + length])
+        copy_in(self._pages, [self._slots[key] for key in keys], layer, kv)
         for key in keys:
             self._lru.add(key)
             if self._mark_present(key, layer):
                 result.completed.append(key)
         result.evicted += self._evict(len(self._slots) - self.low_slots, self.high_slots)
         return result
+
+    def claim(self, keys: Sequence[bytes], ttl_s: float) -> tuple[list[int], int, WriteResult]:
+        """Slots for a producer that copies the layers of `keys` into the shared arena itself:
+        (slot of each key, a lease that keeps them from eviction until released or `ttl_s`,
+        and what taking the slots evicted). The producer then calls `written` per layer."""
+        self._leases.expire()
+        result = WriteResult()
+        batch = list(dict.fromkeys(keys))
+        new_keys = [key for key in batch if key not in self._slots]
+        result.evicted = self._make_room(len(new_keys), [k for k in batch if k in self._slots])
+        for key in new_keys:
+            self._take_slot(key)
+        lease_id = self._leases.grant(batch, ttl_s)
+        for key in batch:
+            self._lru.add(key)
+        return [self._slots[key] for key in keys], lease_id, result
+
+    def written(self, keys: Sequence[bytes], layer: int, slots: Sequence[int]) -> WriteResult:
+        """A producer copied `layer` of `keys` into `slots` (from `claim`): mark it present.
+        A key whose slot changed meanwhile (its claim expired) is skipped."""
+        self._check_layer(layer)
+        result = WriteResult()
+        for key, slot in zip(keys, slots, strict=True):
+            if self._slots.get(key) != slot:
+                continue
+            self._lru.add(key)
+            if self._mark_present(key, layer):
+                result.completed.append(key)
+        return result
+
+    def slots_of(self, keys: Sequence[bytes]) -> list[int]:
+        """The slots of present blocks `keys` (for a reader of the shared arena)."""
+        for key in keys:
+            self._lru.add(key)
+        return [self._slots[key] for key in keys]
 
     def read_layer(self, keys: Sequence[bytes], layer: int) -> LayerKV:
         """Copy one layer of `keys` out of their slots; every block must hold that layer."""
@@ -234,14 +271,3 @@ class HostTier:
         self._pending.pop(key, None)
         self._free.append(slot)
         return EvictedBlock(key, data)
-
-
-def _runs(slots: list[int]) -> list[tuple[int, int, int]]:
-    """Maximal runs of consecutive slots as (first slot, first row, length)."""
-    runs: list[tuple[int, int, int]] = []
-    start = 0
-    for row in range(1, len(slots) + 1):
-        if row == len(slots) or slots[row] != slots[row - 1] + 1:
-            runs.append((slots[start], start, row - start))
-            start = row
-    return runs

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import logging
 import time
@@ -64,7 +65,7 @@ class KvStore:
             )  # fmt: skip
         self.host = HostTier(
             layout, config.host_capacity_bytes, config.high_watermark, config.low_watermark,
-            config.pending_ttl_s, self._demotes, clock,
+            config.pending_ttl_s, self._demotes, clock, config.shared_arena,
         )  # fmt: skip
         self._on_event = on_event
         self._events: list[BlockEvent] = []
@@ -85,11 +86,66 @@ class KvStore:
         await self._notify(layer)
         self._stats.put_latency.record(time.perf_counter() - start)
 
+    def claim(self, keys: Sequence[bytes]) -> tuple[list[int], int]:
+        """Host slots for a producer that copies the layers of `keys` into the shared arena
+        itself, and a lease holding them (release it with the last `layer_written`)."""
+        slots, lease_id, result = self.host.claim(keys, self.config.pending_ttl_s)
+        self._absorb(result)
+        return slots, lease_id
+
+    async def layer_written(
+        self,
+        keys: Sequence[bytes],
+        layer: int,
+        slots: Sequence[int],
+        release_lease: int | None = None,
+    ) -> None:
+        """A producer copied `layer` of `keys` into their claimed `slots`: wake its readers
+        (as `put_layer` does), and release the claim's lease when given."""
+        start = time.perf_counter()
+        self._absorb(self.host.written(keys, layer, slots))
+        self._stats.host.bytes_written += (
+            len(keys) * self.layout.block_bytes // self.layout.num_layers
+        )
+        if release_lease is not None:
+            self.host.release(release_lease)
+        await self._notify(layer)
+        self._stats.put_latency.record(time.perf_counter() - start)
+
     async def get_layer(
         self, keys: Sequence[bytes], layer: int, timeout_s: float | None = None
     ) -> LayerKV:
         """One layer of `keys`; waits up to `timeout_s` for blocks not yet put, or LayerTimeout."""
         start = time.perf_counter()
+        async with self._layer_ready(keys, layer, timeout_s):
+            kv = self.host.read_layer(keys, layer)
+        self._stats.host.bytes_read += kv.nbytes
+        self._stats.get_latency.record(time.perf_counter() - start)
+        return kv
+
+    async def stream_slots(
+        self, units: Sequence[Sequence[bytes]], num_layers: int, timeout_s: float | None = None
+    ) -> AsyncIterator[tuple[list[int], int]]:
+        """`stream_layers` for a reader on this node that maps the shared arena: each item is
+        the unit's slots (the layer is in them) and a lease that keeps them from eviction
+        until the reader, having copied the layer out, releases it (or `lease_ttl_s`)."""
+        layer_bytes = self.layout.block_bytes // self.layout.num_layers
+        for keys in units:
+            for layer in range(num_layers):
+                start = time.perf_counter()
+                async with self._layer_ready(keys, layer, timeout_s):
+                    hold = self.host.lease(keys, self.config.lease_ttl_s)
+                    slots = self.host.slots_of(keys)
+                self._stats.host.bytes_read += len(keys) * layer_bytes
+                self._stats.get_latency.record(time.perf_counter() - start)
+                yield slots, hold
+
+    @contextlib.asynccontextmanager
+    async def _layer_ready(
+        self, keys: Sequence[bytes], layer: int, timeout_s: float | None
+    ) -> AsyncIterator[None]:
+        """Inside: every block of `keys` holds `layer` (promoted from Redis where it can be,
+        waited for up to `timeout_s` otherwise, or LayerTimeout), leased."""
         timeout_s = self.config.get_timeout_s if timeout_s is None else timeout_s
         missing = self.host.missing(keys, layer)
         self._stats.host.hits += len(keys) - len(missing)
@@ -99,12 +155,9 @@ class KvStore:
         lease_id = self.host.lease(keys, max(timeout_s, self.config.lease_ttl_s))
         try:
             await self._wait_for(keys, layer, lease_id, timeout_s)
-            kv = self.host.read_layer(keys, layer)
+            yield
         finally:
             self.host.release(lease_id)
-        self._stats.host.bytes_read += kv.nbytes
-        self._stats.get_latency.record(time.perf_counter() - start)
-        return kv
 
     async def stream_layers(
         self, units: Sequence[Sequence[bytes]], num_layers: int, timeout_s: float | None = None
@@ -140,6 +193,11 @@ class KvStore:
     def release(self, lease_id: int) -> bool:
         """Release a lease; False when it had already expired or been released."""
         return self.host.release(lease_id)
+
+    def release_many(self, lease_ids: Sequence[int]) -> None:
+        """Release leases (those of a `stream_slots` reader, once it copied its layers)."""
+        for lease_id in lease_ids:
+            self.host.release(lease_id)
 
     def drain_events(self) -> list[BlockEvent]:
         """Stored/evicted events since the last drain, oldest first."""

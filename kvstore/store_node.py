@@ -12,6 +12,7 @@ from halfmoon.kvstore.config import StoreConfig
 from halfmoon.kvstore.index import BlockEvent
 from halfmoon.kvstore.layout import KvLayout, LayerKV
 from halfmoon.kvstore.metrics_endpoint import actor_registry, serve_actor_metrics
+from halfmoon.kvstore.shared_arena import ArenaInfo
 from halfmoon.kvstore.stats import StoreStats
 from halfmoon.kvstore.store import KvStore, PrefixHit
 
@@ -35,6 +36,26 @@ class StoreNode:
     async def put_layer(self, keys: Sequence[bytes], layer: int, kv: LayerKV) -> None:
         await self.store.put_layer(keys, layer, kv)
 
+    async def arena_info(self) -> ArenaInfo | None:
+        """Where producers on this node map the host tier's arena (None: not shared)."""
+        path = self.store.host.arena_path
+        if path is None:
+            return None
+        node_id = ray.get_runtime_context().get_node_id()
+        return ArenaInfo(path, node_id, self.store.host.num_slots, self.store.layout)
+
+    async def claim(self, keys: Sequence[bytes]) -> tuple[list[int], int]:
+        return self.store.claim(keys)
+
+    async def layer_written(
+        self,
+        keys: Sequence[bytes],
+        layer: int,
+        slots: Sequence[int],
+        release_lease: int | None = None,
+    ) -> None:
+        await self.store.layer_written(keys, layer, slots, release_lease)
+
     async def get_layer(
         self, keys: Sequence[bytes], layer: int, timeout_s: float | None = None
     ) -> LayerKV:
@@ -46,6 +67,17 @@ class StoreNode:
         """Call with `.options(num_returns="streaming")`; `ray.cancel` it to stop early."""
         async for kv in self.store.stream_layers(units, num_layers, timeout_s):
             yield kv
+
+    async def stream_slots(
+        self, units: Sequence[Sequence[bytes]], num_layers: int, timeout_s: float | None = None
+    ) -> AsyncIterator[tuple[list[int], int]]:
+        """`stream_layers` for readers that map the arena (`arena_info`): (slots, lease) per
+        unit and layer; release the leases (`release_many`) once the layers are copied out."""
+        async for item in self.store.stream_slots(units, num_layers, timeout_s):
+            yield item
+
+    async def release_many(self, lease_ids: Sequence[int]) -> None:
+        self.store.release_many(lease_ids)
 
     async def lookup(self, keys: Sequence[bytes]) -> PrefixHit:
         return await self.store.lookup(keys)

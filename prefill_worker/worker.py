@@ -27,6 +27,7 @@ from halfmoon.engine.worker_errors import WorkerError, aborted
 from halfmoon.kvstore.index import BlockEvent
 from halfmoon.kvstore.layout import LayerKV
 from halfmoon.kvstore.locate import local_store, local_store_name
+from halfmoon.kvstore.shared_arena import MappedArena, map_arena
 from halfmoon.kvstore.transfer import TransferUnit, plan_transfer
 from halfmoon.prefill_worker.warm import adopt_blocks
 
@@ -70,6 +71,8 @@ class _Job:
     layerwise: bool = True
     num_loaded_tokens: int = 0
     puts: list = field(default_factory=list)
+    # Per unit (by its first key), on the shared-arena path: its slots and the claim's lease.
+    claims: dict = field(default_factory=dict)
     last_layer_published_at: float = 0.0
     started_at: float = 0.0
 
@@ -93,6 +96,9 @@ class PrefillWorker(EngineWorker, KVHooks):
         self.flushes: set[asyncio.Task] = set()  # puts still in flight after a prefill returned
         self.num_failed_flushes = 0
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.arena: MappedArena | None = None  # the store's arena, mapped on first publish
+        self.arena_checked = False
+        self.num_shared_writes = 0
         threading.Thread(target=self._send_forever, name="kv-publisher", daemon=True).start()
 
     def _store(self):
@@ -110,6 +116,7 @@ class PrefillWorker(EngineWorker, KVHooks):
             "num_loaded_tokens": self.num_loaded_tokens,
             "forward_s": self.engine.runner.forward_s,
             "num_flushing": len(self.flushes),
+            "num_shared_writes": self.num_shared_writes,
             "num_failed_flushes": self.num_failed_flushes,
         }
 
@@ -302,10 +309,40 @@ class PrefillWorker(EngineWorker, KVHooks):
                 snapshot.set_result(None)  # a flush marker: everything queued before it is sent
                 continue
             try:
-                job.puts.append(self.store.put_layer.remote(keys, layer, snapshot.wait()))
+                kv = snapshot.wait()
+                arena = self._arena()
+                if arena is None:
+                    job.puts.append(self.store.put_layer.remote(keys, layer, kv))
+                else:
+                    job.puts.append(self._write_shared(arena, job, keys, layer, kv))
             except Exception as error:  # noqa: BLE001 - the thread must live; the flush fails
                 log.exception("publishing a KV snapshot of %d blocks failed", len(keys))
                 job.puts.append(_failed(error))
+
+    def _arena(self) -> MappedArena | None:
+        """The store node's shared arena, mapped once (None: it is elsewhere or private, and
+        layers go through `put_layer`)."""
+        if not self.arena_checked:
+            self.arena_checked = True
+            info = ray.get(self.store.arena_info.remote())
+            self.arena = map_arena(info, ray.get_runtime_context().get_node_id())
+            log.info(
+                "KV layers go to the store %s",
+                "through shared memory" if self.arena else "as Ray objects",
+            )
+        return self.arena
+
+    def _write_shared(self, arena: MappedArena, job: _Job, keys, layer: int, kv):
+        """Copy one layer into the store's arena and tell the store; the claim of the unit's
+        slots (one round trip per unit) is made with its first layer, released with its last."""
+        claim = job.claims.get(keys[0])
+        if claim is None:
+            claim = job.claims[keys[0]] = ray.get(self.store.claim.remote(keys))
+        slots, lease_id = claim
+        arena.write(slots, layer, kv)
+        self.num_shared_writes += 1
+        last = layer == self.engine.model_config.num_layers - 1
+        return self.store.layer_written.remote(keys, layer, slots, lease_id if last else None)
 
     async def _flush(self, job: _Job) -> None:
         """Wait until every layer of `job` was sent and stored."""

@@ -75,12 +75,16 @@ def test_kv_streams_layer_by_layer_and_prefixes_are_reused_across_instances(
         published = ray.get(worker(cluster, placed["long"][0]).publish_time.remote("long"))
         received = ray.get(worker(cluster, "decode-2").receive_timings.remote("long"))
         loaded = counters(cluster, placed["second"][0])["num_loaded_tokens"]
+        # The prefill worker copied its layers into its node's store through shared memory.
+        shared_writes = counters(cluster, placed["long"][0])["num_shared_writes"]
+        shared_reads = counters(cluster, "decode-2")["num_shared_reads"]
         with pytest.raises(ServerError) as unknown:
             client.explain("never-sent")
     assert placed["first"][0] != placed["second"][0], "round robin alternates prefill workers"
     assert placed["second"][1] == "decode-2"
     assert unknown.value.code == grpc.StatusCode.NOT_FOUND.name
     assert received.first_layer_received_at < published
+    assert shared_writes > 0 and shared_reads > 0
     assert loaded == (len(prefix) // 16) * 16
     assert b.usage.cached_tokens == loaded
     assert [a.token_ids, b.token_ids] == _expected(tiny_llm, [first, second], 6)

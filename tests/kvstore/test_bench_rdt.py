@@ -17,11 +17,11 @@ LAYOUT = KvLayout(num_layers=3, block_size=16, num_kv_heads=2, head_dim=32)
 
 
 @pytest.mark.timeout(120)
-def test_store_object_and_gloo_deliver_the_exact_bytes_sent(ray_session) -> None:
+def test_store_shared_object_and_gloo_deliver_the_exact_bytes_sent(ray_session) -> None:
     store = start_store_node(LAYOUT, StoreConfig(host_capacity_bytes=1 << 24), name="test-rdt")
     pair = bench_rdt.start_pair(LAYOUT, max_blocks=8, device="cpu", store=store, backend="gloo")
     try:
-        for path in ("store", "object", "gloo"):
+        for path in ("store", "shared", "object", "gloo"):
             ray.get(pair.receiver.clear.remote())
             ray.get(pair.sender.request.remote(path, 5))
             sent = ray.get(pair.sender.sent.remote(5))
@@ -43,7 +43,7 @@ def test_bench_reports_every_cpu_path_intact_and_skips_the_cuda_ones(ray_session
     assert bench_rdt.main(argv) == 0
     summary = json.loads(capsys.readouterr().out)
     got = [(row["num_tokens"], row["path"]) for row in summary["rows"]]
-    assert got == [(n, p) for n in (40, 64) for p in ("store", "object", "gloo")]
+    assert got == [(n, p) for n in (40, 64) for p in ("store", "shared", "object", "gloo")]
     assert all(row["intact"] for row in summary["rows"])
     assert sorted(summary["skipped"]) == ["cuda_ipc", "nccl"]
     # 40 tokens fill 3 blocks of the tiny model's 4 layers x 2 KV heads of 32 x fp16.
@@ -52,8 +52,8 @@ def test_bench_reports_every_cpu_path_intact_and_skips_the_cuda_ones(ray_session
 
 def test_cuda_runs_ipc_on_one_gpu_and_nccl_only_across_two() -> None:
     one_gpu, skipped = bench_rdt.plan_paths("cuda", 1)
-    assert one_gpu == ["store", "object", "gloo", "cuda_ipc"]
+    assert one_gpu == ["store", "shared", "object", "gloo", "cuda_ipc"]
     assert list(skipped) == ["nccl"] and "needs >= 2" in skipped["nccl"]
     assert bench_rdt.plan_paths("cuda", 2) == (list(bench_rdt.PATHS), {})
     cpu, skipped = bench_rdt.plan_paths("cpu", 0)
-    assert cpu == ["store", "object", "gloo"] and sorted(skipped) == ["cuda_ipc", "nccl"]
+    assert cpu == ["store", "shared", "object", "gloo"] and sorted(skipped) == ["cuda_ipc", "nccl"]

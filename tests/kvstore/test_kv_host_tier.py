@@ -148,3 +148,37 @@ def test_rejects_wrong_shape_layer_and_tiny_capacity() -> None:
         host.write_layer(make_keys(1), 3, random_kv(1))
     with pytest.raises(ValueError, match="holds no block"):
         HostTier(LAYOUT, LAYOUT.block_bytes - 1)
+
+
+def test_a_producer_writes_claimed_slots_through_the_shared_arena() -> None:
+    from halfmoon.kvstore.shared_arena import ArenaInfo, MappedArena
+
+    host, keys = tier(4, shared=True), make_keys(3)
+    assert host.arena_path is not None
+    producer = MappedArena(ArenaInfo(host.arena_path, "node", host.num_slots, LAYOUT))
+    slots, lease_id, _ = host.claim(keys, ttl_s=60.0)
+    payloads = [random_kv(3, seed) for seed in range(LAYOUT.num_layers)]
+    for layer, kv in enumerate(payloads):
+        assert keys[0] not in host
+        producer.write(slots, layer, kv)
+        completed = host.written(keys, layer, slots).completed
+        assert completed == (keys if layer == LAYOUT.num_layers - 1 else [])
+    for layer, kv in enumerate(payloads):
+        assert_same(host.read_layer(keys, layer), kv)
+    assert host.usage().leased_blocks == 3  # the claim's lease, until its producer releases it
+    assert host.release(lease_id)
+    assert host.usage().leased_blocks == 0
+
+
+def test_claimed_slots_are_not_evicted_and_a_stale_claims_notice_is_ignored() -> None:
+    clock = FakeClock()
+    host = tier(2, pending_ttl_s=5.0, clock=clock)
+    first, second = make_keys(2), make_keys(2)
+    slots, _, _ = host.claim(first, ttl_s=5.0)
+    with pytest.raises(StoreFull):
+        host.claim(second, ttl_s=5.0)  # both slots are claimed: nothing to evict
+    clock.now_s = 10.0  # the claim and its pending leases expired: the slots go to others
+    taken, _, result = host.claim(second, ttl_s=5.0)
+    assert sorted(b.key for b in result.evicted) == sorted(first)
+    assert host.written(first, 0, slots).completed == []  # the old producer's notice is ignored
+    assert not host.has_layer(first[0], 0) and sorted(taken) == sorted(slots)

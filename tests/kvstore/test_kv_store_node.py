@@ -87,3 +87,34 @@ def test_reads_waiting_in_the_node_never_hold_back_a_put(node) -> None:
     ray.get(node.put_layer.remote(keys, 0, random_kv(1, 5)), timeout=30)
     for kv in ray.get(waiting, timeout=30):
         assert_same(kv, random_kv(1, 5))
+
+
+def test_a_producer_on_the_node_writes_through_the_shared_arena(node) -> None:
+    from halfmoon.kvstore.shared_arena import map_arena
+
+    info = ray.get(node.arena_info.remote())
+    arena = map_arena(info, ray.get_runtime_context().get_node_id())
+    assert arena is not None
+    assert map_arena(info, "another-node") is None  # only producers on its node map it
+    keys = make_keys(3)
+    payloads = [random_kv(3, seed) for seed in range(LAYOUT.num_layers)]
+    reading = node.stream_layers.options(num_returns="streaming").remote([keys], LAYOUT.num_layers)
+    slots_read = node.stream_slots.options(num_returns="streaming").remote(
+        [keys], LAYOUT.num_layers
+    )
+    slots, lease_id = ray.get(node.claim.remote(keys))
+    for layer, kv in enumerate(payloads):
+        arena.write(slots, layer, kv)
+        last = layer == LAYOUT.num_layers - 1
+        ray.get(node.layer_written.remote(keys, layer, slots, lease_id if last else None))
+    for kv, ref in zip(payloads, reading, strict=True):
+        assert_same(ray.get(ref), kv)
+    holds = []
+    for layer, (kv, ref) in enumerate(zip(payloads, slots_read, strict=True)):
+        where, hold = ray.get(ref)  # a reader on the node copies the layer out itself
+        assert_same(arena.read(where, layer), kv)
+        holds.append(hold)
+    assert ray.get(node.cached_prefix.remote(keys)) == 3
+    assert ray.get(node.stats.remote()).host.leased_blocks == 3  # until the reader releases
+    ray.get(node.release_many.remote(holds))
+    assert ray.get(node.stats.remote()).host.leased_blocks == 0
