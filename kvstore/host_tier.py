@@ -116,13 +116,7 @@ class HostTier:
         """Copy one layer of `keys` into their slots, taking and evicting slots as needed."""
         self._check_layer(layer)
         kv.check(self.layout, len(keys))
-        self._leases.expire()
-        result = WriteResult()
-        batch = list(dict.fromkeys(keys))
-        new_keys = [key for key in batch if key not in self._slots]
-        result.evicted = self._make_room(len(new_keys), [k for k in batch if k in self._slots])
-        for key in new_keys:
-            self._take_slot(key)
+        _, result = self._slots_for(keys)
         copy_in(self._pages, [self._slots[key] for key in keys], layer, kv)
         for key in keys:
             self._lru.add(key)
@@ -135,6 +129,16 @@ class HostTier:
         """Slots for a producer that copies the layers of `keys` into the shared arena itself:
         (slot of each key, a lease that keeps them from eviction until released or `ttl_s`,
         and what taking the slots evicted). The producer then calls `written` per layer."""
+        batch, result = self._slots_for(keys)
+        lease_id = self._leases.grant(batch, ttl_s)
+        for key in batch:
+            self._lru.add(key)
+        result.evicted += self._evict(len(self._slots) - self.low_slots, self.high_slots)
+        return [self._slots[key] for key in keys], lease_id, result
+
+    def _slots_for(self, keys: Sequence[bytes]) -> tuple[list[bytes], WriteResult]:
+        """Take a slot for each of `keys` without one, evicting as needed: the distinct keys
+        and what was evicted."""
         self._leases.expire()
         result = WriteResult()
         batch = list(dict.fromkeys(keys))
@@ -142,10 +146,7 @@ class HostTier:
         result.evicted = self._make_room(len(new_keys), [k for k in batch if k in self._slots])
         for key in new_keys:
             self._take_slot(key)
-        lease_id = self._leases.grant(batch, ttl_s)
-        for key in batch:
-            self._lru.add(key)
-        return [self._slots[key] for key in keys], lease_id, result
+        return batch, result
 
     def written(self, keys: Sequence[bytes], layer: int, slots: Sequence[int]) -> WriteResult:
         """A producer copied `layer` of `keys` into `slots` (from `claim`): mark it present.
