@@ -32,7 +32,7 @@ RECENT_TIMINGS = 1024
 PREFILL_WAIT_S = 3600.0
 # A reservation whose KV has landed (or whose receive failed) and that no `generate` claims
 # within this many seconds is freed: the router that made it died or lost track of it. The
-# router hands over as soon as its prefill returns, which is after the last layer was stored.
+# router hands over as soon as its prefill returns, a moment before its last layers land.
 HANDOFF_TIMEOUT_S = 60.0
 # Ids of reservations freed that way, kept so a late `generate` says why it finds none.
 EXPIRED_IDS = 1024
