@@ -21,7 +21,7 @@ from halfmoon.kvstore.store_node import start_store_node
 from halfmoon.kvstore.transfer import plan_transfer
 
 GET_TIMEOUT_S = 0.5
-HANDOFF_TIMEOUT_S = 3.0
+HANDOFF_TIMEOUT_S = 5.0
 PROMPT = list(range(3, 60))  # 57 tokens: two units of 32, the last with a partial block
 
 
