@@ -214,17 +214,18 @@ class ClusterBackend:
                     return
                 if not error.retryable or lease.streamed or lease.num_attempts >= MAX_ATTEMPTS:
                     raise
-                log.warning("retrying request %s on other workers: %s", lease.request_id, error)
-                await self._end_attempt(lease)
-                self.conductor.on_abandon(lease.request_id)
-                lease.retry()
-            except WorkerDiedError:
+                await self._retry(lease, error)
+            except WorkerDiedError as error:
                 if lease.streamed or lease.aborted or lease.num_attempts >= MAX_ATTEMPTS:
                     raise
-                log.warning("retrying request %s on other workers", lease.request_id)
-                await self._end_attempt(lease)
-                self.conductor.on_abandon(lease.request_id)
-                lease.retry()
+                await self._retry(lease, error)
+
+    async def _retry(self, lease: RequestLease, why: Exception) -> None:
+        """Give up the current attempt and start a fresh one on other workers."""
+        log.warning("retrying request %s on other workers: %s", lease.request_id, why)
+        await self._end_attempt(lease)
+        self.conductor.on_abandon(lease.request_id)
+        lease.retry()
 
     async def _attempt(
         self, request: GenerateInput, token_ids: list[int], lease: RequestLease

@@ -13,7 +13,7 @@ from halfmoon.kvstore.errors import StoreFull
 from halfmoon.kvstore.eviction import LruEviction
 from halfmoon.kvstore.layout import KvLayout, LayerKV
 from halfmoon.kvstore.leases import LeaseTable
-from halfmoon.kvstore.shared_arena import copy_in, create_arena, slot_pages
+from halfmoon.kvstore.shared_arena import copy_in, copy_out, create_arena, slot_pages
 
 
 @dataclass(slots=True)
@@ -173,11 +173,7 @@ class HostTier:
         absent = self.missing(keys, layer)
         if absent:
             raise KeyError(f"layer {layer} of {len(absent)} blocks is not in the host tier")
-        slots = self._slot_index(keys)
-        for key in keys:
-            self._lru.add(key)
-        k = self._pages[:, layer, 0].index_select(0, slots)
-        return LayerKV(k, self._pages[:, layer, 1].index_select(0, slots))
+        return copy_out(self._pages, self.slots_of(keys), layer)
 
     def lease(self, keys: Sequence[bytes], ttl_s: float) -> int:
         """Lease the present blocks of `keys` for `ttl_s` seconds; return the lease id."""
@@ -215,9 +211,6 @@ class HostTier:
     def _check_layer(self, layer: int) -> None:
         if not 0 <= layer < self.layout.num_layers:
             raise ValueError(f"layer {layer} out of range 0..{self.layout.num_layers - 1}")
-
-    def _slot_index(self, keys: Sequence[bytes]) -> torch.Tensor:
-        return torch.tensor([self._slots[key] for key in keys], dtype=torch.long)
 
     def _take_slot(self, key: bytes) -> None:
         self._slots[key] = self._free.pop()

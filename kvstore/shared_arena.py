@@ -56,6 +56,13 @@ def copy_in(pages: torch.Tensor, slots: Sequence[int], layer: int, kv: LayerKV) 
         pages[slot : slot + length, layer, 1].copy_(kv.v[row : row + length])
 
 
+def copy_out(pages: torch.Tensor, slots: Sequence[int], layer: int) -> LayerKV:
+    """A private copy of one layer of `slots` of `pages` (row i from slots[i])."""
+    index = torch.as_tensor(slots, dtype=torch.long)
+    k = pages[:, layer, 0].index_select(0, index)
+    return LayerKV(k, pages[:, layer, 1].index_select(0, index))
+
+
 class MappedArena:
     """A producer's or reader's view of a store node's arena on its own node."""
 
@@ -71,9 +78,7 @@ class MappedArena:
 
     def read(self, slots: Sequence[int], layer: int) -> LayerKV:
         """A private copy of one layer of `slots` (the slots may be reused once released)."""
-        index = torch.tensor(list(slots), dtype=torch.long)
-        k = self.pages[:, layer, 0].index_select(0, index)
-        return LayerKV(k, self.pages[:, layer, 1].index_select(0, index))
+        return copy_out(self.pages, slots, layer)
 
 
 def map_arena(info: ArenaInfo | None, node_id: str) -> MappedArena | None:

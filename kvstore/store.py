@@ -104,9 +104,7 @@ class KvStore:
         (as `put_layer` does), and release the claim's lease when given."""
         start = time.perf_counter()
         self._absorb(self.host.written(keys, layer, slots))
-        self._stats.host.bytes_written += (
-            len(keys) * self.layout.block_bytes // self.layout.num_layers
-        )
+        self._stats.host.bytes_written += len(keys) * self.layout.layer_bytes
         if release_lease is not None:
             self.host.release(release_lease)
         await self._notify(layer)
@@ -129,14 +127,13 @@ class KvStore:
         """`stream_layers` for a reader on this node that maps the shared arena: each item is
         the unit's slots (the layer is in them) and a lease that keeps them from eviction
         until the reader, having copied the layer out, releases it (or `lease_ttl_s`)."""
-        layer_bytes = self.layout.block_bytes // self.layout.num_layers
         for keys in units:
             for layer in range(num_layers):
                 start = time.perf_counter()
                 async with self._layer_ready(keys, layer, timeout_s):
                     hold = self.host.lease(keys, self.config.lease_ttl_s)
                     slots = self.host.slots_of(keys)
-                self._stats.host.bytes_read += len(keys) * layer_bytes
+                self._stats.host.bytes_read += len(keys) * self.layout.layer_bytes
                 self._stats.get_latency.record(time.perf_counter() - start)
                 yield slots, hold
 
