@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 
@@ -252,13 +253,14 @@ class DecodeWorker(EngineWorker):
         # the store's own node it sends only where the layer is in its shared arena, and
         # the layer is copied from there (no Ray object carries it).
         method = store.stream_layers if arena is None else store.stream_slots
+        extra = () if arena is None else (f"{request_id}/{uuid.uuid4().hex}",)
         stream = method.options(num_returns="streaming").remote(
             [unit.keys for unit in units],
             kv_cache.num_layers,
             max(self.get_timeout_s, PREFILL_WAIT_S),
+            *extra,
         )
         written = None  # the last layer write: on CUDA it lands after it is issued
-        holds: list[int] = []  # leases on arena slots, released once copied out
         try:
             for unit in units:
                 unit_pages = pages[unit.first_block : unit.first_block + len(unit.keys)]
@@ -267,9 +269,8 @@ class DecodeWorker(EngineWorker):
                     if arena is None:
                         kv = item
                     else:
-                        slots, hold = item
+                        slots, _ = item  # the stream's leases end with end_stream
                         kv = arena.read(slots, layer)
-                        holds.append(hold)
                         self.num_shared_reads += 1
                     written = kv_cache.write_layer(layer, unit_pages, kv, ordered=False)
                     timings.num_bytes += kv.nbytes
@@ -279,8 +280,8 @@ class DecodeWorker(EngineWorker):
             ray.cancel(stream)  # aborted or failed: the store stops waiting for the rest
             raise
         finally:
-            if holds:
-                store.release_many.remote(holds)
+            if extra:  # the layers are copied out (or never will be): the slots may go
+                store.end_stream.remote(*extra)
         if written is not None and not written.done():  # writes land in order: the last says all
             await asyncio.to_thread(written.wait)
         timings.all_received_at = time.time()

@@ -153,15 +153,14 @@ class Receiver:
         if not hasattr(self, "arena"):
             node_id = ray.get_runtime_context().get_node_id()
             self.arena = map_arena(await store.arena_info.remote(), node_id)
+        stream_id = os.urandom(8).hex()
         stream = store.stream_slots.options(num_returns="streaming").remote(
-            [keys], self.num_layers, GET_TIMEOUT_S
+            [keys], self.num_layers, GET_TIMEOUT_S, stream_id
         )
-        holds = []
         for layer in range(self.num_layers):
-            slots, hold = await (await anext(stream))
+            slots, _ = await (await anext(stream))
             await self.take(layer, self.arena.read(slots, layer))
-            holds.append(hold)
-        await store.release_many.remote(holds)
+        await store.end_stream.remote(stream_id)
 
     async def clear(self) -> None:
         self.k.zero_()

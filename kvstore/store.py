@@ -7,6 +7,7 @@ import contextlib
 import copy
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 
@@ -21,6 +22,8 @@ from halfmoon.kvstore.stats import StoreStats
 log = logging.getLogger(__name__)
 
 HOST = "host"
+# `stream_slots` streams whose leases are tracked at once (the oldest are ended beyond it).
+MAX_OPEN_STREAMS = 65536
 REDIS = "redis"
 
 
@@ -73,6 +76,8 @@ class KvStore:
         self._demotions: set[asyncio.Task[None]] = set()
         self._backlog_bytes = 0
         self._stats = StoreStats()
+        self._stream_holds: OrderedDict[str, list[int]] = OrderedDict()  # see stream_slots
+        self._ended_streams: OrderedDict[str, None] = OrderedDict()
 
     @property
     def _demotes(self) -> bool:
@@ -122,20 +127,39 @@ class KvStore:
         return kv
 
     async def stream_slots(
-        self, units: Sequence[Sequence[bytes]], num_layers: int, timeout_s: float | None = None
+        self,
+        units: Sequence[Sequence[bytes]],
+        num_layers: int,
+        timeout_s: float | None = None,
+        stream_id: str = "",
     ) -> AsyncIterator[tuple[list[int], int]]:
         """`stream_layers` for a reader on this node that maps the shared arena: each item is
-        the unit's slots (the layer is in them) and a lease that keeps them from eviction
-        until the reader, having copied the layer out, releases it (or `lease_ttl_s`)."""
+        the unit's slots (the layer is in them) and a lease that keeps them from eviction.
+        The reader calls `end_stream(stream_id)` once it copies no more (done, aborted or
+        failed): that releases every lease the stream granted, items sent ahead included;
+        a reader that never does loses them after `lease_ttl_s`."""
+        holds = self._stream_holds.setdefault(stream_id, [])
+        while len(self._stream_holds) > MAX_OPEN_STREAMS:
+            self.end_stream(next(iter(self._stream_holds)))
         for keys in units:
             for layer in range(num_layers):
                 start = time.perf_counter()
                 async with self._layer_ready(keys, layer, timeout_s):
-                    hold = self.host.lease(keys, self.config.lease_ttl_s)
+                    if stream_id in self._ended_streams:
+                        return  # its reader gave up while this layer was awaited
+                    holds.append(self.host.lease(keys, self.config.lease_ttl_s))
                     slots = self.host.slots_of(keys)
                 self._stats.host.bytes_read += len(keys) * self.layout.layer_bytes
                 self._stats.get_latency.record(time.perf_counter() - start)
-                yield slots, hold
+                yield slots, holds[-1]
+
+    def end_stream(self, stream_id: str) -> None:
+        """Release every lease a `stream_slots` stream granted; it grants no more."""
+        self._ended_streams[stream_id] = None
+        while len(self._ended_streams) > MAX_OPEN_STREAMS:
+            self._ended_streams.popitem(last=False)
+        for lease_id in self._stream_holds.pop(stream_id, []):
+            self.host.release(lease_id)
 
     @contextlib.asynccontextmanager
     async def _layer_ready(
@@ -190,11 +214,6 @@ class KvStore:
     def release(self, lease_id: int) -> bool:
         """Release a lease; False when it had already expired or been released."""
         return self.host.release(lease_id)
-
-    def release_many(self, lease_ids: Sequence[int]) -> None:
-        """Release leases (those of a `stream_slots` reader, once it copied its layers)."""
-        for lease_id in lease_ids:
-            self.host.release(lease_id)
 
     def drain_events(self) -> list[BlockEvent]:
         """Stored/evicted events since the last drain, oldest first."""

@@ -69,15 +69,19 @@ class StoreNode:
             yield kv
 
     async def stream_slots(
-        self, units: Sequence[Sequence[bytes]], num_layers: int, timeout_s: float | None = None
+        self,
+        units: Sequence[Sequence[bytes]],
+        num_layers: int,
+        timeout_s: float | None = None,
+        stream_id: str = "",
     ) -> AsyncIterator[tuple[list[int], int]]:
         """`stream_layers` for readers that map the arena (`arena_info`): (slots, lease) per
-        unit and layer; release the leases (`release_many`) once the layers are copied out."""
-        async for item in self.store.stream_slots(units, num_layers, timeout_s):
+        unit and layer; call `end_stream(stream_id)` once the reader copies no more."""
+        async for item in self.store.stream_slots(units, num_layers, timeout_s, stream_id):
             yield item
 
-    async def release_many(self, lease_ids: Sequence[int]) -> None:
-        self.store.release_many(lease_ids)
+    async def end_stream(self, stream_id: str) -> None:
+        self.store.end_stream(stream_id)
 
     async def lookup(self, keys: Sequence[bytes]) -> PrefixHit:
         return await self.store.lookup(keys)

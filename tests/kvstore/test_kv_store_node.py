@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import time
 import uuid
 
 import pytest
@@ -100,7 +101,7 @@ def test_a_producer_on_the_node_writes_through_the_shared_arena(node) -> None:
     payloads = [random_kv(3, seed) for seed in range(LAYOUT.num_layers)]
     reading = node.stream_layers.options(num_returns="streaming").remote([keys], LAYOUT.num_layers)
     slots_read = node.stream_slots.options(num_returns="streaming").remote(
-        [keys], LAYOUT.num_layers
+        [keys], LAYOUT.num_layers, None, "reader"
     )
     slots, lease_id = ray.get(node.claim.remote(keys))
     for layer, kv in enumerate(payloads):
@@ -109,12 +110,28 @@ def test_a_producer_on_the_node_writes_through_the_shared_arena(node) -> None:
         ray.get(node.layer_written.remote(keys, layer, slots, lease_id if last else None))
     for kv, ref in zip(payloads, reading, strict=True):
         assert_same(ray.get(ref), kv)
-    holds = []
     for layer, (kv, ref) in enumerate(zip(payloads, slots_read, strict=True)):
-        where, hold = ray.get(ref)  # a reader on the node copies the layer out itself
+        where, _ = ray.get(ref)  # a reader on the node copies the layer out itself
         assert_same(arena.read(where, layer), kv)
-        holds.append(hold)
     assert ray.get(node.cached_prefix.remote(keys)) == 3
-    assert ray.get(node.stats.remote()).host.leased_blocks == 3  # until the reader releases
-    ray.get(node.release_many.remote(holds))
+    assert ray.get(node.stats.remote()).host.leased_blocks == 3  # until the reader ends it
+    ray.get(node.end_stream.remote("reader"))
+    assert ray.get(node.stats.remote()).host.leased_blocks == 0
+
+
+def test_a_cancelled_slot_stream_leaves_no_lease_behind(node) -> None:
+    """A reader that stops early (its request was aborted) ends its stream: the leases of
+    the items the store sent ahead of it, never taken, go too."""
+    keys = make_keys(2)
+    for layer in range(LAYOUT.num_layers):
+        ray.get(node.put_layer.remote(keys, layer, random_kv(2, layer)))
+    stream = node.stream_slots.options(num_returns="streaming").remote(
+        [keys], LAYOUT.num_layers, None, "aborted"
+    )
+    ray.get(next(stream))  # the reader takes one layer, then its request is aborted
+    ray.cancel(stream)
+    ray.get(node.end_stream.remote("aborted"))
+    deadline = time.monotonic() + 10
+    while ray.get(node.stats.remote()).host.leased_blocks and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert ray.get(node.stats.remote()).host.leased_blocks == 0
