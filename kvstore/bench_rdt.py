@@ -149,7 +149,7 @@ class Receiver:
 
     async def from_arena(self, store, keys: list[bytes]) -> None:
         """Every layer of `keys` copied out of the store node's shared arena, as the decode
-        worker on the store's node reads: one stream of (slots, lease), leases released."""
+        worker on the store's node reads: one stream of (slots, lease), ended once copied."""
         if not hasattr(self, "arena"):
             node_id = ray.get_runtime_context().get_node_id()
             self.arena = map_arena(await store.arena_info.remote(), node_id)
