@@ -29,7 +29,7 @@ from halfmoon.cluster.backend import (
     WorkerDiedError,
     delta_from_output,
 )
-from halfmoon.cluster.request_lease import RequestLease
+from halfmoon.cluster.request_lease import Attempt, RequestLease
 from halfmoon.engine.errors import InvalidRequestError, RequestNotFoundError
 from halfmoon.engine.llm_engine import RequestOutput
 from halfmoon.engine.tokenizer import tokenize_prompt
@@ -240,7 +240,7 @@ class ClusterBackend:
             trace.mark("first token out", trace.first_token_s)
             self._observe_first_token(rid, trace)
             yield TokenDelta([early[0]], "", logprobs=[early[1]] if early[1] else [])
-        async for out in self._outputs(worker, stream):
+        async for out in self._outputs(worker, stream, lease.attempt):
             new_ids = out.new_token_ids
             if early is not None and new_ids[:1] == [early[0]]:
                 new_ids, early = new_ids[1:], None  # streamed already
@@ -260,13 +260,41 @@ class ClusterBackend:
             lease.streamed = True
             yield delta
 
-    async def _outputs(self, worker: Worker, stream) -> AsyncIterator[RequestOutput]:
+    async def _outputs(
+        self, worker: Worker, stream, attempt: Attempt
+    ) -> AsyncIterator[RequestOutput]:
         """The worker's streamed outputs; its errors raised here, as the router's."""
         try:
-            async for ref in stream:
+            refs = aiter(stream)
+            if attempt.stored is not None:
+                first = await self._first_unless_kv_lost(refs, attempt)
+                if first is None:
+                    return
+                yield unwrap(await first)
+            async for ref in refs:
                 yield unwrap(await ref)
         except RayActorError as error:
             raise self._lost(worker, error) from error
+
+    async def _first_unless_kv_lost(self, refs, attempt: Attempt):
+        """The decode worker's first output (its ObjectRef; None if the stream is empty),
+        unless the prefill worker dies or fails to store the KV first: that raises at once
+        (retryable), where the decode worker would wait `store.get_timeout_s` for it."""
+        first = asyncio.ensure_future(anext(refs, None))
+        stored = asyncio.ensure_future(self._call(attempt.prefill, attempt.stored))
+        try:
+            await asyncio.wait({first, stored}, return_when=asyncio.FIRST_COMPLETED)
+            if not first.done() and stored.exception() is not None:
+                error = stored.exception()
+                if isinstance(error, (WorkerDiedError, WorkerCallError)):
+                    raise error
+                log.warning("waiting for the KV of an attempt to be stored failed: %r", error)
+            return await first
+        finally:
+            for task in (first, stored):
+                if task.done() and not task.cancelled():
+                    task.exception()  # read, so an outcome nobody needed is not logged
+                task.cancel()
 
     async def _call(self, worker: Worker, ref):
         """Await one worker call; a dead worker is routed around from now on."""
@@ -475,6 +503,7 @@ class ClusterBackend:
         if trace.early_token is None:  # a retry continues from the first token already out
             trace.early_token = (result.first_token_id, result.logprobs)
         self.conductor.on_decode_join(rid, now)
+        attempt.stored = prefill.handle.stored.remote(rid, attempt.ticket)
         return decode, decode.handle.generate.options(num_returns="streaming").remote(
             rid, trace.early_token[0]
         )

@@ -24,6 +24,7 @@ class Attempt:
     prefill: Worker | None = None
     decode: Worker | None = None
     reserve: object | None = None  # the decode reserve's ObjectRef, once sent
+    stored: object | None = None  # the prefill's `stored` call: its KV is all in the store
     ended: bool = False  # the workers ended it themselves: nothing to abort
 
     def workers(self) -> list[Worker]:

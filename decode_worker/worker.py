@@ -70,7 +70,11 @@ class DecodeWorker(EngineWorker):
         self.expired: OrderedDict[str, None] = OrderedDict()
         self.num_expired_reservations = 0
         self.chunk_tokens = config.prefill_chunk_size or config.max_num_batched_tokens
-        self.receives: dict[str, asyncio.Task] = {}
+        self.receives: dict[str, asyncio.Task] = {}  # reserved, not handed over yet
+        # Handed over (`generate` waits for the last layer): whoever takes a receive out of
+        # here (`generate` or `abort`) frees its pages, so a retry's later reservation under
+        # the same request id is never freed or joined by the attempt it replaced.
+        self.joining: dict[str, asyncio.Task] = {}
         self.stores: dict[str, object] = {}
         self.arenas: dict[object, MappedArena | None] = {}  # by store handle, mapped once
         self.num_shared_reads = 0
@@ -79,7 +83,7 @@ class DecodeWorker(EngineWorker):
 
     def _extra_counters(self) -> dict:
         return {
-            "num_receiving": len(self.receives),
+            "num_receiving": len(self.receives) + len(self.joining),
             "num_expired_reservations": self.num_expired_reservations,
             "num_shared_reads": self.num_shared_reads,
         }
@@ -133,26 +137,30 @@ class DecodeWorker(EngineWorker):
             yield WorkerError("NOT_FOUND", f"request {request_id} has no reservation here")
             return
         engine = self._engine()
+        self.joining[request_id] = receive
+        failure = None
         try:
             await asyncio.wait_for(receive, self.get_timeout_s)
         except asyncio.CancelledError:
-            self._free(request_id)
-            yield aborted(request_id)
-            return
+            failure = aborted(request_id)
         except TimeoutError:
-            self._free(request_id)
-            yield WorkerError(
+            failure = WorkerError(
                 "UNAVAILABLE",
                 f"the KV of {request_id} was not all in the store {self.get_timeout_s} s after "
                 "its prefill ended (store.get_timeout_s)",
                 retryable=True,
             )
-            return
         except Exception as error:  # noqa: BLE001 - the router learns why, as data
-            self._free(request_id)
-            yield WorkerError(
+            failure = WorkerError(
                 "UNAVAILABLE", f"receiving the KV of {request_id} failed: {error}", retryable=True
             )
+        if self.joining.get(request_id) is not receive:  # `abort` took it (and freed it)
+            yield aborted(request_id)
+            return
+        del self.joining[request_id]
+        if failure is not None:
+            self._free(request_id)
+            yield failure
             return
         self.timings[request_id].joined_at = time.time()
         try:
@@ -181,7 +189,7 @@ class DecodeWorker(EngineWorker):
         """End the request here and free its pages; a reserve or colocated call with the same
         `ticket` that lands later is refused."""
         self._remember_abort(ticket)
-        receive = self.receives.pop(request_id, None)
+        receive = self.receives.pop(request_id, None) or self.joining.pop(request_id, None)
         if receive is not None:
             receive.cancel()
             return self._free(request_id)

@@ -93,7 +93,9 @@ class PrefillWorker(EngineWorker, KVHooks):
         self.num_loaded_tokens = 0
         self.engine.record_page_events()
         self.published_at: OrderedDict[str, float] = OrderedDict()
-        self.flushes: set[asyncio.Task] = set()  # puts still in flight after a prefill returned
+        # Puts still in flight after a prefill returned, by its ticket (or request id).
+        self.flushes: dict[str, asyncio.Task] = {}
+        self.failed_flushes: OrderedDict[str, str] = OrderedDict()  # recent ones, and why
         self.num_failed_flushes = 0
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()
         self.arena: MappedArena | None = None  # the store's arena, mapped on first publish
@@ -168,7 +170,7 @@ class PrefillWorker(EngineWorker, KVHooks):
             self.jobs.pop(request_id, None)
             if job.lease_id is not None:  # the loaded prefix is in our pages by now
                 self.store.release.remote(job.lease_id)
-        self._flush_later(request_id, job)
+        self._flush_later(ticket or request_id, job)
         return PrefillResult(
             request_id=request_id,
             first_token_id=last.new_token_ids[0],
@@ -210,6 +212,22 @@ class PrefillWorker(EngineWorker, KVHooks):
         finally:
             store.release.remote(lease_id)
         return adopted
+
+    async def stored(self, request_id: str, ticket: str | None = None) -> bool | WorkerError:
+        """Wait until the KV of the prefill `ticket` (or `request_id`) returned is all in the
+        store: True (at once when it is, or for a call this worker does not know), or a
+        retryable `WorkerError` when storing it failed. The router awaits this beside the
+        decode worker's first output, so a prefill worker that dies (the call then fails at
+        once) or fails before its last layers are stored ends the attempt right away, instead
+        of the decode worker waiting `store.get_timeout_s` for layers that will never come."""
+        name = ticket or request_id
+        flush = self.flushes.get(name)
+        if flush is not None:
+            await asyncio.wait([flush])  # its outcome is read below, from the record
+        why = self.failed_flushes.get(name)
+        if why is None:
+            return True
+        return WorkerError("UNAVAILABLE", f"storing the KV of {request_id} failed: {why}", True)
 
     async def publish_time(self, request_id: str) -> float | None:
         """When the last layer of the last chunk of a recent request was published."""
@@ -309,15 +327,17 @@ class PrefillWorker(EngineWorker, KVHooks):
                 snapshot.set_result(None)  # a flush marker: everything queued before it is sent
                 continue
             try:
-                kv = snapshot.wait()
-                arena = self._arena()
-                if arena is None:
-                    job.puts.append(self.store.put_layer.remote(keys, layer, kv))
-                else:
-                    job.puts.append(self._write_shared(arena, job, keys, layer, kv))
+                job.puts.append(self._send(job, keys, layer, snapshot.wait()))
             except Exception as error:  # noqa: BLE001 - the thread must live; the flush fails
                 log.exception("publishing a KV snapshot of %d blocks failed", len(keys))
                 job.puts.append(_failed(error))
+
+    def _send(self, job: _Job, keys: list[bytes], layer: int, kv: LayerKV):
+        """Send one layer of some blocks to the store; returns the store call's ObjectRef."""
+        arena = self._arena()
+        if arena is None:
+            return self.store.put_layer.remote(keys, layer, kv)
+        return self._write_shared(arena, job, keys, layer, kv)
 
     def _arena(self) -> MappedArena | None:
         """The store node's shared arena, mapped once (None: it is elsewhere or private, and
@@ -351,17 +371,23 @@ class PrefillWorker(EngineWorker, KVHooks):
         await asyncio.wrap_future(sent)
         await asyncio.gather(*job.puts)
 
-    def _flush_later(self, request_id: str, job: _Job) -> None:
-        """Finish `job`'s puts in the background; a failure is logged (the decode worker's
-        reads then fail and the router retries the request from its first token)."""
+    def _flush_later(self, name: str, job: _Job) -> None:
+        """Finish `job`'s puts in the background (`name`: the prefill call's ticket or request
+        id); a failure is logged and kept for `stored`, which the router awaits and then
+        retries the request from its first token."""
         flush = asyncio.get_running_loop().create_task(self._flush(job))
-        self.flushes.add(flush)
+        self.flushes[name] = flush
 
         def done(task: asyncio.Task) -> None:
-            self.flushes.discard(task)
-            if not task.cancelled() and task.exception() is not None:
-                log.error("storing the KV of %s failed: %s", request_id, task.exception())
-                self.num_failed_flushes += 1
+            if self.flushes.get(name) is task:
+                del self.flushes[name]
+            if task.cancelled() or task.exception() is None:
+                return
+            log.error("storing the KV of %s failed: %s", name, task.exception())
+            self.num_failed_flushes += 1
+            self.failed_flushes[name] = str(task.exception())
+            while len(self.failed_flushes) > RECENT_REQUESTS:
+                self.failed_flushes.popitem(last=False)
 
         flush.add_done_callback(done)
 
