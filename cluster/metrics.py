@@ -23,6 +23,8 @@ from prometheus_client.metrics_core import (
 )
 from prometheus_client.registry import Collector
 
+from halfmoon.kvstore.process_gc import gc_pause_histogram
+
 OUTCOMES = ("finished", "rejected", "invalid", "cancelled", "deadline", "error")
 # 5 ms to 10 minutes: a TTFT under load, an end-to-end latency or a queue wait.
 LATENCY_BUCKETS = (
@@ -51,6 +53,7 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        r.register(gc_pause_histogram())  # the router process's own collections
         self.requests = Counter(
             "halfmoon_requests",
             "Requests by outcome (finished, rejected, invalid, cancelled, deadline, error); "

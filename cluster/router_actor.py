@@ -23,6 +23,7 @@ from halfmoon.engine.llm_engine import StepTiming
 from halfmoon.engine.sampling_params import SamplingParams
 from halfmoon.engine.tokenizer import load_tokenizer
 from halfmoon.engine.worker_info import WorkerInfo, WorkerLoad
+from halfmoon.kvstore.process_gc import freeze_startup_heap
 from halfmoon.router.conductor import Conductor
 from halfmoon.router.profile import Profile
 
@@ -95,6 +96,7 @@ class RouterActor:
         if server.http_port is not None:
             http_port = await self._start_http(server.host, server.http_port, api_key)
         self._poller = asyncio.create_task(self._poll_forever())
+        freeze_startup_heap("router")
         return {"grpc_port": grpc_port, "metrics_port": metrics_port, "http_port": http_port}
 
     async def _start_http(self, host: str, port: int, api_key: str | None) -> int:

@@ -4,6 +4,7 @@ controller make on any worker (info, load, ping, profile, counters)."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 from collections import OrderedDict
 
 import ray
@@ -14,6 +15,7 @@ from halfmoon.engine.profiling import ProfileSamples, profile_engine
 from halfmoon.engine.worker_info import WorkerInfo, WorkerLoad, worker_info, worker_load
 from halfmoon.engine.worker_metrics import WorkerMetrics
 from halfmoon.kvstore.metrics_endpoint import serve_actor_metrics
+from halfmoon.kvstore.process_gc import freeze_startup_heap
 
 # Tickets of aborted calls kept so that a call arriving after its abort is refused at once.
 ABORTED_TICKETS = 4096
@@ -31,6 +33,7 @@ class EngineWorker:
         self.aborted_tickets: OrderedDict[str, None] = OrderedDict()
         self.metrics = WorkerMetrics()
         self.metrics_address: str | None = None
+        freeze_startup_heap(f"{self.kind} worker {name}")
 
     def _engine(self) -> AsyncEngine:
         # Created on first use, inside the actor's event loop.
@@ -58,7 +61,8 @@ class EngineWorker:
     async def counters(self) -> dict:
         """Engine counters plus the worker's own (`_extra_counters`)."""
         stats = self._engine().call(lambda engine: engine.stats())
-        return {**dataclasses.asdict(stats), **self._extra_counters()}
+        own = {"num_gc_frozen": gc.get_freeze_count(), **self._extra_counters()}
+        return {**dataclasses.asdict(stats), **own}
 
     async def drain_steps(self) -> list[StepTiming]:
         """The engine steps since the last call: what each computed and how long it took."""

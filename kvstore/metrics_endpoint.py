@@ -14,6 +14,8 @@ from prometheus_client import (
     start_http_server,
 )
 
+from halfmoon.kvstore.process_gc import gc_pause_histogram
+
 ANY_ADDRESS = ("0.0.0.0", "::", "")
 # No `*_created` series beside every counter and histogram: Prometheus would keep each as a
 # series of its own, and nothing of ours reads them.
@@ -21,9 +23,11 @@ disable_created_metrics()
 
 
 def actor_registry() -> CollectorRegistry:
-    """A registry holding this process's CPU, memory and file-descriptor figures (`process_*`)."""
+    """A registry holding this process's CPU, memory and file-descriptor figures (`process_*`)
+    and its garbage-collection pauses (`halfmoon_gc_pause_seconds`)."""
     registry = CollectorRegistry(auto_describe=True)
     ProcessCollector(registry=registry)
+    registry.register(gc_pause_histogram())
     return registry
 
 

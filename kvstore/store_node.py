@@ -12,6 +12,7 @@ from halfmoon.kvstore.config import StoreConfig
 from halfmoon.kvstore.index import BlockEvent
 from halfmoon.kvstore.layout import KvLayout, LayerKV
 from halfmoon.kvstore.metrics_endpoint import actor_registry, serve_actor_metrics
+from halfmoon.kvstore.process_gc import freeze_startup_heap
 from halfmoon.kvstore.shared_arena import ArenaInfo
 from halfmoon.kvstore.stats import StoreStats
 from halfmoon.kvstore.store import KvStore, PrefixHit
@@ -32,6 +33,7 @@ class StoreNode:
         torch.set_num_threads(1)
         self.store = KvStore(layout, config, instance)
         self.metrics_address: str | None = None
+        freeze_startup_heap(f"store node {instance}")
 
     async def put_layer(self, keys: Sequence[bytes], layer: int, kv: LayerKV) -> None:
         await self.store.put_layer(keys, layer, kv)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import ray
-from cluster_kit import running_cluster
+from cluster_kit import counters, running_cluster
 from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.usefixtures("ray_session")
@@ -101,6 +101,7 @@ def test_router_and_actor_endpoints_expose_exactly_what_the_doc_lists(tiny_model
         store_name = next(name for name in actors if name.startswith("halfmoon-kvstore-"))
         store_families = scrape(actors[store_name]["targets"][0])
         worker_names = set(cluster.workers)
+        frozen = {name: counters(cluster, name)["num_gc_frozen"] for name in worker_names}
     doc = documented()
     assert undocumented_or_mislabelled(families, doc["router"]) == []
     assert sorted(set(doc["router"]) - set(families)) == []
@@ -109,3 +110,5 @@ def test_router_and_actor_endpoints_expose_exactly_what_the_doc_lists(tiny_model
     assert sorted(set(doc["actor"]) - set(worker_families)) == []
     assert {g["labels"]["role"] for g in groups} == {"prefill", "decode", "store"}
     assert {name for name in actors if not name.startswith("halfmoon-kvstore-")} == worker_names
+    # Each worker froze its start-up heap (torch, transformers, the model: ~250k objects).
+    assert min(frozen.values()) > 50_000, frozen
