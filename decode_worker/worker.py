@@ -278,7 +278,7 @@ class DecodeWorker(EngineWorker):
                         kv = item
                     else:
                         slots, _ = item  # the stream's leases end with end_stream
-                        kv = arena.read(slots, layer)
+                        kv = arena.read(slots, layer, pin=kv_cache.device.type == "cuda")
                         self.num_shared_reads += 1
                     written = kv_cache.write_layer(layer, unit_pages, kv, ordered=False)
                     timings.num_bytes += kv.nbytes

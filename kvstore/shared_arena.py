@@ -56,11 +56,16 @@ def copy_in(pages: torch.Tensor, slots: Sequence[int], layer: int, kv: LayerKV) 
         pages[slot : slot + length, layer, 1].copy_(kv.v[row : row + length])
 
 
-def copy_out(pages: torch.Tensor, slots: Sequence[int], layer: int) -> LayerKV:
-    """A private copy of one layer of `slots` of `pages` (row i from slots[i])."""
+def copy_out(pages: torch.Tensor, slots: Sequence[int], layer: int, pin: bool = False) -> LayerKV:
+    """A private copy of one layer of `slots` of `pages` (row i from slots[i]); `pin`: into
+    page-locked memory, which a CUDA copy to the device reads without staging it again."""
     index = torch.as_tensor(slots, dtype=torch.long)
-    k = pages[:, layer, 0].index_select(0, index)
-    return LayerKV(k, pages[:, layer, 1].index_select(0, index))
+    shape = (len(index), *pages.shape[3:])
+    k = torch.empty(shape, dtype=pages.dtype, pin_memory=pin)
+    v = torch.empty(shape, dtype=pages.dtype, pin_memory=pin)
+    torch.index_select(pages[:, layer, 0], 0, index, out=k)
+    torch.index_select(pages[:, layer, 1], 0, index, out=v)
+    return LayerKV(k, v)
 
 
 class MappedArena:
@@ -76,9 +81,10 @@ class MappedArena:
         kv.check(self.layout, len(slots))
         copy_in(self.pages, slots, layer, kv)
 
-    def read(self, slots: Sequence[int], layer: int) -> LayerKV:
-        """A private copy of one layer of `slots` (the slots may be reused once released)."""
-        return copy_out(self.pages, slots, layer)
+    def read(self, slots: Sequence[int], layer: int, pin: bool = False) -> LayerKV:
+        """A private copy of one layer of `slots` (the slots may be reused once released);
+        `pin`: in page-locked memory (for a reader that copies it on to a CUDA device)."""
+        return copy_out(self.pages, slots, layer, pin)
 
 
 def map_arena(info: ArenaInfo | None, node_id: str) -> MappedArena | None:
