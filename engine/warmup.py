@@ -32,6 +32,10 @@ def warm_up(engine: LLMEngine, seed: int = 0) -> float:
             _run(engine, rng, num_seqs, min(engine.config.block_size + 3, limit), waves=2)
         for context in _doubling(SPLIT_TOKENS, limit):
             _run(engine, rng, 1, context)
+        # The KV API's page gather and scatter (prefill snapshots, decode-side writes), which
+        # compiled at a worker's first transfer: page 0 of layer 0, read and written back as is.
+        engine.kv.write_layer(0, [0], engine.kv.read_layer(0, [0]).wait())
+        engine.kv.wait_writes()
     finally:
         engine.hooks = engine.scheduler.hooks = hooks
     _forget(engine)
