@@ -93,7 +93,13 @@ def run_ours(
     outputs = llm.generate(work.prompts, params)
     wall = time.perf_counter() - started
     assert sum(len(o.token_ids) for o in outputs) == work.num_output_tokens
-    return wall, llm.engine.runner.forward_s
+    forward_s = llm.engine.runner.forward_s
+    del llm
+    if device == "cuda":
+        # Freed memory stays reserved by torch's allocator until emptied, and the next engine
+        # (--eager) sizes its KV pool from the GPU's free memory.
+        torch.cuda.empty_cache()
+    return wall, forward_s
 
 
 def _hf_model(model_dir: Path, device: str = "cpu"):

@@ -39,6 +39,7 @@ from halfmoon.engine.sampling_params import SamplingParams
 from halfmoon.engine.scheduler import Scheduler
 from halfmoon.engine.sequence import Sequence, SequenceStatus, TokenLogprobs
 from halfmoon.engine.tokenizer import Prompt, load_tokenizer, tokenize_prompt
+from halfmoon.kernels import ops, reference
 from halfmoon.kvstore.keys import model_root_key
 
 log = logging.getLogger(__name__)
@@ -150,6 +151,10 @@ class LLMEngine:
         from halfmoon.engine.warmup import warm_up
 
         warm_up(self)
+        # The torch references sync with the host (`.tolist()`), which a graph cannot capture.
+        if graphs and ops.backend_for(self.runner.kv_caches[0][0]) is reference:
+            log.info("HALFMOON_KERNELS=torch: decode steps run eagerly (no CUDA graphs)")
+            graphs = False
         if graphs and not self.config.enforce_eager:
             self.runner.enable_decode_graphs(
                 self.config.max_num_seqs, self.max_model_len, capture=True

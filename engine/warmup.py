@@ -29,9 +29,13 @@ def warm_up(engine: LLMEngine, seed: int = 0) -> float:
         rng = random.Random(seed)
         limit = min(engine.max_model_len - 4, engine.num_pages * engine.config.block_size // 2)
         for num_seqs in _doubling(1, engine.config.max_num_seqs):
-            _run(engine, rng, num_seqs, min(engine.config.block_size + 3, limit))
+            _run(engine, rng, num_seqs, min(engine.config.block_size + 3, limit), waves=2)
         for context in _doubling(SPLIT_TOKENS, limit):
             _run(engine, rng, 1, context)
+        # The KV API's page gather and scatter (prefill snapshots, decode-side writes), which
+        # compiled at a worker's first transfer: page 0 of layer 0, read and written back as is.
+        engine.kv.write_layer(0, [0], engine.kv.read_layer(0, [0]).wait())
+        engine.kv.wait_writes()
     finally:
         engine.hooks = engine.scheduler.hooks = hooks
     _forget(engine)
@@ -49,13 +53,20 @@ def _doubling(start: int, stop: int) -> list[int]:
     return sizes + [stop] if stop >= start else sizes
 
 
-def _run(engine: LLMEngine, rng: random.Random, num_seqs: int, context: int) -> None:
+def _run(
+    engine: LLMEngine, rng: random.Random, num_seqs: int, context: int, waves: int = 1
+) -> None:
+    """`num_seqs` random prompts of `context` tokens, `waves` times over. A second wave finds
+    the first's full blocks cached: its runs prefill over a prefix in one step, through the
+    paged kernel, whose specialisation depends on the number of runs."""
     vocab = engine.model_config.vocab_size
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
-    for _ in range(num_seqs):
-        engine.add_request([rng.randrange(vocab) for _ in range(context)], params)
-    while engine.has_unfinished_requests():
-        engine.step()
+    prompts = [[rng.randrange(vocab) for _ in range(context)] for _ in range(num_seqs)]
+    for _ in range(waves):
+        for prompt in prompts:
+            engine.add_request(prompt, params)
+        while engine.has_unfinished_requests():
+            engine.step()
 
 
 def _forget(engine: LLMEngine) -> None:

@@ -7,6 +7,8 @@ if [ -d .whl ] && python3 -c 'import torch, sys; sys.exit(not torch.cuda.is_avai
   mkdir -p /tmp/halfmoon-src && ln -sfn "$PWD" /tmp/halfmoon-src/halfmoon
   for deb in .whl/deb/*.deb; do [ -e "$deb" ] && dpkg -x "$deb" /tmp/halfmoon-redis; done
   export PATH="/tmp/halfmoon-redis/usr/bin:$PATH"
+  # redis-server links liblzf and libjemalloc, which the image lacks: unpacked from the .debs.
+  export LD_LIBRARY_PATH="/tmp/halfmoon-redis/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   export PYTHONPATH="/tmp/halfmoon-src:/tmp/halfmoon-site${PYTHONPATH:+:$PYTHONPATH}"
   HALFMOON_PY=python3
   HALFMOON_GPU=1

@@ -7,10 +7,14 @@ cd "$(dirname "$0")/../.."
 OUT=${OUT:-.whl}
 PY=${PY:-.venv/bin/python}
 # Not in the GPU image (its package list is in the device tool's KINDS.md); dependencies too.
+# grpcio and protobuf are there, at versions unknown: the generated stubs (cluster/api) refuse
+# a runtime older than the grpcio-tools that made them, so this checkout's versions travel.
+# httpx2 (bench serve, bench live-capacity, openai) is not there; the image has httpx only.
 PACKAGES=(
   ray redis pydantic pydantic-core annotated-types typing-inspection
-  grpcio-health-checking grpcio-reflection fastapi starlette uvicorn
+  grpcio grpcio-health-checking grpcio-reflection protobuf fastapi starlette uvicorn
   openai distro jiter sniffio jsonschema jsonschema-specifications referencing rpds-py
+  httpx2 httpcore2 truststore
 )
 PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64
            manylinux2014_x86_64 manylinux1_x86_64 any)

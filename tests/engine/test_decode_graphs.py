@@ -58,6 +58,15 @@ def test_padded_decode_buffers_give_the_eager_tokens(checkpoints):
     assert {5, 3} <= set(sizes), "batches of 5 (bucket 6) and 3 (bucket 4) went through"
 
 
+def test_the_torch_reference_kernels_never_capture_graphs(checkpoints, monkeypatch):
+    # They call .tolist() (a host sync), which CUDA graph capture refuses: a CUDA engine with
+    # HALFMOON_KERNELS=torch failed to start. On CPU the references serve by default.
+    monkeypatch.setenv("HALFMOON_KERNELS", "torch")
+    engine = LLM(str(checkpoints["llama"]), **ENGINE_ARGS).engine
+    engine._warm_up(graphs=True)  # what a CUDA engine runs at start
+    assert engine.runner.decode_graphs is None
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_cuda_graph_decode_equals_eager_on_cuda(checkpoints, arch):

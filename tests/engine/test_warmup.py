@@ -42,6 +42,25 @@ def test_warm_up_leaves_the_engine_idle_with_counters_at_zero(checkpoints):
     assert llm.generate(prompt, PARAMS)[0].token_ids == fresh.generate(prompt, PARAMS)[0].token_ids
 
 
+def test_warm_up_prefills_over_a_cached_prefix_with_every_count_of_runs(checkpoints):
+    # The paged prefill kernel is specialised by its number of runs (a power-of-two tile of
+    # them, and a count of 1): a step of several runs over cached prefixes compiled it anew
+    # after start-up until the warm-up ran such steps too.
+    engine = LLM(str(checkpoints["llama"]), **ENGINE_ARGS).engine
+    counts = set()
+    original = engine.runner.run
+
+    def run(batch, hooks=None):
+        runs = [item for item in batch if item.num_new_tokens > 1]
+        if any(item.seq.num_computed_tokens for item in runs):
+            counts.add(len(runs))
+        return original(batch, hooks)
+
+    engine.runner.run = run
+    warm_up(engine)
+    assert {1, 2, 4, 5} <= counts
+
+
 @pytest.mark.gpu
 def test_no_kernel_compiles_after_a_cuda_engine_is_ready(checkpoints):
     from halfmoon.kernels import triton_cache, triton_decode, triton_norm, triton_prefill
@@ -67,7 +86,8 @@ def test_no_kernel_compiles_after_a_cuda_engine_is_ready(checkpoints):
 
     llm = LLM(str(checkpoints["llama"]), device="cuda", dtype="float32", **ENGINE_ARGS)
     before = compiled()
-    prompts = [list(range(10, 10 + n)) for n in (3, 40, 17, 300, 90)]
+    vocab = llm.engine.model_config.vocab_size  # 262: ids wrap to stay inside it
+    prompts = [[10 + i % (vocab - 10) for i in range(n)] for n in (3, 40, 17, 300, 90)]
     llm.generate(prompts, PARAMS)
     llm.generate(prompts[:2], PARAMS)
     assert compiled() == before

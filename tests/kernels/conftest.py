@@ -10,6 +10,19 @@ import torch
 
 # fp16 outputs round to ~1e-3 near 1.0, and the kernels round probabilities to fp16 for P @ V.
 TOLERANCES = {torch.float32: (1e-4, 1e-4), torch.float16: (2e-3, 2e-3)}
+# Where the tests' tensors live: on a CUDA host the kernels run compiled, and compiled Triton
+# kernels take CUDA tensors only (a CPU one fails "cannot be accessed from Triton").
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture(autouse=True)
+def on_kernel_device(request):
+    """Tensors made without a device go to `DEVICE`; tests of a whole engine pick their own."""
+    if DEVICE.type == "cpu" or "tiny_model_dir" in request.fixturenames:
+        yield
+        return
+    with DEVICE:
+        yield
 
 
 @dataclass(slots=True)

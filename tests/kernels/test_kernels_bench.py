@@ -9,6 +9,9 @@ import torch
 
 from halfmoon.kernels import bench, triton_kernels
 
+# Compiled Triton kernels (on a CUDA host) take CUDA tensors only.
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
 
 @pytest.fixture
 def no_cuda(monkeypatch):
@@ -38,7 +41,7 @@ def test_bench_workloads_relate_each_kernel_to_peak_and_torch():
         calls.append(fn())
         return 2.0
 
-    results = bench.run_cases(triton_kernels, config, torch.device("cpu"), peaks, one_call_timer)
+    results = bench.run_cases(triton_kernels, config, DEVICE, peaks, one_call_timer)
     kernels = [r.kernel for r in results]
     assert kernels == [
         "paged_decode_attention", "prefill_attention", "prefill_engine_dispatch", "store_kv",
