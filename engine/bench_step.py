@@ -5,6 +5,12 @@ steps on the wall clock, then profiles as many steps again and sums their device
 ratio near 1 means the GPU is busy the whole step; a large one means Python and launches
 dominate. It also measures the device's copy bandwidth to price streaming the weights once,
 the floor of a batch-1 decode step.
+
+`host_ms` is the same step with the model replaced by fixed outputs: scheduling, the input
+copies, sampling and detokenization, what the host adds to a step on any device. A graphed
+step can only reach 1.3x its kernel time if `host_ms` stays under 0.3x of it (nothing overlaps
+the two yet). On CPU the engine runs the decode graphs' static buffers eagerly, as a GPU decode
+engine does without capture, so `host_ms` measures that path.
 """
 
 from __future__ import annotations
@@ -64,9 +70,42 @@ def decode_step_times(llm, batch_size: int, context: int, steps: int) -> tuple[f
             sync_device(device)
         device_us = sum(event.self_device_time_total for event in prof.key_averages())
         device_s = device_us / 1e6 / steps
+    host_s = host_step_time(engine, len(ids), steps)
     for rid in ids:
         engine.abort(rid)
-    return wall_s, device_s
+    return wall_s, device_s, host_s
+
+
+def host_step_time(engine, batch_size: int, steps: int) -> float:
+    """Seconds per decode step with the model's forward and logits replaced by fixed tensors."""
+    runner, model = engine.runner, engine.runner.model
+    device = engine.device
+    hidden = torch.zeros(batch_size, model.config.hidden_size, device=device, dtype=engine.dtype)
+    logits = torch.randn(batch_size, engine.model_config.vocab_size, device=device)
+    graphs = runner.decode_graphs
+
+    def graph_run(batch):
+        graphs._load(batch, graphs.bucket_for(len(batch)))  # the input copies stay
+        return hidden[: len(batch)]
+
+    if graphs is not None:
+        graphs.run = graph_run
+    model.forward = lambda token_ids, *args, **kwargs: hidden[:1].expand(len(token_ids), -1)
+    model.logits = lambda rows: logits[: len(rows)]
+    try:
+        for _ in range(3):
+            engine.step()
+        sync_device(device.type)
+        started = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        sync_device(device.type)
+        return (time.perf_counter() - started) / steps
+    finally:
+        for name in ("forward", "logits"):
+            delattr(model, name)
+        if graphs is not None:
+            del graphs.run
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,6 +138,10 @@ def main(argv: list[str] | None = None) -> int:
         max_num_batched_tokens=max(2048, args.context),
         enforce_eager=args.eager,
     )
+    if args.device == "cpu" and not args.eager:
+        llm.engine.runner.enable_decode_graphs(
+            max(args.batch_sizes), llm.engine.max_model_len, False
+        )
     weights_s = llm.engine.runner.weights_bytes / copy_bandwidth_bytes_s(args.device)
     result = {
         "device": args.device,
@@ -107,11 +150,13 @@ def main(argv: list[str] | None = None) -> int:
         "steps": {},
     }
     for size in args.batch_sizes:
-        wall_s, device_s = decode_step_times(llm, size, args.context, args.steps)
+        wall_s, device_s, host_s = decode_step_times(llm, size, args.context, args.steps)
         result["steps"][size] = {
             "wall_ms": wall_s * 1e3,
             "kernel_ms": device_s * 1e3 if device_s else None,
+            "host_ms": host_s * 1e3,
             "wall_over_kernel": wall_s / device_s if device_s else None,
+            "host_over_kernel": host_s / device_s if device_s else None,
             "wall_over_weights_stream": wall_s / weights_s,
         }
         print(f"batch {size}: {result['steps'][size]}", file=sys.stderr)

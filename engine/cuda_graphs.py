@@ -61,13 +61,28 @@ class DecodeGraphs:
         self.buckets = batch_buckets(max_batch)
         self.max_blocks = max_blocks_per_seq
         device = kv_caches[0][0].device
-        self.token_ids = torch.zeros(max_batch, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(max_batch, dtype=torch.int64, device=device)
-        self.slots = torch.full((max_batch,), -1, dtype=torch.int64, device=device)
+        # Token ids, positions, slots and context lengths as the rows of one buffer (one copy
+        # a step), the block tables beside it; each graph reads its first `size` columns/rows.
+        self.inputs = torch.zeros((4, max_batch), dtype=torch.int64, device=device)
+        self.token_ids, self.positions, self.slots, self.seq_lens = self.inputs.unbind(0)
+        self.slots.fill_(-1)
+        self.seq_lens.fill_(1)
         self.block_tables = torch.zeros(
             (max_batch, max_blocks_per_seq), dtype=torch.int32, device=device
         )
-        self.seq_lens = torch.ones(max_batch, dtype=torch.int64, device=device)
+        # Their host side, written through numpy views (far cheaper than building tensors from
+        # lists each step) and page-locked on CUDA so the copies are asynchronous. On CPU they
+        # are the buffers themselves.
+        on_cuda = device.type == "cuda"
+        self._host_inputs = self.inputs.cpu().pin_memory() if on_cuda else self.inputs
+        self._host_tables = self.block_tables.cpu().pin_memory() if on_cuda else self.block_tables
+        self._inputs_np = self._host_inputs.numpy()
+        self._tables_np = self._host_tables.numpy()
+        # What each host table row holds: (the block table list it mirrors, how many of its
+        # entries). A block table only grows in place and is replaced, never edited (see
+        # `Sequence.block_table`), so a step writes only the pages added since the last one.
+        self._rows: list[tuple[list[int] | None, int]] = [(None, 0)] * max_batch
+        self._copied = torch.cuda.Event() if on_cuda else None
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         if capture:
             self._capture_all()
@@ -93,23 +108,32 @@ class DecodeGraphs:
         return hidden[: len(batch)]
 
     def _load(self, batch: DecodeBatch, size: int) -> None:
-        """Copy the batch into the buffers' first rows and reset rows up to `size` to padding."""
+        """Write the batch into the first rows of the buffers and padding up to `size`."""
         n = len(batch)
-        width = self.max_blocks
-        tables = [table + [0] * (width - len(table)) for table in batch.block_tables]
-        host = torch.tensor(
-            [batch.token_ids, batch.positions, batch.slots, [p + 1 for p in batch.positions]],
-            dtype=torch.int64,
-        )
-        self.token_ids[:n].copy_(host[0], non_blocking=True)
-        self.positions[:n].copy_(host[1], non_blocking=True)
-        self.slots[:n].copy_(host[2], non_blocking=True)
-        self.seq_lens[:n].copy_(host[3], non_blocking=True)
-        self.block_tables[:n].copy_(torch.tensor(tables, dtype=torch.int32), non_blocking=True)
-        if size > n:
-            self.slots[n:size].fill_(-1)
-            self.seq_lens[n:size].fill_(1)
-            self.block_tables[n:size].zero_()
+        if self._copied is not None:
+            self._copied.synchronize()  # the last step's copies have read the host buffers
+        inputs = self._inputs_np
+        inputs[0, :n] = batch.token_ids
+        inputs[1, :n] = batch.positions
+        inputs[2, :n] = batch.slots
+        inputs[3, :n] = inputs[1, :n] + 1
+        inputs[2, n:size] = -1  # padding rows write no KV and read one token of page 0
+        inputs[3, n:size] = 1
+        self._tables_np[n:size, 0] = 0
+        rows, tables = self._rows, self._tables_np
+        for row, table in enumerate(batch.block_tables):
+            mirrored, known = rows[row]
+            if mirrored is not table or known > len(table):
+                known = 0
+            if known < len(table):
+                tables[row, known : len(table)] = table[known:]
+                rows[row] = (table, len(table))
+        for row in range(n, size):
+            rows[row] = (None, 0)
+        if self._copied is not None:
+            self.inputs.copy_(self._host_inputs, non_blocking=True)
+            self.block_tables[:size].copy_(self._host_tables[:size], non_blocking=True)
+            self._copied.record()
 
     def _forward(self, size: int) -> torch.Tensor:
         device = self.token_ids.device

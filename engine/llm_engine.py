@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 
 from halfmoon.engine.config import EngineConfig
-from halfmoon.engine.detokenizer import append_text, flush_text
+from halfmoon.engine.detokenizer import TextDecoder, append_text, flush_text
 from halfmoon.engine.errors import (
     InvalidRequestError,
     ModelLoadError,
@@ -107,6 +107,7 @@ class LLMEngine:
         self.device = _pick_device(config.device)
         self.dtype = _pick_dtype(config.dtype, model_dir, self.device)
         self.tokenizer = load_tokenizer(model_dir)
+        self.decode_text = TextDecoder(self.tokenizer)
         self.runner = ModelRunner(model_dir, cfg, config.block_size, self.dtype, self.device)
         self.num_pages, self.max_model_len = _size_kv(config, cfg, self.dtype, self.runner)
         cfg.max_model_len = self.max_model_len
@@ -302,7 +303,7 @@ class LLMEngine:
         )
         reason = "stop" if stop_token else None
         if not stop_token:
-            added = append_text(self.tokenizer, seq)
+            added = append_text(self.decode_text, seq)
             if params.stop and (cut := _find_stop(seq.text, added, params.stop)) is not None:
                 seq.text = seq.text[:cut]
                 reason = "stop"
@@ -310,7 +311,7 @@ class LLMEngine:
             seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_model_len
         ):
             reason = "length"
-            flush_text(self.tokenizer, seq)
+            flush_text(self.decode_text, seq)
         new_text = _emit_text(seq, finished=reason is not None)
         if reason is not None:
             self.scheduler.finish(seq, reason)

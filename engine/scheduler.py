@@ -110,6 +110,8 @@ class Scheduler:
 
     def _make_room(self, seq: Sequence, num_tokens: int) -> bool:
         """Preempt the latest arrivals until `seq` can grow; False if `seq` itself was preempted."""
+        if not self.pool.pages_needed(seq, num_tokens):  # most decode steps: the page has room
+            return True
         while not self.pool.can_grow(seq, num_tokens):
             victim = self.running[-1]
             self._preempt(victim)

@@ -37,6 +37,8 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
+    # Pages holding the KV, in order. Only ever appended to, or replaced by a new list (the
+    # decode graphs copy to the GPU only the pages added since the last step).
     block_table: list[int] = field(default_factory=list)
     block_keys: list[bytes] = field(default_factory=list)
     finish_reason: str | None = None

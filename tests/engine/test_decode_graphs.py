@@ -9,9 +9,10 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from halfmoon.engine import LLM, SamplingParams
-from halfmoon.engine.cuda_graphs import batch_buckets
+from halfmoon.engine.cuda_graphs import DecodeBatch, DecodeGraphs, batch_buckets
 
 ENGINE_ARGS = dict(block_size=16, num_pages=64, max_num_batched_tokens=128, max_num_seqs=6)
 # Different lengths so the decode batch shrinks 5 -> 4 -> 3 and pads into smaller buckets.
@@ -56,6 +57,57 @@ def test_padded_decode_buffers_give_the_eager_tokens(checkpoints):
     sizes = _count_graph_steps(padded)
     assert [out.token_ids for out in padded.generate(prompts, PARAMS)] == expected
     assert {5, 3} <= set(sizes), "batches of 5 (bucket 6) and 3 (bucket 4) went through"
+
+
+def test_block_tables_are_written_incrementally_and_rewritten_when_replaced():
+    kv = torch.zeros(32, 4, 1, 8)
+    graphs = DecodeGraphs(None, [(kv, kv)], None, max_batch=4, max_blocks_per_seq=8, capture=False)
+    a, b = [3, 4], [5]
+
+    def load(*tables):
+        n = len(tables)
+        batch = DecodeBatch([1] * n, [2] * n, [7] * n, list(tables))
+        graphs._load(batch, graphs.bucket_for(n))
+
+    def rows(n):
+        return [row[: len(t)] for row, t in zip(graphs.block_tables.tolist(), n, strict=False)]
+
+    load(a, b)
+    assert rows([a, b]) == [[3, 4], [5]]
+    a.append(9)  # grows in place: only the new page is written
+    graphs.block_tables[0, :2] = -7  # (so a rewrite of the old pages would show)
+    load(a, b)
+    assert graphs.block_tables[0, :3].tolist() == [-7, -7, 9]
+    c = [11, 12]  # another sequence at row 0 (a new list): the whole row is written
+    load(c, b)
+    assert rows([c, b]) == [[11, 12], [5]]
+    graphs.block_tables[3, 0] = 13
+    load(b, c, a)  # rows move; bucket 4, so row 3 is padding: no KV written, page 0 read
+    assert rows([b, c, a]) == [[5], [11, 12], [3, 4, 9]]
+    assert graphs.block_tables[3, 0] == 0
+    assert graphs.slots[:4].tolist() == [7, 7, 7, -1] and graphs.seq_lens[:4].tolist() == [
+        3
+    ] * 3 + [1]
+    load(c, b)
+    assert rows([c, b]) == [[11, 12], [5]]
+
+
+def test_decode_graphs_survive_preemption_and_new_arrivals(checkpoints):
+    # Few pages: sequences are preempted (their block tables replaced) and re-admitted at
+    # other rows while others decode; the tokens still equal the eager engine's.
+    model_dir = str(checkpoints["llama"])
+    args = dict(ENGINE_ARGS, num_pages=14)
+    params = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)] * 5
+    eager = LLM(model_dir, **args)
+    prompts = _prompts(eager.engine.model_config.vocab_size)
+    expected = [out.token_ids for out in eager.generate(prompts, params)]
+    assert eager.engine.scheduler.num_preemptions > 0
+
+    padded = LLM(model_dir, **args)
+    padded.engine.runner.enable_decode_graphs(6, padded.engine.max_model_len, capture=False)
+    sizes = _count_graph_steps(padded)
+    assert [out.token_ids for out in padded.generate(prompts, params)] == expected
+    assert padded.engine.scheduler.num_preemptions > 0 and sizes
 
 
 def test_the_torch_reference_kernels_never_capture_graphs(checkpoints, monkeypatch):
