@@ -241,6 +241,10 @@ class ClusterBackend:
             self._observe_first_token(rid, trace)
             yield TokenDelta([early[0]], "", logprobs=[early[1]] if early[1] else [])
         async for out in self._outputs(worker, stream, lease.attempt):
+            if out.timeline and not lease.streamed:
+                role = "worker" if trace.prefill_instance is None else "decode worker"
+                for stage, wall_s in out.timeline:
+                    trace.mark_wall(f"{role}: {stage}", wall_s)
             new_ids = out.new_token_ids
             if early is not None and new_ids[:1] == [early[0]]:
                 new_ids, early = new_ids[1:], None  # streamed already

@@ -124,6 +124,7 @@ class DecodeWorker(EngineWorker):
     ) -> AsyncIterator[RequestOutput | WorkerError]:
         """Wait for the last layer, join the batch, and stream the request's outputs; a
         failure is the last item, as a `WorkerError`."""
+        called_at = time.time()
         receive = self.receives.pop(request_id, None)
         if receive is None and request_id in self.expired:
             yield WorkerError(
@@ -168,7 +169,7 @@ class DecodeWorker(EngineWorker):
         except HalfmoonError as error:
             yield WorkerError.of(error)
             return
-        async for out in _as_data(engine.stream(request_id)):
+        async for out in _timed(_as_data(engine.stream(request_id)), called_at):
             yield out
 
     async def generate_colocated(
@@ -179,10 +180,12 @@ class DecodeWorker(EngineWorker):
         ticket: str | None = None,
     ) -> AsyncIterator[RequestOutput | WorkerError]:
         """Prefill and decode here (colocated mode and short-prompt bypass)."""
+        called_at = time.time()
         if self._was_aborted(ticket):
             yield aborted(request_id)
             return
-        async for out in _as_data(self._engine().generate(prompt_token_ids, params, request_id)):
+        outputs = _as_data(self._engine().generate(prompt_token_ids, params, request_id))
+        async for out in _timed(outputs, called_at):
             yield out
 
     async def abort(self, request_id: str, ticket: str | None = None) -> bool:
@@ -311,3 +314,24 @@ async def _as_data(
                 yield out
         except HalfmoonError as error:
             yield WorkerError.of(error)
+
+
+async def _timed(
+    outputs: AsyncIterator[RequestOutput | WorkerError], called_at: float
+) -> AsyncIterator[RequestOutput | WorkerError]:
+    """The outputs, the first with the worker's stages added to its timeline (when the call
+    began here, when it left); the others without one, as the trace reads only the first."""
+    first = True
+    async with contextlib.aclosing(outputs):
+        async for out in outputs:
+            if isinstance(out, RequestOutput):
+                if first:
+                    out.timeline = (
+                        ("call began on the worker", called_at),
+                        *out.timeline,
+                        ("first output left the worker", time.time()),
+                    )
+                    first = False
+                else:
+                    out.timeline = ()
+            yield out

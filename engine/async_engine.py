@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
@@ -133,13 +134,16 @@ class AsyncEngine:
                     self._work.wait()
                 if self._stopped:
                     return
+                began = time.time()
                 try:
                     outputs = self.engine.step()
                 except Exception as error:  # noqa: BLE001 - a failed step must not kill serving
                     log.exception("engine step failed; ending the requests in flight")
                     self._fail_all(error)
                     continue
+            timeline = (("engine step began", began), ("engine step ended", time.time()))
             for out in outputs:
+                out.timeline = timeline
                 self._deliver(out)
 
     def _fail_all(self, error: Exception) -> None:

@@ -74,6 +74,9 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # (stage, wall clock) pairs for the router's per-request trace: the engine step that made
+    # this output (`AsyncEngine`), and on a stream's first output the worker's own stages.
+    timeline: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(slots=True)

@@ -48,8 +48,20 @@ def _generate_concurrently(client, prompts, max_tokens=8):
 def test_greedy_outputs_over_grpc_equal_the_offline_engine(tiny_model_dir, tiny_llm, shape):
     with running_cluster(tiny_model_dir, **shape) as (_, client):
         results = _generate_concurrently(client, PROMPTS)
+        client.complete("timed", max_tokens=2, request_id="timed")
+        explained = client.explain("timed")
     assert [r.token_ids for r in results] == _expected(tiny_llm, PROMPTS)
     assert all(r.finish_reason == "length" for r in results)
+    # The first output's way through the worker is in the router's timeline, in order (a
+    # decode worker's first output is the prefill's token, joined without a step).
+    colocated = shape.get("mode") == "colocated"
+    steps = ["engine step began", "engine step ended"] if colocated else []
+    worker_stages = [
+        f"{'worker' if colocated else 'decode worker'}: {stage}"
+        for stage in ["call began on the worker", *steps, "first output left the worker"]
+    ]
+    stages = [line.split("  ")[-1].strip() for line in explained.split("timeline")[1].splitlines()]
+    assert [stage for stage in stages if stage in worker_stages] == worker_stages, explained
 
 
 def test_kv_streams_layer_by_layer_and_prefixes_are_reused_across_instances(
@@ -236,6 +248,8 @@ def test_the_prefill_token_is_streamed_before_the_hand_off_to_decode(tiny_model_
         "prefill call returned on the worker",
         "prefill returned",
         "first token out",
+        "decode worker: call began on the worker",
+        "decode worker: first output left the worker",
         "first decode output",
         "released",
     ]
