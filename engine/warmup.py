@@ -5,6 +5,12 @@ of sequences, a new split count, an integer argument that becomes 1 or a multipl
 which stalled the first requests by hundreds of milliseconds. Block tables are padded to a
 multiple of 16 pages, so what varies is the number of sequences in a step and the context
 length; the warm-up covers both ranges, then leaves the engine idle and its counters at zero.
+
+A count is specialised twice over: by its power-of-two tile and by whether it is a multiple of
+16. 17 prefill runs in a step (tile 32, odd) is another kernel than 32 (tile 32, a multiple of
+16), so every tile from 16 up is warmed with both. tests/engine/test_warmup_coverage.py records
+the specialisations a varied workload meets (with Triton's own rules) and checks that the
+warm-up met them all.
 """
 
 from __future__ import annotations
@@ -28,9 +34,12 @@ def warm_up(engine: LLMEngine, seed: int = 0) -> float:
     try:
         rng = random.Random(seed)
         limit = min(engine.max_model_len - 4, engine.num_pages * engine.config.block_size // 2)
-        for num_seqs in _doubling(1, engine.config.max_num_seqs):
+        for num_seqs in _counts(engine.config.max_num_seqs):
             _run(engine, rng, num_seqs, min(engine.config.block_size + 3, limit), waves=2)
+        # Decode splits: a prompt of `context` tokens decodes with one split more than
+        # context / SPLIT_TOKENS (its next token opens a page), one 4 tokens shorter with that many.
         for context in _doubling(SPLIT_TOKENS, limit):
+            _run(engine, rng, 1, context - 4)
             _run(engine, rng, 1, context)
         # The KV API's page gather and scatter (prefill snapshots, decode-side writes), which
         # compiled at a worker's first transfer: page 0 of layer 0, read and written back as is.
@@ -51,6 +60,13 @@ def _doubling(start: int, stop: int) -> list[int]:
         sizes.append(size)
         size *= 2
     return sizes + [stop] if stop >= start else sizes
+
+
+def _counts(most: int) -> list[int]:
+    """1, 2, 4... up to `most`, and from 16 on one past each (9, 17, 33...): every tile of
+    counts, with a multiple of 16 and without."""
+    sizes = _doubling(1, most)
+    return sorted(set(sizes) | {size + 1 for size in sizes if 8 <= size < most})
 
 
 def _run(
