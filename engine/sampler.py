@@ -28,20 +28,23 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
 
 
 def _sample_random(logits: torch.Tensor, seqs: list[Sequence], greedy_ids: torch.Tensor):
+    # Which filters apply is decided from the parameters on the host: asking the tensors
+    # (`bool(t.any())`) would wait for the GPU in the middle of the step.
     device = logits.device
-    temps = torch.tensor([s.params.temperature for s in seqs], device=device)
+    params = [s.params for s in seqs]
+    temps = torch.tensor([p.temperature for p in params], device=device)
     greedy = temps == 0
     scaled = logits / torch.where(greedy, 1.0, temps)[:, None]
     vocab = logits.shape[-1]
-    top_k = torch.tensor(
-        [s.params.top_k if s.params.top_k > 0 else vocab for s in seqs], device=device
-    )
-    top_p = torch.tensor([s.params.top_p for s in seqs], device=device)
-    if bool((top_k < vocab).any() or (top_p < 1).any()):
+    top_k_list = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    top_p_list = [p.top_p for p in params]
+    if any(k < vocab for k in top_k_list) or any(p < 1 for p in top_p_list):
+        top_k = torch.tensor(top_k_list, device=device)
+        top_p = torch.tensor(top_p_list, device=device)
         scaled = _top_k_top_p(scaled, top_k, top_p)
     probs = torch.softmax(scaled, dim=-1)
-    min_p = torch.tensor([s.params.min_p for s in seqs], device=device)
-    if bool((min_p > 0).any()):
+    if any(p.min_p > 0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], device=device)
         floor = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < floor, 0.0)
     # argmax(p / E) with E ~ Exp(1) draws from p (the exponential race).
@@ -70,15 +73,19 @@ def _logprobs(logits: torch.Tensor, seqs: list[Sequence], ids: list[int]):
         return [None] * len(seqs)
     logp = torch.log_softmax(logits, dim=-1)
     most = max(n or 0 for n in wanted)
-    top_values, top_ids = logp.topk(most, dim=-1) if most else (None, None)
-    chosen = logp.gather(-1, torch.tensor(ids, device=logits.device)[:, None])[:, 0].tolist()
+    chosen = logp.gather(-1, torch.tensor(ids, device=logits.device)[:, None])
+    top_ids: list[list[int]] = [[] for _ in seqs]
+    values = chosen
+    if most:
+        top_values, top_index = logp.topk(most, dim=-1)
+        values = torch.cat((chosen, top_values), dim=1)
+        top_ids = top_index.tolist()
+    values = values.tolist()  # one copy to the host for the whole batch, not one per row
     out: list[TokenLogprobs | None] = []
     for row, n in enumerate(wanted):
         if n is None:
             out.append(None)
             continue
-        top = []
-        if n:
-            top = list(zip(top_ids[row, :n].tolist(), top_values[row, :n].tolist(), strict=True))
-        out.append(TokenLogprobs(ids[row], chosen[row], top))
+        top = list(zip(top_ids[row][:n], values[row][1 : n + 1], strict=True)) if n else []
+        out.append(TokenLogprobs(ids[row], values[row][0], top))
     return out

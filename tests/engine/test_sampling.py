@@ -63,6 +63,29 @@ def test_logprobs_are_log_softmax_with_top_n():
     assert out.top[1][1] == pytest.approx(math.log(1 / 6))
 
 
+def test_sampling_reads_the_device_once_per_batch(monkeypatch):
+    # On a GPU every read of a tensor's value waits for the step's kernels: the filters are
+    # chosen from the parameters, and the tokens (and logprobs) come back in one copy each.
+    reads = []
+    monkeypatch.setattr(torch.Tensor, "__bool__", lambda t: pytest.fail("bool() of a tensor"))
+    original = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t.shape) or original(t))
+    logits = torch.randn(4, 50)
+    mixed = [
+        _seq(temperature=0.0, logprobs=3),
+        _seq(temperature=0.7, top_k=5, seed=1),
+        _seq(temperature=1.0, top_p=0.9, min_p=0.05, logprobs=0),
+        _seq(temperature=1.0),
+    ]
+    out = sample(logits, mixed)
+    assert len(reads) == 3, reads  # the tokens, the top ids, the logprob values
+    assert out.logprobs[1] is None and len(out.logprobs[0].top) == 3 and not out.logprobs[2].top
+    assert out.logprobs[0].token_id == out.token_ids[0] == int(logits[0].argmax())
+    reads.clear()
+    sample(logits, [_seq(temperature=0.5, top_k=3, min_p=0.1) for _ in range(4)])
+    assert len(reads) == 1
+
+
 def test_stop_string_truncates_text_and_finishes(tiny_llm):
     free = tiny_llm.generate(["stop test"], SamplingParams(max_tokens=30, temperature=0.0))[0]
     assert len(free.text) >= 6, free.text
