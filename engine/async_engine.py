@@ -127,6 +127,18 @@ class AsyncEngine:
             loop, queue = entry
             loop.call_soon_threadsafe(queue.put_nowait, item)
 
+    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs, in one wake-up of each event loop: one `call_soon_threadsafe` per
+        output cost ~5 us of this thread each (a write to the loop's wake-up pipe), 0.3 ms a
+        step at batch 64."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for out in outputs:
+            entry = self._streams.get(out.request_id)
+            if entry is not None:
+                by_loop.setdefault(entry[0], []).append((entry[1], out))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
+
     def _loop(self) -> None:
         while True:
             with self._work:
@@ -144,9 +156,14 @@ class AsyncEngine:
             timeline = (("engine step began", began), ("engine step ended", time.time()))
             for out in outputs:
                 out.timeline = timeline
-                self._deliver(out)
+            self._deliver_step(outputs)
 
     def _fail_all(self, error: Exception) -> None:
         for request_id in list(self.engine.requests):
             self.engine.abort(request_id)
             self._deliver(EngineFailure(f"request {request_id} failed: {error}"), request_id)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
