@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -47,6 +48,7 @@ class Sequence:
     num_emitted_chars: int = 0
     prefix_offset: int = 0
     read_offset: int = 0
+    utf8: codecs.IncrementalDecoder | None = None  # byte-level detokenization's pending bytes
     logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     def __len__(self) -> int:

@@ -30,9 +30,16 @@ def _metaspace_tokenizer():
     )
 
 
-def _stream(tokenizer, output: list[int]) -> tuple[str, Sequence]:
-    """Feed `output` one token at a time, as the engine does; the deltas and a final flush."""
+def _decoder(tokenizer, byte_level: bool = True) -> TextDecoder:
     decode = TextDecoder(tokenizer)
+    if not byte_level:
+        decode.token_bytes = None  # the general path, which every tokenizer can take
+    return decode
+
+
+def _stream(tokenizer, output: list[int], byte_level: bool = True) -> tuple[str, Sequence]:
+    """Feed `output` one token at a time, as the engine does; the deltas and a final flush."""
+    decode = _decoder(tokenizer, byte_level)
     seq = Sequence("r", list(PROMPT), len(PROMPT), SamplingParams(), 0.0)
     text = ""
     for token in output:
@@ -43,8 +50,17 @@ def _stream(tokenizer, output: list[int]) -> tuple[str, Sequence]:
     return text, seq
 
 
-@pytest.mark.parametrize("build", [build_tokenizer, _metaspace_tokenizer])
-def test_streamed_text_equals_the_whole_decode(build):
+def test_byte_level_tokenizers_take_the_byte_table():
+    assert TextDecoder(build_tokenizer()).token_bytes is not None
+    assert TextDecoder(_metaspace_tokenizer()).token_bytes is None
+
+
+@pytest.mark.parametrize(
+    "build, byte_level",
+    [(build_tokenizer, True), (build_tokenizer, False), (_metaspace_tokenizer, False)],
+    ids=["byte-table", "byte-level-general", "metaspace"],
+)
+def test_streamed_text_equals_the_whole_decode(build, byte_level):
     tokenizer = build()
     rng = random.Random(0)
     specials = tokenizer.all_special_ids
@@ -58,7 +74,7 @@ def test_streamed_text_equals_the_whole_decode(build):
     samples.append(samples[0][:5] + specials + samples[0][5:] + specials)
     for output in samples:
         expected = tokenizer.decode(output, skip_special_tokens=True)
-        assert _stream(tokenizer, output)[0] == expected
+        assert _stream(tokenizer, output, byte_level)[0] == expected
 
 
 def test_the_fast_decoder_spells_what_transformers_decode_spells():
@@ -85,7 +101,7 @@ def test_a_run_of_special_tokens_does_not_grow_the_decode_window():
     # Every token decodes the window from `prefix_offset`: if nothing moved it, a model that
     # emits special tokens (skipped) would decode its whole output again at every token.
     tokenizer = build_tokenizer()
-    text, seq = _stream(tokenizer, [tokenizer.pad_token_id] * 300)
+    text, seq = _stream(tokenizer, [tokenizer.pad_token_id] * 300, byte_level=False)
     assert text == ""
     assert seq.prefix_offset == seq.read_offset == 300
 
@@ -94,7 +110,7 @@ def test_a_stream_that_never_completes_a_character_is_not_held_forever():
     # The second byte of "é" alone is a UTF-8 continuation byte: every window ends in U+FFFD.
     tokenizer = build_tokenizer()
     continuation = tokenizer.encode("é", add_special_tokens=False)[1]
-    decode = TextDecoder(tokenizer)
+    decode = _decoder(tokenizer, byte_level=False)
     seq = Sequence("r", list(PROMPT), len(PROMPT), SamplingParams(), 0.0)
     emitted = []
     for _ in range(3 * MAX_HELD_TOKENS):
@@ -102,3 +118,12 @@ def test_a_stream_that_never_completes_a_character_is_not_held_forever():
         emitted.append(append_text(decode, seq))
     assert any(emitted), "text went out once MAX_HELD_TOKENS tokens were held"
     assert seq.num_output_tokens - seq.prefix_offset <= 2 * MAX_HELD_TOKENS + 1
+
+
+def test_a_byte_table_that_misspells_a_token_is_not_used(monkeypatch):
+    from halfmoon.engine import detokenizer
+
+    right = detokenizer._byte_to_char()
+    wrong = {byte: right[(byte + 1) % 256] for byte in right}
+    monkeypatch.setattr(detokenizer, "_byte_to_char", lambda: wrong)
+    assert TextDecoder(build_tokenizer()).token_bytes is None
