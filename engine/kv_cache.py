@@ -92,8 +92,8 @@ class PagedKvCache:
         stream = self._write_stream
         if stream is None:
             index = self._index(pages)
-            ops.scatter_pages(k_cache, index, kv.k.to(self.device, self.dtype))
-            ops.scatter_pages(v_cache, index, kv.v.to(self.device, self.dtype))
+            ops.scatter_pages(k_cache, index, kv.k.to(self.device, self.dtype, non_blocking=True))
+            ops.scatter_pages(v_cache, index, kv.v.to(self.device, self.dtype, non_blocking=True))
             return LayerWrite()
         compute = torch.cuda.current_stream(self.device)
         stream.wait_stream(compute)
@@ -113,7 +113,9 @@ class PagedKvCache:
             self._write_stream.synchronize()
 
     def _index(self, pages: Sequence[int]) -> torch.Tensor:
-        return torch.tensor(list(pages), dtype=torch.int64, device=self.device)
+        # Not `torch.tensor(..., device=)`: that copy blocks until the stream has run everything
+        # queued, and the prefill worker reads layers from inside the step.
+        return torch.tensor(list(pages), dtype=torch.int64).to(self.device, non_blocking=True)
 
 
 def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
