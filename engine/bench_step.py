@@ -113,7 +113,9 @@ def main(argv: list[str] | None = None) -> int:
         prog="halfmoon bench step",
         description="Decode step wall time against its GPU kernel time per batch size, and the "
         "batch-1 step against the time to stream the weights once (issue 13's goals: wall <= "
-        "1.3x kernel time, batch-1 step <= 5x weight streaming).",
+        "1.3x kernel time, batch-1 step <= 5x weight streaming). host_ms is the same step with "
+        "the model replaced by fixed outputs: what scheduling, input copies, sampling and "
+        "detokenization add on any device.",
     )
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
     parser.add_argument(
