@@ -6,6 +6,7 @@ import itertools
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from halfmoon.engine.cuda_graphs import DecodeBatch, DecodeGraphs
@@ -108,9 +109,12 @@ class ModelRunner:
         return logits, [batch[i].seq for i in rows]
 
     def _prepare(self, batch: list[ScheduledSeq]):
-        # Host-to-device copies are `non_blocking`: a blocking one waits for the stream to
-        # drain, nine times a step. From pageable memory CUDA stages the bytes at once, so the
-        # host tensors may go away after the call.
+        """A step's inputs and attention metadata, computed with numpy on the host (each small
+        torch op costs several times more) and moved to the device in two non-blocking copies:
+        one int64 buffer for everything but the block tables, whose parts are the views.
+
+        A blocking copy would wait for the stream to drain; from pageable memory CUDA stages
+        the bytes at once, so the host arrays may go away after the call."""
         device, bs = self.device, self.block_size
         counts = [item.num_new_tokens for item in batch]
         starts = [item.seq.num_computed_tokens for item in batch]
@@ -122,44 +126,58 @@ class ModelRunner:
         )
         # Widths rounded up to 16 pages: one kernel specialisation instead of one per width.
         width = -(-max(len(item.seq.block_table) for item in batch) // 16) * 16
-        tables = torch.tensor(
-            [item.seq.block_table + [0] * (width - len(item.seq.block_table)) for item in batch],
-            dtype=torch.int32,
-        )
-        counts_t = torch.tensor(counts)
-        row_of_token = torch.repeat_interleave(torch.arange(len(batch)), counts_t)
-        ends = torch.cumsum(counts_t, 0)
-        offsets = torch.arange(len(tokens)) - (ends - counts_t)[row_of_token]
-        positions = torch.tensor(starts)[row_of_token] + offsets
-        slots = tables[row_of_token, positions // bs].long() * bs + positions % bs
+        tables = np.zeros((len(batch), width), dtype=np.int32)
+        for row, item in enumerate(batch):
+            tables[row, : len(item.seq.block_table)] = item.seq.block_table
+        counts_np = np.array(counts, dtype=np.int64)
+        ends = np.cumsum(counts_np)
+        row_of_token = np.repeat(np.arange(len(batch)), counts_np)
+        offsets = np.arange(len(tokens)) - (ends - counts_np)[row_of_token]
+        positions = np.array(starts, dtype=np.int64)[row_of_token] + offsets
+        slots = tables[row_of_token, positions // bs].astype(np.int64) * bs + positions % bs
         num_prefill = sum(1 for n in counts if n > 1)
-        prefill_tokens = int(ends[num_prefill - 1]) if num_prefill else 0
-        meta = AttentionMetadata(
-            slot_mapping=slots.to(device, non_blocking=True),
-            num_prefill_tokens=prefill_tokens,
-            prefill_cu_seqlens_q=torch.cat(
-                (torch.zeros(1, dtype=torch.int64), ends[:num_prefill])
-            ).to(device, non_blocking=True),
-            prefill_block_tables=tables[:num_prefill].to(device, non_blocking=True),
-            prefill_prefix_lens=torch.tensor(starts[:num_prefill]).to(device, non_blocking=True),
-            decode_block_tables=tables[num_prefill:].to(device, non_blocking=True),
-            decode_seq_lens=(torch.tensor(starts[num_prefill:]) + 1).to(device, non_blocking=True),
-        )
-        if num_prefill and not any(starts[:num_prefill]) and ops.dense_prefill():
-            meta.prefill_dense_lens = counts[:num_prefill]
         sampled = [
             i
             for i, (item, s, n) in enumerate(zip(batch, starts, counts, strict=True))
             if s + n == len(item.seq)
         ]
-        sample_rows = (ends[sampled] - 1).to(device, non_blocking=True)
-        return (
-            torch.tensor(tokens).to(device, non_blocking=True),
-            positions.to(device, non_blocking=True),
-            meta,
-            sample_rows,
-            sampled,
+        parts = [
+            tokens,
+            positions,
+            slots,
+            [0, *ends[:num_prefill].tolist()],  # prefill runs' cumulative lengths
+            starts[:num_prefill],  # their cached prefixes
+            [s + 1 for s in starts[num_prefill:]],  # decode context lengths
+            (ends[sampled] - 1).tolist(),  # rows to sample from
+        ]
+        token_ids, positions_t, slots_t, cu_seqlens, prefix_lens, seq_lens, sample_rows = (
+            _on_device(parts, device)
         )
+        tables_t = torch.from_numpy(tables).to(device, non_blocking=True)
+        meta = AttentionMetadata(
+            slot_mapping=slots_t,
+            num_prefill_tokens=int(ends[num_prefill - 1]) if num_prefill else 0,
+            prefill_cu_seqlens_q=cu_seqlens,
+            prefill_block_tables=tables_t[:num_prefill],
+            prefill_prefix_lens=prefix_lens,
+            decode_block_tables=tables_t[num_prefill:],
+            decode_seq_lens=seq_lens,
+        )
+        if num_prefill and not any(starts[:num_prefill]) and ops.dense_prefill():
+            meta.prefill_dense_lens = counts[:num_prefill]
+        return token_ids, positions_t, meta, sample_rows, sampled
+
+
+def _on_device(parts: list, device) -> list[torch.Tensor]:
+    """int64 tensors of `parts` on `device` from one copy: views of one buffer, each starting
+    16 bytes aligned (Triton specialises a kernel on its pointers' alignment)."""
+    sizes = [len(part) for part in parts]
+    starts = np.cumsum([0] + [-(-size // 2) * 2 for size in sizes])
+    host = np.zeros(int(starts[-1]), dtype=np.int64)
+    for part, start, size in zip(parts, starts, sizes, strict=False):
+        host[start : start + size] = part
+    packed = torch.from_numpy(host).to(device, non_blocking=True)
+    return [packed[start : start + size] for start, size in zip(starts, sizes, strict=False)]
 
 
 def _materialize(model: torch.nn.Module, device, dtype: torch.dtype) -> None:
