@@ -31,6 +31,7 @@ ENGINE_ARGS = dict(
     max_num_batched_tokens=4096,
     prefill_chunk_size=2048,
     max_num_seqs=64,
+    device="cpu",  # the kernels are recorded, not run: any device gives the same keys
     dtype="float32",
     enforce_eager=True,
 )
