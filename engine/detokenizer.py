@@ -121,7 +121,9 @@ def _append_bytes(token_bytes: list[bytes | None], seq: Sequence) -> str:
     if seq.utf8 is None:
         seq.utf8 = codecs.getincrementaldecoder("utf-8")("replace")
     new = seq.token_ids[seq.num_prompt_tokens + seq.read_offset :]
-    data = b"".join(token_bytes[t] or b"" for t in new)
+    # Ids past the tokenizer's vocabulary (models pad their embeddings) spell nothing, as there.
+    size = len(token_bytes)
+    data = b"".join((token_bytes[t] or b"") if t < size else b"" for t in new)
     seq.read_offset = seq.prefix_offset = seq.num_output_tokens
     delta = seq.utf8.decode(data)  # holds back the bytes of an unfinished character
     seq.text += delta

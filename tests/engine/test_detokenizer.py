@@ -72,6 +72,8 @@ def test_streamed_text_equals_the_whole_decode(build, byte_level):
     ]
     # Specials in the middle of text: skipped, and the window around them stays right.
     samples.append(samples[0][:5] + specials + samples[0][5:] + specials)
+    # Ids past the tokenizer's vocabulary (a model's padded embeddings) spell nothing.
+    samples.append(samples[0][:3] + [len(tokenizer) + 5] + samples[0][3:])
     for output in samples:
         expected = tokenizer.decode(output, skip_special_tokens=True)
         assert _stream(tokenizer, output, byte_level)[0] == expected
