@@ -124,7 +124,7 @@ def _append_bytes(token_bytes: list[bytes | None], seq: Sequence) -> str:
     # Ids past the tokenizer's vocabulary (models pad their embeddings) spell nothing, as there.
     size = len(token_bytes)
     data = b"".join((token_bytes[t] or b"") if t < size else b"" for t in new)
-    seq.read_offset = seq.prefix_offset = seq.num_output_tokens
+    seq.read_offset = seq.num_output_tokens
     delta = seq.utf8.decode(data)  # holds back the bytes of an unfinished character
     seq.text += delta
     return delta

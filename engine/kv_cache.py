@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from halfmoon.engine.device_copy import device_tensor
 from halfmoon.kernels import ops
 from halfmoon.kvstore.layout import LayerKV
 
@@ -98,7 +99,7 @@ class PagedKvCache:
         compute = torch.cuda.current_stream(self.device)
         stream.wait_stream(compute)
         with torch.cuda.stream(stream):
-            index = _to_device(torch.tensor(list(pages), dtype=torch.int64), self.device)
+            index = self._index(pages)
             ops.scatter_pages(k_cache, index, _to_device(kv.k, self.device).to(self.dtype))
             ops.scatter_pages(v_cache, index, _to_device(kv.v, self.device).to(self.dtype))
             copied = torch.cuda.Event()
@@ -113,9 +114,8 @@ class PagedKvCache:
             self._write_stream.synchronize()
 
     def _index(self, pages: Sequence[int]) -> torch.Tensor:
-        # Not `torch.tensor(..., device=)`: that copy blocks until the stream has run everything
-        # queued, and the prefill worker reads layers from inside the step.
-        return torch.tensor(list(pages), dtype=torch.int64).to(self.device, non_blocking=True)
+        # Without waiting: the prefill worker reads layers from inside the step.
+        return device_tensor(list(pages), self.device, torch.int64)
 
 
 def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from halfmoon.engine.device_copy import device_tensor
 from halfmoon.engine.sequence import Sequence, TokenLogprobs
 
 
@@ -27,30 +28,24 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
     return SamplerOutput(ids, _logprobs(logits, seqs, ids))
 
 
-def _to(device: torch.device, values: list) -> torch.Tensor:
-    """`values` on `device` without waiting: `torch.tensor(values, device=)` blocks until the
-    GPU has run the step so far, before the sampling kernels are even queued."""
-    return torch.tensor(values).to(device, non_blocking=True)
-
-
 def _sample_random(logits: torch.Tensor, seqs: list[Sequence], greedy_ids: torch.Tensor):
     # Which filters apply is decided from the parameters on the host: asking the tensors
     # (`bool(t.any())`) would wait for the GPU in the middle of the step.
     device = logits.device
     params = [s.params for s in seqs]
-    temps = _to(device, [p.temperature for p in params])
+    temps = device_tensor([p.temperature for p in params], device)
     greedy = temps == 0
     scaled = logits / torch.where(greedy, 1.0, temps)[:, None]
     vocab = logits.shape[-1]
     top_k_list = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     top_p_list = [p.top_p for p in params]
     if any(k < vocab for k in top_k_list) or any(p < 1 for p in top_p_list):
-        top_k = _to(device, top_k_list)
-        top_p = _to(device, top_p_list)
+        top_k = device_tensor(top_k_list, device)
+        top_p = device_tensor(top_p_list, device)
         scaled = _top_k_top_p(scaled, top_k, top_p)
     probs = torch.softmax(scaled, dim=-1)
     if any(p.min_p > 0 for p in params):
-        min_p = _to(device, [p.min_p for p in params])
+        min_p = device_tensor([p.min_p for p in params], device)
         floor = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < floor, 0.0)
     # argmax(p / E) with E ~ Exp(1) draws from p (the exponential race).
@@ -79,7 +74,7 @@ def _logprobs(logits: torch.Tensor, seqs: list[Sequence], ids: list[int]):
         return [None] * len(seqs)
     logp = torch.log_softmax(logits, dim=-1)
     most = max(n or 0 for n in wanted)
-    chosen = logp.gather(-1, _to(logits.device, ids)[:, None])
+    chosen = logp.gather(-1, device_tensor(ids, logits.device)[:, None])
     top_ids: list[list[int]] = [[] for _ in seqs]
     values = chosen
     if most:
