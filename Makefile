@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: serve test test-fast test-gpu bench-gpu wheelhouse lint format system-deps clean
+.PHONY: serve test test-fast test-gpu bench-gpu wheelhouse install-wheelhouse lint format system-deps clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -37,9 +37,21 @@ bench-gpu:
 	@if [ -d .whl ]; then bash deploy/gpu/bench-gpu.sh $(BENCH); \
 	else $(MAKE) -s $(STAMP) && bash deploy/gpu/bench-gpu.sh $(BENCH); fi
 
-# Wheels and .debs the GPU host lacks (Python 3.12, x86_64), into .whl/ (ignored by git).
+# Offline install (docs/deploy.md): `make wheelhouse` here writes the wheels a host without
+# internet lacks (for Python WHEEL_PYTHON on WHEEL_ARCH; the device machine's by default) and
+# redis-server's .debs into WHEELHOUSE (.whl/, ignored by git); `make install-wheelhouse` on the
+# host installs them under OFFLINE_PREFIX with its own python3 and says how to run halfmoon.
+WHEEL_PYTHON ?= 3.12
+WHEEL_ARCH ?= x86_64
+WHEELHOUSE ?= .whl
+IMAGE ?= deploy/gpu/image-packages.txt
+OFFLINE_PREFIX ?= /tmp/halfmoon-offline
 wheelhouse: $(STAMP)
-	bash deploy/gpu/wheelhouse.sh
+	$(PY) deploy/gpu/wheelhouse.py build --python-version $(WHEEL_PYTHON) --arch $(WHEEL_ARCH) \
+		--image $(IMAGE) --out $(WHEELHOUSE)
+
+install-wheelhouse:
+	python3 deploy/gpu/wheelhouse.py install --wheelhouse $(WHEELHOUSE) --prefix $(OFFLINE_PREFIX)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
