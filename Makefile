@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: serve test test-fast test-gpu bench-gpu wheelhouse install-wheelhouse lint format system-deps clean
+.PHONY: serve test test-fast test-gpu bench-gpu wheelhouse install-wheelhouse rehearse-image lint format system-deps clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -52,6 +52,11 @@ wheelhouse: $(STAMP)
 
 install-wheelhouse:
 	python3 deploy/gpu/wheelhouse.py install --wheelhouse $(WHEELHOUSE) --prefix $(OFFLINE_PREFIX)
+
+# The CPU kernel and engine tests on the GPU image's Triton and transformers versions
+# (deploy/gpu/image-versions.txt), before a GPU session finds a version gap.
+rehearse-image: $(STAMP)
+	bash deploy/gpu/rehearse-image.sh $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

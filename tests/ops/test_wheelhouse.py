@@ -230,3 +230,24 @@ def test_rehearsal_halfmoon_serves_from_the_wheelhouse_on_an_image_only_python(
             serve.wait(timeout=60)
         except subprocess.TimeoutExpired:
             serve.kill()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_cpu_kernel_and_engine_tests_pass_on_the_gpu_images_versions(tmp_path):
+    """deploy/gpu/rehearse-image.sh: Triton 3.6 (interpreted) and transformers 5.17 here."""
+    env = {**os.environ, "REHEARSAL_DIR": str(tmp_path / "overlay"), "PY": sys.executable}
+    env.pop("PYTHONPATH", None)
+    result = subprocess.run(
+        ["bash", str(ROOT / "deploy/gpu/rehearse-image.sh"), "-x"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=880,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    pins = dict(
+        line.split("==")
+        for line in (ROOT / "deploy/gpu/image-versions.txt").read_text().splitlines()
+        if "==" in line and not line.startswith("#")
+    )
+    versions = f"triton {pins['triton']} transformers {pins['transformers']}"
+    assert f"rehearse-image: {versions}" in result.stdout
+    assert re.search(r"\d+ passed", result.stdout) and " failed" not in result.stdout
