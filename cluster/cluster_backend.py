@@ -36,6 +36,7 @@ from halfmoon.engine.tokenizer import tokenize_prompt
 from halfmoon.engine.worker_errors import WorkerCallError, aborted, unwrap
 from halfmoon.engine.worker_info import WorkerInfo
 from halfmoon.kvstore.keys import block_keys
+from halfmoon.kvstore.kv_notices import KvPeer
 from halfmoon.router.conductor import Conductor
 from halfmoon.router.decision import Decision
 from halfmoon.router.profile import profile_to_dict
@@ -60,6 +61,7 @@ class Worker:
     kind: str
     handle: ray.actor.ActorHandle
     store_name: str | None = None
+    kv_peer: KvPeer | None = None  # a decode worker's socket for prefill workers' notices
     draining: bool = False
     dead: bool = False  # a call to it failed: no new requests until it answers again
 
@@ -480,10 +482,17 @@ class ClusterBackend:
         # Reserve and prefill start together: the decode worker's reads wait in the store for
         # the layers, so neither waits for the other's round trip. A reserve that fails ends
         # the attempt, and its release aborts the prefill by ticket.
+        # A decode worker with a notice socket hears of each layer and of the first token from
+        # the prefill worker itself when both are on one node, and joins its batch then; a
+        # retry's first token is out already, so the reserve carries it.
+        peer = decode.kv_peer
+        known = trace.early_token[0] if trace.early_token is not None else None
         attempt.reserve = decode.handle.reserve.remote(
-            rid, token_ids, params, prefill.store_name, attempt.ticket
+            rid, token_ids, params, prefill.store_name, attempt.ticket, peer is not None, known
         )
-        prefilled = prefill.handle.prefill.remote(rid, token_ids, params, True, attempt.ticket)
+        prefilled = prefill.handle.prefill.remote(
+            rid, token_ids, params, True, attempt.ticket, peer
+        )
         trace.prefill_started_s = time.monotonic()
         self.conductor.on_prefill_start(rid, trace.prefill_started_s)
         await self._call(decode, attempt.reserve)

@@ -140,6 +140,10 @@ class StoreSection(Section):
     # Connections per store node; a request waits up to redis_pool_timeout_s for one.
     redis_max_connections: int = Field(64, ge=1)
     redis_pool_timeout_s: float = Field(5.0, gt=0)
+    # A prefill worker tells a decode worker on its node of each layer and of the first token
+    # over a Unix socket, and the decode worker joins its batch as soon as both are in
+    # (kvstore/kv_notices.py); off: through the store node and the router's hand-off.
+    direct_notices: bool = True
 
     @field_validator("redis_hmac_key")
     @classmethod

@@ -289,7 +289,16 @@ class Cluster:
         ray.get(worker.actor.ping.remote())
         self.ensure_stores()
         store_name = ray.get(worker.actor.store_name.remote()) if worker.kind == "prefill" else None
-        ray.get(self.router.add_worker.remote(worker.name, worker.kind, worker.actor, store_name))
+        store = self.config.store
+        notified = self.config.mode == "disaggregated" and store.direct_notices
+        kv_peer = (
+            ray.get(worker.actor.kv_peer.remote()) if worker.kind == "decode" and notified else None
+        )
+        ray.get(
+            self.router.add_worker.remote(
+                worker.name, worker.kind, worker.actor, store_name, kv_peer
+            )
+        )
 
 
 def secret(configured: SecretStr | None, env: str) -> str | None:

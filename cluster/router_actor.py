@@ -23,6 +23,7 @@ from halfmoon.engine.llm_engine import StepTiming
 from halfmoon.engine.sampling_params import SamplingParams
 from halfmoon.engine.tokenizer import load_tokenizer
 from halfmoon.engine.worker_info import WorkerInfo, WorkerLoad
+from halfmoon.kvstore.kv_notices import KvPeer
 from halfmoon.kvstore.process_gc import freeze_startup_heap
 from halfmoon.router.conductor import Conductor
 from halfmoon.router.profile import Profile
@@ -115,8 +116,10 @@ class RouterActor:
         self.http_server, bound_port = await start_http_server(api.app, host, port)
         return bound_port
 
-    async def add_worker(self, name: str, kind: str, handle, store_name: str | None) -> None:
-        self.backend.add_worker(Worker(name, kind, handle, store_name))
+    async def add_worker(
+        self, name: str, kind: str, handle, store_name: str | None, kv_peer: KvPeer | None = None
+    ) -> None:
+        self.backend.add_worker(Worker(name, kind, handle, store_name, kv_peer))
         address = await handle.serve_metrics.remote(self.config.server.host)
         self.targets.add(name, address, {"role": kind, "worker": name})
 

@@ -1,5 +1,7 @@
 """The decode worker: reserves pages, pulls each layer of a prompt's KV from the store as it
-lands, then decodes the request in its continuous batch and streams the tokens back."""
+lands (or, on the prefill worker's node, copies it out of the store's shared arena when the
+prefill worker says it is there), joins the request to its continuous batch as soon as the
+last layer and the first token are in, and streams the tokens back."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from halfmoon.engine.llm_engine import LLMEngine, RequestOutput
 from halfmoon.engine.sampling_params import SamplingParams
 from halfmoon.engine.worker_base import EngineWorker
 from halfmoon.engine.worker_errors import WorkerError, aborted
+from halfmoon.kvstore.kv_notices import KvPeer, LayerNotice, Notice, NoticeListener, TokenNotice
 from halfmoon.kvstore.locate import local_store
 from halfmoon.kvstore.shared_arena import MappedArena, map_arena
 from halfmoon.kvstore.transfer import plan_transfer
@@ -37,6 +40,26 @@ PREFILL_WAIT_S = 3600.0
 HANDOFF_TIMEOUT_S = 60.0
 # Ids of reservations freed that way, kept so a late `generate` says why it finds none.
 EXPIRED_IDS = 1024
+# A prefill worker's notices can overtake the reserve they belong to (both are sent at once):
+# they wait this long for it, then their claims go back to the store. Keys of receives that
+# ended are remembered (up to RECENT_KEYS) so their late notices are released at once.
+EARLY_NOTICE_S = 30.0
+RECENT_KEYS = 4096
+
+
+@dataclasses.dataclass(slots=True)
+class _Reservation:
+    """One reserved request: what the prefill worker's notices call it, its first token (from
+    the reserve of a retry, the prefill worker's notice, or `generate`, whichever comes
+    first), and, when the prefill worker tells this worker directly, the layers it said are
+    in the arena and the claims this worker owes the store a release of."""
+
+    key: str
+    first_token: asyncio.Future
+    direct: bool = False
+    layers: dict[tuple[int, int], LayerNotice] = dataclasses.field(default_factory=dict)
+    arrived: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    join_error: HalfmoonError | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -62,11 +85,13 @@ class DecodeWorker(EngineWorker):
         store=None,
         get_timeout_s: float = 30.0,
         handoff_timeout_s: float = HANDOFF_TIMEOUT_S,
+        early_notice_s: float = EARLY_NOTICE_S,
     ):
         super().__init__(name, LLMEngine(config))
         self.store = store
         self.get_timeout_s = get_timeout_s
         self.handoff_timeout_s = handoff_timeout_s
+        self.early_notice_s = early_notice_s
         self.expired: OrderedDict[str, None] = OrderedDict()
         self.num_expired_reservations = 0
         self.chunk_tokens = config.prefill_chunk_size or config.max_num_batched_tokens
@@ -80,13 +105,30 @@ class DecodeWorker(EngineWorker):
         self.num_shared_reads = 0
         self.transfers: list[tuple[int, float]] = []  # (bytes, seconds) of finished receives
         self.timings: OrderedDict[str, ReceiveTimings] = OrderedDict()
+        self.listener: NoticeListener | None = None
+        self.reservations: dict[str, _Reservation] = {}  # by request id
+        self.by_key: dict[str, _Reservation] = {}  # by the key notices name them by
+        self.early: dict[str, list[Notice]] = {}  # notices that overtook their reserve
+        self.ended_keys: OrderedDict[str, None] = OrderedDict()
+        self.num_direct_receives = 0
+        self.num_early_joins = 0
 
     def _extra_counters(self) -> dict:
         return {
             "num_receiving": len(self.receives) + len(self.joining),
             "num_expired_reservations": self.num_expired_reservations,
             "num_shared_reads": self.num_shared_reads,
+            "num_direct_receives": self.num_direct_receives,
+            "num_early_joins": self.num_early_joins,
+            "num_malformed_notices": self.listener.num_malformed if self.listener else 0,
         }
+
+    async def kv_peer(self) -> KvPeer:
+        """Where prefill workers on this node send their notices (kvstore/kv_notices.py)."""
+        if self.listener is None:
+            node = ray.get_runtime_context().get_node_id()
+            self.listener = NoticeListener(node, self._on_notice)
+        return self.listener.peer
 
     async def reserve(
         self,
@@ -95,10 +137,18 @@ class DecodeWorker(EngineWorker):
         params: SamplingParams,
         store_name: str | None = None,
         ticket: str | None = None,
+        direct: bool = False,
+        first_token_id: int | None = None,
     ) -> int | WorkerError:
         """Hold pages for the prompt and start pulling its KV from the store node the prefill
         worker publishes to (`store_name`; default: ours); returns the pages held. A reserve
-        whose `ticket` was aborted already holds nothing."""
+        whose `ticket` was aborted already holds nothing.
+
+        `direct`: the prefill worker was given this worker's `kv_peer`; when that store is on
+        this node, the layers are taken from its arena as the prefill worker's notices say.
+        `first_token_id`: the request's first token, when already known (a retry): the
+        request joins the batch as soon as its KV is in, as it does on the prefill worker's
+        notice of the first token; otherwise on `generate`."""
         if self._was_aborted(ticket):
             return aborted(request_id)
         try:
@@ -106,6 +156,13 @@ class DecodeWorker(EngineWorker):
             pages = self._engine().reserve(prompt_token_ids, params, request_id)
         except HalfmoonError as error:
             return WorkerError.of(error)
+        reservation = _Reservation(ticket or request_id, asyncio.get_running_loop().create_future())
+        reservation.direct = direct and self.listener is not None
+        if first_token_id is not None:
+            reservation.first_token.set_result(first_token_id)
+        self.reservations[request_id] = self.by_key[reservation.key] = reservation
+        for notice in self.early.pop(reservation.key, []):
+            self._on_notice(notice)
         units = plan_transfer(
             self.engine.root_key,
             prompt_token_ids,
@@ -114,7 +171,9 @@ class DecodeWorker(EngineWorker):
             request_id,
         )
         self._record(request_id, ReceiveTimings(reserved_at=time.time()))
-        receive = asyncio.create_task(self._receive(store, request_id, units, pages, store_name))
+        receive = asyncio.create_task(
+            self._receive(store, request_id, units, pages, store_name, reservation)
+        )
         receive.add_done_callback(lambda task: self._await_handoff(request_id, task))
         self.receives[request_id] = receive
         return len(pages)
@@ -138,6 +197,9 @@ class DecodeWorker(EngineWorker):
             yield WorkerError("NOT_FOUND", f"request {request_id} has no reservation here")
             return
         engine = self._engine()
+        reservation = self.reservations[request_id]
+        if not reservation.first_token.done():
+            reservation.first_token.set_result(first_token_id)
         self.joining[request_id] = receive
         failure = None
         try:
@@ -163,11 +225,9 @@ class DecodeWorker(EngineWorker):
             self._free(request_id)
             yield failure
             return
-        self.timings[request_id].joined_at = time.time()
-        try:
-            engine.join(request_id, first_token_id)
-        except HalfmoonError as error:
-            yield WorkerError.of(error)
+        self._forget(request_id)
+        if reservation.join_error is not None:  # `_receive` joined the batch, or tried to
+            yield WorkerError.of(reservation.join_error)
             return
         async for out in _timed(_as_data(engine.stream(request_id)), called_at):
             yield out
@@ -199,18 +259,23 @@ class DecodeWorker(EngineWorker):
         return self._engine().abort(request_id)
 
     def _await_handoff(self, request_id: str, receive: asyncio.Task) -> None:
-        """The receive ended: free its pages unless `generate` or `abort` claims it within
-        `handoff_timeout_s` (its router died between the reserve and the hand-off)."""
+        """The receive failed: free its pages unless `generate` or `abort` claims it within
+        `handoff_timeout_s` (its router died between the reserve and the hand-off). A receive
+        whose KV landed armed the same timer then (`_receive`)."""
         if receive.cancelled() or self.receives.get(request_id) is not receive:
             return  # aborted, or already handed over
-        loop = asyncio.get_running_loop()
-        loop.call_later(self.handoff_timeout_s, self._expire, request_id, receive)
+        if receive.exception() is not None:
+            loop = asyncio.get_running_loop()
+            loop.call_later(self.handoff_timeout_s, self._expire, request_id, receive)
 
     def _expire(self, request_id: str, receive: asyncio.Task) -> None:
         if self.receives.get(request_id) is not receive:
             return
         del self.receives[request_id]
-        failure = receive.exception()  # retrieved, so asyncio does not log it as lost
+        failure = None
+        if receive.done() and not receive.cancelled():
+            failure = receive.exception()  # retrieved, so asyncio does not log it as lost
+        receive.cancel()  # it may wait for a first token that no hand-off will bring
         log.warning(
             "freed the reservation of %s: no hand-off %g s after its KV %s",
             request_id,
@@ -226,8 +291,59 @@ class DecodeWorker(EngineWorker):
     def _free(self, request_id: str) -> bool:
         """Abort a request whose KV was being received: its pages are freed only once the
         writes already issued into them have landed."""
+        self._forget(request_id)
         self.engine.kv.wait_writes()
         return self._engine().abort(request_id)
+
+    def _forget(self, request_id: str) -> None:
+        """The reservation's notices are not needed any more: later ones are released."""
+        reservation = self.reservations.pop(request_id, None)
+        if reservation is None:
+            return
+        if self.by_key.get(reservation.key) is reservation:
+            del self.by_key[reservation.key]
+        self.ended_keys[reservation.key] = None
+        while len(self.ended_keys) > RECENT_KEYS:
+            self.ended_keys.popitem(last=False)
+        self._release([n.lease for n in reservation.layers.values() if n.lease])
+        reservation.layers.clear()
+
+    def _on_notice(self, notice: Notice) -> None:
+        """A notice from a prefill worker (the listener's callback, in the event loop)."""
+        reservation = self.by_key.get(notice.key)
+        if reservation is None:
+            if notice.key in self.ended_keys:  # its receive ended: nothing will copy it
+                self._release([notice.lease] if isinstance(notice, LayerNotice) else [])
+                return
+            if notice.key not in self.early:
+                asyncio.get_running_loop().call_later(
+                    self.early_notice_s, self._drop_early, notice.key
+                )
+            self.early.setdefault(notice.key, []).append(notice)
+            return
+        if isinstance(notice, TokenNotice):
+            if not reservation.first_token.done():
+                reservation.first_token.set_result(notice.token_id)
+            return
+        if not reservation.direct:  # the layers come through the store stream
+            self._release([notice.lease])
+            return
+        previous = reservation.layers.get((notice.unit, notice.layer))
+        if previous is not None and previous.lease and previous.lease != notice.lease:
+            self._release([previous.lease])
+        reservation.layers[(notice.unit, notice.layer)] = notice
+        reservation.arrived.set()
+
+    def _drop_early(self, key: str) -> None:
+        """Notices whose reserve never came: give their claims back."""
+        leases = [n.lease for n in self.early.pop(key, []) if isinstance(n, LayerNotice)]
+        self._release(leases)
+
+    def _release(self, leases: list[int]) -> None:
+        """Give claims back to this node's store (which the prefill worker's notices name)."""
+        leases = [lease for lease in leases if lease]
+        if leases:
+            self._store(None).release_many.remote(leases)
 
     async def drain_transfers(self) -> list[tuple[int, float]]:
         """(bytes, seconds from reservation to last layer) of each KV receive since last call."""
@@ -253,11 +369,73 @@ class DecodeWorker(EngineWorker):
         return self.arenas[key]
 
     async def _receive(
-        self, store, request_id: str, units, pages: list[int], store_name: str | None = None
+        self,
+        store,
+        request_id: str,
+        units,
+        pages: list[int],
+        store_name: str | None,
+        reservation: _Reservation,
+    ) -> None:
+        """Copy the prompt's KV into `pages`, then join the batch once the first token is
+        known (the join's own error is kept for `generate`)."""
+        arena = await self._arena(store, store_name)
+        if reservation.direct and arena is not None:
+            self.num_direct_receives += 1
+            await self._receive_notified(request_id, units, pages, arena, reservation)
+        else:
+            if reservation.direct:  # the store is elsewhere after all: its stream it is
+                reservation.direct = False
+                self._release([n.lease for n in reservation.layers.values()])
+                reservation.layers.clear()
+            await self._receive_streamed(store, request_id, units, pages, arena)
+        # The KV is in: from now on, a hand-off is due within handoff_timeout_s.
+        asyncio.get_running_loop().call_later(
+            self.handoff_timeout_s, self._expire, request_id, asyncio.current_task()
+        )
+        token = reservation.first_token
+        if not token.done():
+            await token
+        if self.receives.get(request_id) is asyncio.current_task():
+            self.num_early_joins += 1  # joining before the router's hand-off (`generate`)
+        self.timings[request_id].joined_at = time.time()
+        try:
+            self._engine().join(request_id, token.result())
+        except HalfmoonError as error:
+            reservation.join_error = error
+
+    async def _receive_notified(
+        self, request_id: str, units, pages: list[int], arena: MappedArena, reservation
+    ) -> None:
+        """Each layer of each unit from the arena slots the prefill worker's notice names;
+        each unit's claim is released once its last layer is copied."""
+        kv_cache = self.engine.kv
+        timings = self.timings[request_id]
+        written = None
+        async with asyncio.timeout(PREFILL_WAIT_S):  # the router aborts long before
+            for index, unit in enumerate(units):
+                unit_pages = pages[unit.first_block : unit.first_block + len(unit.keys)]
+                for layer in range(kv_cache.num_layers):
+                    while (notice := reservation.layers.pop((index, layer), None)) is None:
+                        reservation.arrived.clear()
+                        await reservation.arrived.wait()
+                    try:
+                        _check_slots(notice, len(unit.keys), arena.pages.shape[0])
+                        kv = arena.read(notice.slots, layer, pin=kv_cache.device.type == "cuda")
+                    finally:
+                        self._release([notice.lease])  # copied out (or never will be)
+                    self.num_shared_reads += 1
+                    written = kv_cache.write_layer(layer, unit_pages, kv, ordered=False)
+                    timings.num_bytes += kv.nbytes
+                    if not timings.first_layer_received_at:
+                        timings.first_layer_received_at = time.time()
+        await self._all_written(written, timings)
+
+    async def _receive_streamed(
+        self, store, request_id: str, units, pages: list[int], arena: MappedArena | None
     ) -> None:
         kv_cache = self.engine.kv
         timings = self.timings[request_id]
-        arena = await self._arena(store, store_name)
         # One stream for the whole prompt: the store sends each layer of each unit as soon as
         # it is put, so a prompt whose KV is all published costs one round trip, and the
         # store holds one call for this request however many units and layers it has. On
@@ -293,6 +471,9 @@ class DecodeWorker(EngineWorker):
         finally:
             if extra:  # the layers are copied out (or never will be): the slots may go
                 store.end_stream.remote(*extra)
+        await self._all_written(written, timings)
+
+    async def _all_written(self, written, timings: ReceiveTimings) -> None:
         if written is not None and not written.done():  # writes land in order: the last says all
             await asyncio.to_thread(written.wait)
         timings.all_received_at = time.time()
@@ -302,6 +483,16 @@ class DecodeWorker(EngineWorker):
         self.timings[request_id] = timings
         while len(self.timings) > RECENT_TIMINGS:
             self.timings.popitem(last=False)
+
+
+def _check_slots(notice: LayerNotice, num_blocks: int, num_slots: int) -> None:
+    """A notice names one arena slot per block of its unit, each inside the arena."""
+    if len(notice.slots) != num_blocks or any(s >= num_slots for s in notice.slots):
+        raise ValueError(
+            f"a notice for unit {notice.unit} layer {notice.layer} names {len(notice.slots)} "
+            f"slots (up to {max(notice.slots, default=0)}) for {num_blocks} blocks in an arena "
+            f"of {num_slots}"
+        )
 
 
 async def _as_data(

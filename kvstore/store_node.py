@@ -97,6 +97,10 @@ class StoreNode:
     async def release(self, lease_id: int) -> bool:
         return self.store.release(lease_id)
 
+    async def release_many(self, lease_ids: Sequence[int]) -> int:
+        """Release several leases in one call; returns how many were still held."""
+        return sum(self.store.release(lease_id) for lease_id in lease_ids)
+
     async def drain_events(self) -> list[BlockEvent]:
         return self.store.drain_events()
 

@@ -25,6 +25,7 @@ from halfmoon.engine.sequence import Sequence, TokenLogprobs
 from halfmoon.engine.worker_base import EngineWorker
 from halfmoon.engine.worker_errors import WorkerError, aborted
 from halfmoon.kvstore.index import BlockEvent
+from halfmoon.kvstore.kv_notices import KvPeer, LayerNotice, NoticeSender, TokenNotice
 from halfmoon.kvstore.layout import LayerKV
 from halfmoon.kvstore.locate import local_store, local_store_name
 from halfmoon.kvstore.shared_arena import MappedArena, map_arena
@@ -64,6 +65,8 @@ class _PrefixLoad:
 @dataclass(slots=True)
 class _Job:
     units: list[TransferUnit]
+    key: str = ""  # what the decode worker's notices name the receive by: ticket or request id
+    peer: KvPeer | None = None  # the decode worker to notify directly, when on this node
     next_unit: int = 0
     store_blocks: int = 0
     lease_id: int | None = None
@@ -75,6 +78,32 @@ class _Job:
     claims: dict = field(default_factory=dict)
     last_layer_published_at: float = 0.0
     started_at: float = 0.0
+
+
+@dataclass(slots=True)
+class _LayerOut:
+    """For the publisher: one layer of one transfer unit, snapshotted off the pages."""
+
+    job: _Job
+    unit: int
+    keys: list[bytes]
+    layer: int
+    snapshot: object  # HostLayer: `wait()` gives the LayerKV
+
+
+@dataclass(slots=True)
+class _TokenOut:
+    """For the publisher: tell the decode worker the first token (after the layers before)."""
+
+    job: _Job
+    token_id: int
+
+
+@dataclass(slots=True)
+class _FlushOut:
+    """For the publisher: `done` is set once everything queued before it was sent."""
+
+    done: concurrent.futures.Future
 
 
 class PrefillWorker(EngineWorker, KVHooks):
@@ -101,6 +130,9 @@ class PrefillWorker(EngineWorker, KVHooks):
         self.arena: MappedArena | None = None  # the store's arena, mapped on first publish
         self.arena_checked = False
         self.num_shared_writes = 0
+        self.node = ray.get_runtime_context().get_node_id()
+        self.notices = NoticeSender()  # used by the publisher thread only
+        self.num_failed_notices = 0
         threading.Thread(target=self._send_forever, name="kv-publisher", daemon=True).start()
 
     def _store(self):
@@ -119,6 +151,8 @@ class PrefillWorker(EngineWorker, KVHooks):
             "forward_s": self.engine.runner.forward_s,
             "num_flushing": len(self.flushes),
             "num_shared_writes": self.num_shared_writes,
+            "num_direct_notices": self.notices.num_sent,
+            "num_failed_notices": self.num_failed_notices,
             "num_failed_flushes": self.num_failed_flushes,
         }
 
@@ -129,11 +163,17 @@ class PrefillWorker(EngineWorker, KVHooks):
         params: SamplingParams,
         layerwise: bool = True,
         ticket: str | None = None,
+        kv_peer: KvPeer | None = None,
     ) -> PrefillResult | WorkerError:
         """Compute the prompt's KV, publish it, and return the first token (a `WorkerError`
         when it fails or was aborted: `ticket` names this call for `abort`). It returns as
         soon as the first token is computed: the last layers' puts finish in the background
         (the decode worker's reads wait for them), so the first token never waits for them.
+
+        `kv_peer`: the decode worker that reserved the request (with `direct=True`). When it
+        is on this node and the layers go through the store's shared arena, it is told of
+        each layer and of the first token straight away (kvstore/kv_notices.py), and it
+        releases each unit's claim once it has copied it.
 
         With `layerwise=False` the KV is sent only after the whole prompt is computed (the
         baseline the transfer benchmark compares against)."""
@@ -149,6 +189,8 @@ class PrefillWorker(EngineWorker, KVHooks):
             )
         )
         job.layerwise = layerwise
+        job.key = ticket or request_id
+        job.peer = kv_peer if kv_peer is not None and kv_peer.node_id == self.node else None
         self._store()
         await self._find_stored_prefix(job, len(prompt_token_ids))
         self.jobs[request_id] = job
@@ -170,6 +212,8 @@ class PrefillWorker(EngineWorker, KVHooks):
             self.jobs.pop(request_id, None)
             if job.lease_id is not None:  # the loaded prefix is in our pages by now
                 self.store.release.remote(job.lease_id)
+        if job.peer is not None:  # after the layers queued before it: the decode can join
+            self.outbox.put(_TokenOut(job, last.new_token_ids[0]))
         self._flush_later(ticket or request_id, job)
         return PrefillResult(
             request_id=request_id,
@@ -297,13 +341,13 @@ class PrefillWorker(EngineWorker, KVHooks):
             end = item.seq.num_computed_tokens + item.num_new_tokens
             if job.layerwise:
                 ready = [u for u in job.units[job.next_unit :] if u.end_token <= end]
-                for unit in ready:
-                    self._publish(job, item.seq, unit, layer)
+                for index in range(job.next_unit, job.next_unit + len(ready)):
+                    self._publish(job, item.seq, index, layer)
             elif last_layer and end == len(item.seq):
                 ready = job.units
                 for each_layer in range(num_layers):
-                    for unit in ready:
-                        self._publish(job, item.seq, unit, each_layer)
+                    for index in range(len(ready)):
+                        self._publish(job, item.seq, index, each_layer)
             else:
                 continue
             if last_layer and ready:
@@ -312,32 +356,38 @@ class PrefillWorker(EngineWorker, KVHooks):
                     job.last_layer_published_at = time.time()
                     self._remember(item.seq.request_id, job.last_layer_published_at)
 
-    def _publish(self, job: _Job, seq: Sequence, unit: TransferUnit, layer: int) -> None:
+    def _publish(self, job: _Job, seq: Sequence, index: int, layer: int) -> None:
         # Snapshot the pages here (a small copy); the publisher thread does the slow send.
+        unit = job.units[index]
         pages = seq.block_table[unit.first_block : unit.first_block + len(unit.keys)]
-        self.outbox.put((job, unit.keys, layer, self.engine.kv.read_layer(layer, pages)))
+        snapshot = self.engine.kv.read_layer(layer, pages)
+        self.outbox.put(_LayerOut(job, index, unit.keys, layer, snapshot))
 
     def _send_forever(self) -> None:
         """Publisher thread: hands snapshots to the store so the step loop never waits on it.
         One `put_layer` call per snapshot: batching the backlog into one call was measured
         slower (its serialization holds the GIL longer against the step thread)."""
         while True:
-            job, keys, layer, snapshot = self.outbox.get()
-            if keys is None:
-                snapshot.set_result(None)  # a flush marker: everything queued before it is sent
+            item = self.outbox.get()
+            if isinstance(item, _FlushOut):
+                item.done.set_result(None)  # everything queued before it is sent
+                continue
+            if isinstance(item, _TokenOut):
+                self._notify(item.job, TokenNotice(item.job.key, item.token_id))
                 continue
             try:
-                job.puts.append(self._send(job, keys, layer, snapshot.wait()))
+                item.job.puts.append(self._send(item))
             except Exception as error:  # noqa: BLE001 - the thread must live; the flush fails
-                log.exception("publishing a KV snapshot of %d blocks failed", len(keys))
-                job.puts.append(_failed(error))
+                log.exception("publishing a KV snapshot of %d blocks failed", len(item.keys))
+                item.job.puts.append(_failed(error))
 
-    def _send(self, job: _Job, keys: list[bytes], layer: int, kv: LayerKV):
+    def _send(self, item: _LayerOut):
         """Send one layer of some blocks to the store; returns the store call's ObjectRef."""
+        kv = item.snapshot.wait()
         arena = self._arena()
         if arena is None:
-            return self.store.put_layer.remote(keys, layer, kv)
-        return self._write_shared(arena, job, keys, layer, kv)
+            return self.store.put_layer.remote(item.keys, item.layer, kv)
+        return self._write_shared(arena, item, kv)
 
     def _arena(self) -> MappedArena | None:
         """The store node's shared arena, mapped once (None: it is elsewhere or private, and
@@ -352,9 +402,13 @@ class PrefillWorker(EngineWorker, KVHooks):
             )
         return self.arena
 
-    def _write_shared(self, arena: MappedArena, job: _Job, keys, layer: int, kv):
+    def _write_shared(self, arena: MappedArena, item: _LayerOut, kv: LayerKV):
         """Copy one layer into the store's arena and tell the store; the claim of the unit's
-        slots (one round trip per unit) is made with its first layer, released with its last."""
+        slots (one round trip per unit) is made with its first layer, released with its last:
+        by this worker, or, when the decode worker is told directly, by the decode worker
+        once it has copied the unit. A notice that cannot be delivered fails the flush (the
+        router then retries the request) and leaves the release to this worker."""
+        job, keys, layer = item.job, item.keys, item.layer
         claim = job.claims.get(keys[0])
         if claim is None:
             claim = job.claims[keys[0]] = ray.get(self.store.claim.remote(keys))
@@ -362,12 +416,34 @@ class PrefillWorker(EngineWorker, KVHooks):
         arena.write(slots, layer, kv)
         self.num_shared_writes += 1
         last = layer == self.engine.model_config.num_layers - 1
-        return self.store.layer_written.remote(keys, layer, slots, lease_id if last else None)
+        release = lease_id if last else None
+        if job.peer is not None:
+            peer = job.peer
+            notice = LayerNotice(job.key, item.unit, layer, lease_id if last else 0, tuple(slots))
+            if self._notify(job, notice):
+                release = None
+            else:
+                unreachable = f"the decode worker's notice socket {peer.path} is unreachable"
+                job.puts.append(_failed(ConnectionError(unreachable)))
+        return self.store.layer_written.remote(keys, layer, slots, release)
+
+    def _notify(self, job: _Job, notice) -> bool:
+        """Tell the decode worker; False (logged once per request) when it cannot be reached."""
+        if job.peer is None:
+            return False
+        try:
+            self.notices.send(job.peer, [notice])
+            return True
+        except OSError as error:
+            self.num_failed_notices += 1
+            log.warning("cannot notify the decode worker of %s: %s", job.key, error)
+            job.peer = None  # the rest goes through the store alone
+            return False
 
     async def _flush(self, job: _Job) -> None:
         """Wait until every layer of `job` was sent and stored."""
         sent = concurrent.futures.Future()
-        self.outbox.put((job, None, -1, sent))
+        self.outbox.put(_FlushOut(sent))
         await asyncio.wrap_future(sent)
         await asyncio.gather(*job.puts)
 

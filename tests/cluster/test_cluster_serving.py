@@ -40,17 +40,23 @@ def _generate_concurrently(client, prompts, max_tokens=8):
     "shape",
     [
         {"prefill.replicas": 1, "decode.replicas": 1},
+        {"prefill.replicas": 1, "decode.replicas": 1, "store.direct_notices": False},
         {"prefill.replicas": 2, "decode.replicas": 2, "router.policy": "round_robin"},
         {"mode": "colocated", "decode.replicas": 2},
     ],
-    ids=["1p1d", "2p2d", "colocated"],
+    ids=["1p1d", "1p1d-store-notices", "2p2d", "colocated"],
 )
 def test_greedy_outputs_over_grpc_equal_the_offline_engine(tiny_model_dir, tiny_llm, shape):
-    with running_cluster(tiny_model_dir, **shape) as (_, client):
+    with running_cluster(tiny_model_dir, **shape) as (cluster, client):
         results = _generate_concurrently(client, PROMPTS)
         client.complete("timed", max_tokens=2, request_id="timed")
         explained = client.explain("timed")
+        decodes = [counters(cluster, name) for name in cluster.workers if "decode" in name]
     assert [r.token_ids for r in results] == _expected(tiny_llm, PROMPTS)
+    if shape.get("mode") != "colocated":  # told by the prefill worker itself, or not at all
+        direct = shape.get("store.direct_notices", True)
+        assert (sum(c["num_direct_receives"] for c in decodes) > 0) == direct
+        assert (sum(c["num_early_joins"] for c in decodes) > 0) == direct
     assert all(r.finish_reason == "length" for r in results)
     # The first output's way through the worker is in the router's timeline, in order (a
     # decode worker's first output is the prefill's token, joined without a step).
@@ -90,6 +96,9 @@ def test_kv_streams_layer_by_layer_and_prefixes_are_reused_across_instances(
         # The prefill worker copied its layers into its node's store through shared memory.
         shared_writes = counters(cluster, placed["long"][0])["num_shared_writes"]
         shared_reads = counters(cluster, "decode-2")["num_shared_reads"]
+        # ... and told the decode worker of each layer and of the first token itself.
+        notices = counters(cluster, placed["long"][0])["num_direct_notices"]
+        direct_receives = counters(cluster, "decode-2")["num_direct_receives"]
         with pytest.raises(ServerError) as unknown:
             client.explain("never-sent")
     assert placed["first"][0] != placed["second"][0], "round robin alternates prefill workers"
@@ -97,6 +106,7 @@ def test_kv_streams_layer_by_layer_and_prefixes_are_reused_across_instances(
     assert unknown.value.code == grpc.StatusCode.NOT_FOUND.name
     assert received.first_layer_received_at < published
     assert shared_writes > 0 and shared_reads > 0
+    assert notices > 0 and direct_receives == 3
     assert loaded == (len(prefix) // 16) * 16
     assert b.usage.cached_tokens == loaded
     assert [a.token_ids, b.token_ids] == _expected(tiny_llm, [first, second], 6)

@@ -33,13 +33,14 @@ class FaultyPrefill(PrefillWorker):
     hold_s = 0.0
     fail_next = False
 
-    def _send(self, job, keys, layer, kv):
-        if layer == self.engine.model_config.num_layers - 1 and keys == job.units[-1].keys:
+    def _send(self, item):
+        last_layer = item.layer == self.engine.model_config.num_layers - 1
+        if last_layer and item.unit == len(item.job.units) - 1:
             if self.fail_next:
                 self.fail_next = False
                 raise RuntimeError("injected fault: the store refused the layer")
             time.sleep(self.hold_s)
-        return super()._send(job, keys, layer, kv)
+        return super()._send(item)
 
 
 def _set_faults(cluster, names, **faults) -> None:

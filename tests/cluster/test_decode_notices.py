@@ -1,0 +1,191 @@
+"""A decode worker told of each layer and of the first token by the prefill worker itself
+(kvstore/kv_notices.py): it copies the layers out of the store's shared arena, joins its batch
+before the router's hand-off, and gives every claim back to the store, also when the receive
+is aborted, fails, or its reserve never comes. Real decode worker and store node actors; this
+test plays the prefill worker with the same calls it makes (claim, arena copy, notices)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import pytest
+import ray
+import torch
+
+from halfmoon.decode_worker.worker import DecodeWorker
+from halfmoon.engine.config import EngineConfig
+from halfmoon.engine.llm_engine import LLMEngine
+from halfmoon.engine.sampling_params import SamplingParams
+from halfmoon.engine.worker_errors import WorkerError
+from halfmoon.kvstore.kv_notices import LayerNotice, NoticeSender, TokenNotice
+from halfmoon.kvstore.layout import KvLayout, LayerKV
+from halfmoon.kvstore.shared_arena import map_arena
+from halfmoon.kvstore.store_node import start_store_node
+from halfmoon.kvstore.transfer import plan_transfer
+
+PROMPT = list(range(3, 60))  # 57 tokens: two units of 32, the last with a partial block
+EARLY_NOTICE_S = 2.0
+
+
+@pytest.fixture(scope="module")
+def parts(tiny_model_dir, ray_session):
+    config = EngineConfig(model=str(tiny_model_dir), num_pages=32, prefill_chunk_size=32)
+    local = LLMEngine(config)  # the plan's keys and the KV layout, as the prefill worker has
+    k_cache = local.kv.layers[0][0]
+    layout = KvLayout(local.kv.num_layers, *k_cache.shape[1:], dtype=k_cache.dtype)
+    store = start_store_node(layout, name=f"notice-test-{uuid.uuid4().hex[:8]}")
+    decode = (
+        ray.remote(DecodeWorker)
+        .options(max_concurrency=100)
+        .remote("decode-0", config, store, 5.0, 60.0, EARLY_NOTICE_S)
+    )
+    peer = ray.get(decode.kv_peer.remote())
+    arena = map_arena(ray.get(store.arena_info.remote()), ray.get_runtime_context().get_node_id())
+    assert arena is not None
+    sender = NoticeSender()
+    yield local.root_key, layout, store, decode, peer, arena, sender
+    sender.close()
+    ray.kill(decode)
+    ray.kill(store)
+
+
+class Prefill:
+    """What the prefill worker does for one request, a unit and a layer at a time."""
+
+    def __init__(self, parts, key: str, request_id: str):
+        root_key, self.layout, self.store, _, self.peer, self.arena, self.sender = parts
+        self.key = key
+        self.units = plan_transfer(root_key, PROMPT, self.layout.block_size, 32, request_id)
+        self.claims = {}
+
+    def publish(self, unit_index: int, layers=None, slots_of=None) -> None:
+        unit = self.units[unit_index]
+        if unit_index not in self.claims:  # once per unit, with its first layer
+            self.claims[unit_index] = ray.get(self.store.claim.remote(unit.keys))
+        slots, lease = self.claims[unit_index]
+        last = self.layout.num_layers - 1
+        for layer in range(self.layout.num_layers) if layers is None else layers:
+            shape = (len(unit.keys), *self.layout.page_shape)
+            kv = LayerKV(*(torch.randn(shape).to(self.layout.dtype) for _ in "kv"))
+            self.arena.write(slots, layer, kv)
+            ray.get(self.store.layer_written.remote(unit.keys, layer, slots, None))
+            named = tuple(slots) if slots_of is None else slots_of(slots)
+            notice = LayerNotice(self.key, unit_index, layer, lease if layer == last else 0, named)
+            self.sender.send(self.peer, [notice])
+
+    def first_token(self, token_id: int) -> None:
+        self.sender.send(self.peer, [TokenNotice(self.key, token_id)])
+
+
+def counters(decode) -> dict:
+    return ray.get(decode.counters.remote())
+
+
+def wait_for(predicate, timeout_s: float = 20.0):
+    deadline = time.monotonic() + timeout_s
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+    return value
+
+
+def leased(store) -> int:
+    return ray.get(store.stats.remote()).host.leased_blocks
+
+
+def outputs(decode, request_id: str, first_token_id: int) -> list:
+    async def collect():
+        stream = decode.generate.options(num_returns="streaming").remote(request_id, first_token_id)
+        return [await ref async for ref in stream]
+
+    return asyncio.run(collect())
+
+
+PARAMS = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+
+@pytest.mark.timeout(120)
+def test_a_notified_request_joins_before_the_hand_off_and_returns_every_claim(parts):
+    _, _, store, decode, *_ = parts
+    before = counters(decode)
+    assert ray.get(decode.reserve.remote("n1", PROMPT, PARAMS, None, "t1", True)) == 4
+    prefill = Prefill(parts, "t1", "n1")
+    prefill.publish(0)
+    prefill.publish(1)
+    prefill.first_token(9)
+    joined = before["num_early_joins"]
+    after = wait_for(lambda: (c := counters(decode))["num_early_joins"] > joined and c)
+    assert after["num_direct_receives"] == before["num_direct_receives"] + 1
+    assert after["num_shared_reads"] - before["num_shared_reads"] == 2 * prefill.layout.num_layers
+    handed_over_at = time.time()
+    got = outputs(decode, "n1", 9)
+    timings = ray.get(decode.receive_timings.remote("n1"))
+    assert timings.joined_at < handed_over_at  # decoding began before the hand-off
+    tokens = [token for out in got for token in out.new_token_ids]
+    assert tokens[0] == 9 and len(tokens) == 4 and got[-1].finished
+    wait_for(lambda: leased(store) == 0)  # each unit's claim released once copied
+
+
+@pytest.mark.timeout(120)
+def test_notices_that_overtake_the_reserve_wait_for_it(parts):
+    decode = parts[3]
+    prefill = Prefill(parts, "t2", "n2")
+    prefill.publish(0)  # the reserve was sent at the same time, and lands after these
+    prefill.publish(1)
+    prefill.first_token(11)
+    time.sleep(0.2)
+    ray.get(decode.reserve.remote("n2", PROMPT, PARAMS, None, "t2", True))
+    got = outputs(decode, "n2", 11)
+    assert [t for out in got for t in out.new_token_ids][0] == 11 and got[-1].finished
+
+
+@pytest.mark.timeout(120)
+def test_a_retry_with_its_first_token_known_joins_once_the_kv_is_in(parts):
+    decode = parts[3]
+    joins = counters(decode)["num_early_joins"]
+    ray.get(decode.reserve.remote("n3", PROMPT, PARAMS, None, "t3", True, 13))
+    prefill = Prefill(parts, "t3", "n3")
+    prefill.publish(0)
+    prefill.publish(1)
+    prefill.first_token(99)  # the retry's own prefill sampled another token: ignored
+    wait_for(lambda: counters(decode)["num_early_joins"] > joins)
+    got = outputs(decode, "n3", 13)
+    assert [t for out in got for t in out.new_token_ids][0] == 13
+
+
+@pytest.mark.timeout(120)
+def test_an_abort_mid_transfer_gives_back_the_claims_of_notices_before_and_after_it(parts):
+    _, _, store, decode, *_ = parts
+    ray.get(decode.reserve.remote("n4", PROMPT, PARAMS, None, "t4", True))
+    prefill = Prefill(parts, "t4", "n4")
+    prefill.publish(0)
+    prefill.publish(1, layers=[0])  # the receive waits for unit 1's other layers
+    assert ray.get(decode.abort.remote("n4", "t4"))
+    prefill.publish(1, layers=range(1, prefill.layout.num_layers))  # late: released at once
+    wait_for(lambda: leased(store) == 0)
+    c = wait_for(lambda: (c := counters(decode))["num_receiving"] == 0 and c)
+    assert c["num_used_pages"] == 0
+
+
+@pytest.mark.timeout(120)
+def test_a_notice_naming_the_wrong_slots_fails_the_receive_retryably(parts):
+    _, _, store, decode, *_ = parts
+    ray.get(decode.reserve.remote("n5", PROMPT, PARAMS, None, "t5", True))
+    prefill = Prefill(parts, "t5", "n5")
+    prefill.publish(0, slots_of=lambda slots: tuple(slots[:1]))  # one slot for two blocks
+    (error,) = outputs(decode, "n5", 1)
+    assert isinstance(error, WorkerError) and error.code == "UNAVAILABLE" and error.retryable
+    assert "names 1 slots" in error.message
+    wait_for(lambda: leased(store) == 0)
+    assert counters(decode)["num_used_pages"] == 0
+
+
+@pytest.mark.timeout(120)
+def test_notices_whose_reserve_never_comes_give_their_claims_back(parts):
+    store = parts[2]
+    prefill = Prefill(parts, "t6", "n6")  # the reserve failed, or the router died
+    prefill.publish(0)
+    assert leased(store) > 0
+    wait_for(lambda: leased(store) == 0, timeout_s=EARLY_NOTICE_S + 10)
