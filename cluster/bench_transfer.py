@@ -13,11 +13,18 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
+import torch
+
 from halfmoon.cluster.config import load_config
 from halfmoon.cluster.launcher import Cluster
-from halfmoon.engine.init_model import BENCH_SHAPE, default_model_dir, ensure_model
+from halfmoon.engine.init_model import (
+    BENCH_SHAPE,
+    GPU_BENCH_SHAPE,
+    default_model_dir,
+    ensure_model,
+)
 from halfmoon.engine.sampling_params import SamplingParams
-from halfmoon.engine.worker_errors import unwrap
+from halfmoon.engine.worker_errors import WorkerCallError, unwrap
 
 
 @dataclass(slots=True)
@@ -95,37 +102,65 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="halfmoon bench transfer",
         description="TTFT breakdown (prefill compute, transfer stall, rest) for prompts of 1 to 8 "
-        "chunks on a live local cluster (1 prefill + 1 decode worker, ~50M-param model): "
+        "chunks on a live local cluster (1 prefill + 1 decode worker; the ~50M model on cpu, the "
+        "~0.9B shape on cuda): "
         "layer-wise KV streaming with the prefill worker's direct notices (stream 'on', notices "
         "'direct'), streaming with the notices through the store ('store'), and no streaming "
         "('off'). Stall = the last layer published to the request joining the decode batch.",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--chunks", default="1,2,4,8", help="chunk counts (1,2,4,8)")
-    parser.add_argument("--chunk-tokens", type=int, default=64, help="prefill chunk size (64)")
+    parser.add_argument(
+        "--chunk-tokens", type=int, help="prefill chunk size (64 on cpu, 256 on cuda)"
+    )
     parser.add_argument("--repeats", type=int, default=3, help="runs per point, best kept (3)")
-    parser.add_argument("--model", help="checkpoint (default: the ~50M bench model)")
+    parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="cpu: the ~50M model in fp32; cuda: the ~0.9B shape of the GPU issues in bf16, both "
+        "workers sharing the GPU (default: cuda when one is visible)",
+    )
+    parser.add_argument("--model", help="checkpoint (default: by --device)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    model = args.model or str(ensure_model(default_model_dir().with_name("bench-50m"), BENCH_SHAPE))
-    config = load_config(None, {
+    try:
+        chunk_counts = [int(c) for c in args.chunks.split(",")]
+    except ValueError:
+        parser.error(f"--chunks {args.chunks!r}: give whole numbers separated by commas")
+    chunk_tokens = args.chunk_tokens or (256 if args.device == "cuda" else 64)
+    if min(chunk_counts) < 1 or chunk_tokens < 16 or chunk_tokens % 16 or args.repeats < 1:
+        parser.error("--chunks and --repeats must be at least 1, --chunk-tokens a multiple of 16")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA GPU is visible to torch")
+    cuda = args.device == "cuda"
+    name, shape = ("bench-0.9b", GPU_BENCH_SHAPE) if cuda else ("bench-50m", BENCH_SHAPE)
+    model = args.model or str(ensure_model(default_model_dir().with_name(name), shape))
+    settings = {
         "model": model, "server.grpc_port": 0, "server.metrics_port": 0, "server.http_port": "off",
-        "engine.prefill_chunk_size": args.chunk_tokens, "engine.num_pages": 256,
-        "engine.max_num_batched_tokens": max(2048, args.chunk_tokens),
+        "engine.prefill_chunk_size": chunk_tokens,
+        "engine.max_num_batched_tokens": max(2048, chunk_tokens),
         "store.use_local_redis": False,
-    })  # fmt: skip
-    cluster = Cluster(config)
+    }  # fmt: skip
+    if cuda:  # both workers on the one GPU, as in the issues' measurements
+        settings.update({"engine.dtype": "bfloat16", "prefill.num_gpus": 0.3,
+                         "decode.num_gpus": 0.3})  # fmt: skip
+    else:
+        settings["engine.num_pages"] = max(256, max(chunk_counts) * chunk_tokens // 16 + 16)
+    cluster = Cluster(load_config(None, settings))
     try:
         cluster.start()
-        chunk_counts = [int(c) for c in args.chunks.split(",")]
-        asyncio.run(run(cluster, [1], args.chunk_tokens, 1, args.seed))  # warm up
-        rows = asyncio.run(run(cluster, chunk_counts, args.chunk_tokens, args.repeats, args.seed))
+        asyncio.run(run(cluster, [1], chunk_tokens, 1, args.seed))  # warm up
+        rows = asyncio.run(run(cluster, chunk_counts, chunk_tokens, args.repeats, args.seed))
+    except WorkerCallError as error:  # e.g. a prompt beyond the model's context
+        print(f"halfmoon bench transfer: {error}", file=sys.stderr)
+        return 1
     finally:
         cluster.stop()  # shuts Ray down too when it started it
-    return _report(rows, args.json)
+    return _report(rows, args.json, args.device)
 
 
-def _report(rows: list[Breakdown], as_json: bool) -> int:
+def _report(rows: list[Breakdown], as_json: bool, device: str = "cpu") -> int:
     worst = {}  # per streaming path: the worst stall / one layer and TTFT / compute
     for direct in (True, False):
         on = [r for r in rows if r.layerwise and r.direct == direct]
@@ -135,7 +170,7 @@ def _report(rows: list[Breakdown], as_json: bool) -> int:
             "max_stall_ms": max(r.transfer_stall_s for r in on) * 1e3,
         }
     summary = {
-        "device": "cpu",
+        "device": device,
         "rows": [asdict(r) for r in rows],
         # The default path (direct notices), as this key always reported.
         **{k: v for k, v in worst["direct"].items() if k != "max_stall_ms"},
