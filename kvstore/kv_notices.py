@@ -14,8 +14,9 @@ request R is in these slots" (with the claim's lease, which the decode worker re
 has copied the unit's last layer), and "the first token of R is T", so the decode worker joins
 its batch as soon as the last layer is in its pages, without waiting for the router.
 
-The socket lives in a directory only this user can enter (mode 0700); messages are fixed
-binary records, checked field by field, never unpickled.
+The socket has an abstract name (Linux: no file, so nothing is left behind when a worker is
+killed); a connection from a process of another user is refused (its SO_PEERCRED uid);
+messages are fixed binary records, checked field by field, never unpickled.
 """
 
 from __future__ import annotations
@@ -24,11 +25,10 @@ import asyncio
 import contextlib
 import logging
 import os
-import shutil
 import socket
 import struct
-import tempfile
 import threading
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -51,10 +51,14 @@ class NoticeError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class KvPeer:
-    """Where a decode worker takes notices: its Ray node and its socket's path."""
+    """Where a decode worker takes notices: its Ray node and its socket's abstract name
+    (`path`, starting with a NUL byte)."""
 
     node_id: str
     path: str
+
+    def __str__(self) -> str:
+        return "@" + self.path.lstrip("\0")  # as `ss -x` shows an abstract socket
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,8 +134,9 @@ class NoticeListener:
     def __init__(self, node_id: str, deliver: Callable[[Notice], None]) -> None:
         self.deliver = deliver
         self.num_malformed = 0
-        self._dir = tempfile.mkdtemp(prefix="halfmoon-kv-notices-")  # mode 0700
-        self.peer = KvPeer(node_id, os.path.join(self._dir, "decode.sock"))
+        self.num_refused = 0  # connections from another user's processes
+        name = f"\0halfmoon-kv-notices-{os.getpid()}-{uuid.uuid4().hex}"
+        self.peer = KvPeer(node_id, name)
         self._loop = asyncio.get_running_loop()
         self._server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._server.bind(self.peer.path)
@@ -144,6 +149,12 @@ class NoticeListener:
         try:
             conn, _ = self._server.accept()
         except (BlockingIOError, InterruptedError):
+            return
+        _, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        if uid != os.getuid():
+            self.num_refused += 1
+            log.warning("refused a KV notice connection from uid %d", uid)
+            conn.close()
             return
         conn.setblocking(False)
         self._conns.add(conn)
@@ -178,7 +189,6 @@ class NoticeListener:
             self._drop(conn)
         self._loop.remove_reader(self._server.fileno())
         self._server.close()
-        shutil.rmtree(self._dir, ignore_errors=True)
 
 
 class NoticeSender:

@@ -423,7 +423,7 @@ class PrefillWorker(EngineWorker, KVHooks):
             if self._notify(job, notice):
                 release = None
             else:
-                unreachable = f"the decode worker's notice socket {peer.path} is unreachable"
+                unreachable = f"the decode worker's notice socket {peer} is unreachable"
                 job.puts.append(_failed(ConnectionError(unreachable)))
         return self.store.layer_written.remote(keys, layer, slots, release)
 

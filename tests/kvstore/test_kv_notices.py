@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-import stat
 import struct
 
 import pytest
@@ -75,9 +74,7 @@ def test_notices_arrive_in_order_and_malformed_ones_are_dropped():
         got = []
         listener = NoticeListener("node-a", got.append)
         try:
-            assert listener.peer.node_id == "node-a"
-            mode = os.stat(os.path.dirname(listener.peer.path)).st_mode
-            assert stat.S_IMODE(mode) == 0o700  # only this user can reach the socket
+            assert listener.peer.node_id == "node-a" and listener.peer.path.startswith("\0")
             sender = NoticeSender()
             notices = [LayerNotice("r", 0, layer, 0, (layer,)) for layer in range(50)]
             notices.append(TokenNotice("r", 42))
@@ -96,7 +93,6 @@ def test_notices_arrive_in_order_and_malformed_ones_are_dropped():
             sender.close()
         finally:
             listener.close()
-        assert not os.path.exists(os.path.dirname(listener.peer.path))
 
     asyncio.run(scenario())
 
@@ -119,5 +115,34 @@ def test_a_sender_reconnects_once_and_reports_a_peer_that_is_gone():
         with pytest.raises(OSError):  # the worker is gone: the publisher learns it at once
             await asyncio.to_thread(sender.send, listener.peer, [TokenNotice("a", 3)])
         sender.close()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="switching to another user needs root")
+def test_a_process_of_another_user_is_refused():
+    """Abstract sockets have no file permissions: the listener checks the peer's uid."""
+
+    def stranger(name: str) -> int:  # a child process that becomes `nobody` and connects
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.setuid(65534)
+                conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                conn.connect(name)
+                conn.send(encode(TokenNotice("r", 1)))
+                conn.recv(1)  # returns once the listener closes the connection
+            finally:
+                os._exit(0)
+        return pid
+
+    async def scenario():
+        got = []
+        listener = NoticeListener("node-a", got.append)
+        pid = stranger(listener.peer.path)
+        await _until(lambda: listener.num_refused == 1)
+        await asyncio.to_thread(os.waitpid, pid, 0)
+        assert got == []
+        listener.close()
 
     asyncio.run(scenario())
