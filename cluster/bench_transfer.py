@@ -13,8 +13,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
-import torch
-
+from halfmoon.cluster.bench_device import SHARED_GPU_SETTINGS, add_device_argument, check_device
 from halfmoon.cluster.config import load_config
 from halfmoon.cluster.launcher import Cluster
 from halfmoon.engine.init_model import (
@@ -114,13 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         "--chunk-tokens", type=int, help="prefill chunk size (64 on cpu, 256 on cuda)"
     )
     parser.add_argument("--repeats", type=int, default=3, help="runs per point, best kept (3)")
-    parser.add_argument(
-        "--device",
-        choices=["cpu", "cuda"],
-        default="cuda" if torch.cuda.is_available() else "cpu",
-        help="cpu: the ~50M model in fp32; cuda: the ~0.9B shape of the GPU issues in bf16, both "
-        "workers sharing the GPU (default: cuda when one is visible)",
-    )
+    add_device_argument(parser, on_cpu="the ~50M model in fp32")
     parser.add_argument("--model", help="checkpoint (default: by --device)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -131,8 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     chunk_tokens = args.chunk_tokens or (256 if args.device == "cuda" else 64)
     if min(chunk_counts) < 1 or chunk_tokens < 16 or chunk_tokens % 16 or args.repeats < 1:
         parser.error("--chunks and --repeats must be at least 1, --chunk-tokens a multiple of 16")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA GPU is visible to torch")
+    check_device(parser, args.device)
     cuda = args.device == "cuda"
     name, shape = ("bench-0.9b", GPU_BENCH_SHAPE) if cuda else ("bench-50m", BENCH_SHAPE)
     model = args.model or str(ensure_model(default_model_dir().with_name(name), shape))
@@ -142,9 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         "engine.max_num_batched_tokens": max(2048, chunk_tokens),
         "store.use_local_redis": False,
     }  # fmt: skip
-    if cuda:  # both workers on the one GPU, as in the issues' measurements
-        settings.update({"engine.dtype": "bfloat16", "prefill.num_gpus": 0.3,
-                         "decode.num_gpus": 0.3})  # fmt: skip
+    if cuda:
+        settings.update(SHARED_GPU_SETTINGS)
     else:
         settings["engine.num_pages"] = max(256, max(chunk_counts) * chunk_tokens // 16 + 16)
     cluster = Cluster(load_config(None, settings))

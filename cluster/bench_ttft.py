@@ -22,6 +22,7 @@ import ray
 import torch
 from tqdm import tqdm
 
+from halfmoon.cluster.bench_device import SHARED_GPU_SETTINGS, add_device_argument, check_device
 from halfmoon.cluster.client import AsyncClient
 from halfmoon.cluster.config import ClusterConfig, load_config
 from halfmoon.cluster.launcher import Cluster
@@ -67,16 +68,9 @@ def cluster_config(model: str, mode: str, device: str) -> ClusterConfig:
         "router.bypass_threshold_tokens": 0,  # every prompt takes the disaggregated path
         "router.admission": "none",
     }
-    if device == "cuda":  # both workers on the one GPU, as in the issues' measurements
-        settings.update(
-            {
-                "engine.dtype": "bfloat16",
-                "engine.prefill_chunk_size": 2048,
-                "engine.max_num_batched_tokens": 4096,
-                "prefill.num_gpus": 0.3,
-                "decode.num_gpus": 0.3,
-            }
-        )
+    if device == "cuda":
+        settings.update(SHARED_GPU_SETTINGS)
+        settings.update({"engine.prefill_chunk_size": 2048, "engine.max_num_batched_tokens": 4096})
     return load_config(None, settings)
 
 
@@ -215,19 +209,12 @@ def main(argv: list[str] | None = None) -> int:
         default=0.0,
         help="Poisson arrivals per second; 0 sends one at a time (%(default)s)",
     )
-    parser.add_argument(
-        "--device",
-        choices=["cpu", "cuda"],
-        default="cuda" if torch.cuda.is_available() else "cpu",
-        help="cpu: the tiny model, fp32; cuda: the ~0.9B shape of the GPU issues in bf16, "
-        "both workers sharing the GPU (default: cuda when one is visible)",
-    )
+    add_device_argument(parser, on_cpu="the tiny model, fp32")
     parser.add_argument("--model", help="checkpoint directory (default: by --device)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA GPU is visible to torch")
+    check_device(parser, args.device)
     if args.requests < 1 or args.prompt_tokens < 1 or args.max_tokens < 1:
         parser.error("--requests, --prompt-tokens and --max-tokens must be at least 1")
     if args.model:

@@ -306,7 +306,7 @@ class DecodeWorker(EngineWorker):
         self.ended_keys[reservation.key] = None
         while len(self.ended_keys) > RECENT_KEYS:
             self.ended_keys.popitem(last=False)
-        self._release([n.lease for n in reservation.layers.values() if n.lease])
+        self._release([n.lease for n in reservation.layers.values()])
         reservation.layers.clear()
 
     def _on_notice(self, notice: Notice) -> None:
@@ -329,9 +329,6 @@ class DecodeWorker(EngineWorker):
         if not reservation.direct:  # the layers come through the store stream
             self._release([notice.lease])
             return
-        previous = reservation.layers.get((notice.unit, notice.layer))
-        if previous is not None and previous.lease and previous.lease != notice.lease:
-            self._release([previous.lease])
         reservation.layers[(notice.unit, notice.layer)] = notice
         reservation.arrived.set()
 

@@ -29,7 +29,7 @@ import socket
 import struct
 import threading
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
@@ -200,19 +200,18 @@ class NoticeSender:
         self._lock = threading.Lock()
         self.num_sent = 0
 
-    def send(self, peer: KvPeer, notices: Sequence[Notice]) -> None:
-        """Deliver `notices` in order, reconnecting once if the connection broke; OSError
-        when the peer cannot be reached (its worker died or restarted)."""
-        payloads = [encode(notice) for notice in notices]
+    def send(self, peer: KvPeer, notice: Notice) -> None:
+        """Deliver `notice` (after those sent before it), reconnecting once if the connection
+        broke; OSError when the peer cannot be reached (its worker died or restarted)."""
+        payload = encode(notice)
         with self._lock:
             for attempt in (0, 1):
                 conn = self._conns.get(peer.path)
                 try:
                     if conn is None:
                         conn = self._connect(peer.path)
-                    for payload in payloads:
-                        conn.send(payload)
-                    self.num_sent += len(payloads)
+                    conn.send(payload)
+                    self.num_sent += 1
                     return
                 except OSError:
                     self._forget(peer.path)

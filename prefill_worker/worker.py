@@ -85,10 +85,13 @@ class _LayerOut:
     """For the publisher: one layer of one transfer unit, snapshotted off the pages."""
 
     job: _Job
-    unit: int
-    keys: list[bytes]
+    unit: int  # its index in the job's plan
     layer: int
     snapshot: object  # HostLayer: `wait()` gives the LayerKV
+
+    @property
+    def keys(self) -> list[bytes]:
+        return self.job.units[self.unit].keys
 
 
 @dataclass(slots=True)
@@ -361,7 +364,7 @@ class PrefillWorker(EngineWorker, KVHooks):
         unit = job.units[index]
         pages = seq.block_table[unit.first_block : unit.first_block + len(unit.keys)]
         snapshot = self.engine.kv.read_layer(layer, pages)
-        self.outbox.put(_LayerOut(job, index, unit.keys, layer, snapshot))
+        self.outbox.put(_LayerOut(job, index, layer, snapshot))
 
     def _send_forever(self) -> None:
         """Publisher thread: hands snapshots to the store so the step loop never waits on it.
@@ -432,7 +435,7 @@ class PrefillWorker(EngineWorker, KVHooks):
         if job.peer is None:
             return False
         try:
-            self.notices.send(job.peer, [notice])
+            self.notices.send(job.peer, notice)
             return True
         except OSError as error:
             self.num_failed_notices += 1

@@ -73,10 +73,10 @@ class Prefill:
             ray.get(self.store.layer_written.remote(unit.keys, layer, slots, None))
             named = tuple(slots) if slots_of is None else slots_of(slots)
             notice = LayerNotice(self.key, unit_index, layer, lease if layer == last else 0, named)
-            self.sender.send(self.peer, [notice])
+            self.sender.send(self.peer, notice)
 
     def first_token(self, token_id: int) -> None:
-        self.sender.send(self.peer, [TokenNotice(self.key, token_id)])
+        self.sender.send(self.peer, TokenNotice(self.key, token_id))
 
 
 def counters(decode) -> dict:

@@ -79,12 +79,12 @@ def test_notices_arrive_in_order_and_malformed_ones_are_dropped():
             notices = [LayerNotice("r", 0, layer, 0, (layer,)) for layer in range(50)]
             notices.append(TokenNotice("r", 42))
             # The publisher thread blocks on its sends; the loop keeps reading meanwhile.
-            await asyncio.to_thread(sender.send, listener.peer, notices[:25])
+            await asyncio.to_thread(lambda: [sender.send(listener.peer, n) for n in notices[:25]])
             raw = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             raw.connect(listener.peer.path)
             raw.send(b"not a notice")
             raw.send(encode(TokenNotice("other", 1)))
-            await asyncio.to_thread(sender.send, listener.peer, notices[25:])
+            await asyncio.to_thread(lambda: [sender.send(listener.peer, n) for n in notices[25:]])
             await _until(lambda: len(got) == len(notices) + 1)
             assert [n for n in got if n.key == "r"] == notices  # in order, none lost
             assert TokenNotice("other", 1) in got and listener.num_malformed == 1
@@ -102,18 +102,18 @@ def test_a_sender_reconnects_once_and_reports_a_peer_that_is_gone():
         got = []
         listener = NoticeListener("node-a", got.append)
         sender = NoticeSender()
-        await asyncio.to_thread(sender.send, listener.peer, [TokenNotice("a", 1)])
+        await asyncio.to_thread(sender.send, listener.peer, TokenNotice("a", 1))
         await _until(lambda: len(got) == 1)
         # The peer's connection broke (the worker's listener closed it): the next send
         # reconnects to the same socket and arrives.
         for conn in list(listener._conns):
             listener._drop(conn)
         await asyncio.sleep(0.05)
-        await asyncio.to_thread(sender.send, listener.peer, [TokenNotice("a", 2)])
+        await asyncio.to_thread(sender.send, listener.peer, TokenNotice("a", 2))
         await _until(lambda: len(got) == 2)
         listener.close()
         with pytest.raises(OSError):  # the worker is gone: the publisher learns it at once
-            await asyncio.to_thread(sender.send, listener.peer, [TokenNotice("a", 3)])
+            await asyncio.to_thread(sender.send, listener.peer, TokenNotice("a", 3))
         sender.close()
 
     asyncio.run(scenario())

@@ -113,11 +113,11 @@ def _image_only_python(where: Path) -> str:
     image_dir.mkdir()
     for name in wheelhouse.read_image(wheelhouse.DEFAULT_IMAGE):
         try:
-            files = metadata.distribution(name).files or []
+            dist = metadata.distribution(name)
         except metadata.PackageNotFoundError:
             continue
-        for top in {file.parts[0] for file in files if file.parts[0] != ".."}:
-            source = Path(metadata.distribution(name).locate_file(top))
+        for top in {file.parts[0] for file in dist.files or [] if file.parts[0] != ".."}:
+            source = Path(dist.locate_file(top))
             if source.exists() and not (image_dir / top).exists():
                 (image_dir / top).symlink_to(source)
     venv = where / "venv"
@@ -125,6 +125,13 @@ def _image_only_python(where: Path) -> str:
     (site,) = (venv / "lib").glob("python*/site-packages")
     (site / "image.pth").write_text(f"{image_dir}\n")
     return str(venv / "bin" / "python")
+
+
+def _ok(args: list[str], **kwargs) -> str:
+    """Run `args` to success (its output is the failure message) and return its stdout."""
+    result = subprocess.run(args, capture_output=True, text=True, **kwargs)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout
 
 
 def _read_until(process: subprocess.Popen, needle: str, timeout_s: float) -> None:
@@ -151,12 +158,11 @@ def test_rehearsal_halfmoon_serves_from_the_wheelhouse_on_an_image_only_python(
     assert subprocess.run(probe, capture_output=True).returncode != 0, "ray leaked into the image"
 
     built = tmp_path / "whl"
-    build = subprocess.run(
+    _ok(
         [sys.executable, str(ROOT / "deploy/gpu/wheelhouse.py"), "build", "--python-version",
          HERE, "--arch", platform.machine(), "--out", str(built)],
-        capture_output=True, text=True, timeout=600,
+        timeout=600,
     )  # fmt: skip
-    assert build.returncode == 0, build.stdout + build.stderr
     manifest = json.loads((built / "wheelhouse.json").read_text())
     (ray_wheel,) = built.glob("ray-*.whl")
     with zipfile.ZipFile(ray_wheel) as ray_zip:
@@ -180,24 +186,20 @@ def test_rehearsal_halfmoon_serves_from_the_wheelhouse_on_an_image_only_python(
         " f'halfmoon.{p}.')]];"
         "[importlib.import_module(n) for n in names]; print(len(names))"
     )
-    imported = subprocess.run([python, "-c", walk], env=env, capture_output=True, text=True)
-    assert imported.returncode == 0, imported.stderr
-    assert int(imported.stdout) > 100
+    assert int(_ok([python, "-c", walk], env=env)) > 100
     # The GPU suite's two parts (deploy/gpu/test-gpu.sh) collect there without an error.
     for selection in (["-m", "not slow", "tests/kernels"], ["-m", "gpu", "tests"]):
-        collect = subprocess.run(
+        collected = _ok(
             [python, "-m", "pytest", "-p", "no:cacheprovider", "--collect-only", "-q", *selection],
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+            cwd=ROOT, env=env, timeout=300,
         )  # fmt: skip
-        assert collect.returncode == 0, collect.stdout[-3000:] + collect.stderr[-3000:]
-        counted = re.search(r"(\d+)(/\d+)? tests? collected", collect.stdout)
-        assert counted and int(counted.group(1)) > 0, collect.stdout[-3000:]
+        counted = re.search(r"(\d+)(/\d+)? tests? collected", collected)
+        assert counted and int(counted.group(1)) > 0, collected[-3000:]
 
     if manifest["debs"]:  # redis-server runs from the unpacked .debs, not from this machine's
         redis = shutil.which("redis-server", path=env["PATH"])
         assert redis == str(prefix / "redis/usr/bin/redis-server")
-        version = subprocess.run([redis, "--version"], env=env, capture_output=True, text=True)
-        assert version.returncode == 0 and "Redis server" in version.stdout, version.stderr
+        assert "Redis server" in _ok([redis, "--version"], env=env)
 
     port, metrics_port, http_port = free_port(), free_port(), free_port()
     serve = subprocess.Popen(
@@ -207,13 +209,12 @@ def test_rehearsal_halfmoon_serves_from_the_wheelhouse_on_an_image_only_python(
     )  # fmt: skip
     try:
         _read_until(serve, "gRPC", timeout_s=240)
-        out = subprocess.run(
+        out = _ok(
             [python, "-m", "halfmoon.cluster.cli", "generate", "--server", f"127.0.0.1:{port}",
              "--max-tokens", "5", "--json", "Hello"],
-            capture_output=True, text=True, timeout=120, env=env,
+            timeout=120, env=env,
         )  # fmt: skip
-        assert out.returncode == 0, out.stderr
-        assert len(json.loads(out.stdout)["token_ids"]) == 5
+        assert len(json.loads(out)["token_ids"]) == 5
         chat = (
             "from openai import OpenAI;"
             f"client = OpenAI(base_url='http://127.0.0.1:{http_port}/v1', api_key='unused');"
@@ -221,9 +222,7 @@ def test_rehearsal_halfmoon_serves_from_the_wheelhouse_on_an_image_only_python(
             "reply = client.completions.create(model=model, prompt='Hello', max_tokens=4);"
             "print(reply.usage.completion_tokens)"
         )
-        sdk = subprocess.run([python, "-c", chat], env=env, capture_output=True, text=True)
-        assert sdk.returncode == 0, sdk.stderr
-        assert sdk.stdout.strip() == "4"
+        assert _ok([python, "-c", chat], env=env).strip() == "4"
     finally:
         serve.terminate()
         try:

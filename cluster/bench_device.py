@@ -1,0 +1,28 @@
+"""What the live-cluster benchmarks share about where they run: `--device cpu|cuda`, and on a GPU
+the setup of the issues' measurements (bf16, both workers sharing the one GPU)."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+# Both workers on the one GPU, as in the GPU issues' measurements.
+SHARED_GPU_SETTINGS = {"engine.dtype": "bfloat16", "prefill.num_gpus": 0.3, "decode.num_gpus": 0.3}
+
+
+def add_device_argument(parser: argparse.ArgumentParser, on_cpu: str) -> None:
+    """`--device`, cuda by default when torch sees a GPU; `on_cpu` says what runs on cpu."""
+    parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help=f"cpu: {on_cpu}; cuda: the ~0.9B shape of the GPU issues in bf16, both workers "
+        "sharing the GPU (default: cuda when one is visible)",
+    )
+
+
+def check_device(parser: argparse.ArgumentParser, device: str) -> None:
+    """A usage error for `--device cuda` where torch sees no GPU."""
+    if device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA GPU is visible to torch")
