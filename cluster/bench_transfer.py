@@ -1,7 +1,8 @@
 """`halfmoon bench transfer`: the TTFT breakdown of disaggregated prefill on a live local
 cluster, side by side: layer-wise KV streaming with the prefill worker's direct notices
-(kvstore/kv_notices.py, the default), streaming with the notices through the store and the
-router's hand-off (the path across nodes), and no streaming."""
+(kvstore/kv_notices.py), the decode worker copying out of the prefill worker's own pages (the
+default) or out of the store's arena; streaming with the notices through the store and the
+router's hand-off (the path across nodes); and no streaming."""
 
 from __future__ import annotations
 
@@ -38,22 +39,42 @@ class Breakdown:
     transfer_stall_s: float
     one_layer_s: float
     overhead_s: float
+    # Of the stall, until the KV was all in the decode worker's pages (the rest waited for the
+    # first token).
+    kv_landed_s: float = 0.0
+    token_known_s: float = 0.0  # likewise, until the first token was known there
+    lent: bool = False  # the decode worker was offered the prefill worker's own pages
+    page_copies: int = 0  # layers it copied out of them
+
+    @property
+    def path(self) -> str:
+        if not self.layerwise:
+            return "off"
+        return ("pages" if self.lent else "arena") if self.direct else "store"
 
 
-async def measure(
-    cluster: Cluster, token_ids: list[int], layerwise: bool, direct: bool, rid: str
-) -> Breakdown:
+PATHS = {  # layer-wise, direct notices, lent pages
+    "pages": (True, True, True),
+    "arena": (True, True, False),
+    "store": (True, False, False),
+    "off": (False, False, False),
+}
+
+
+async def measure(cluster: Cluster, token_ids: list[int], path: str, rid: str) -> Breakdown:
     """Run one request straight through a prefill and a decode worker as the router does
     (reserve and prefill sent together, then the hand-off) and time its parts."""
     prefill = cluster.workers["prefill-0"].actor
     decode = cluster.workers["decode-1"].actor
+    layerwise, direct, lend = PATHS[path]
     store_name = await prefill.store_name.remote()
     peer = await decode.kv_peer.remote() if direct else None
     params = SamplingParams(max_tokens=1, temperature=0.0)
     before = (await prefill.counters.remote())["forward_s"]
+    copies_before = (await decode.counters.remote())["num_page_copies"]
     started = time.time()
     reserved = decode.reserve.remote(rid, token_ids, params, store_name, None, direct)
-    prefilled = prefill.prefill.remote(rid, token_ids, params, layerwise, None, peer)
+    prefilled = prefill.prefill.remote(rid, token_ids, params, layerwise, None, peer, lend)
     unwrap(await reserved)
     result = unwrap(await prefilled)
     async for ref in decode.generate.options(num_returns="streaming").remote(
@@ -61,6 +82,7 @@ async def measure(
     ):
         unwrap(await ref)
     compute_s = (await prefill.counters.remote())["forward_s"] - before
+    page_copies = (await decode.counters.remote())["num_page_copies"] - copies_before
     got = await decode.receive_timings.remote(rid)
     layers = cluster.info.num_layers
     units = -(-len(token_ids) // cluster.config.engine.prefill_chunk_size)
@@ -75,6 +97,10 @@ async def measure(
         transfer_stall_s=got.joined_at - result.last_layer_published_at,
         one_layer_s=one_layer_s,
         overhead_s=ttft_s - compute_s,
+        kv_landed_s=got.all_received_at - result.last_layer_published_at,
+        token_known_s=got.first_token_at - result.last_layer_published_at,
+        lent=lend,
+        page_copies=page_copies,
     )
 
 
@@ -84,15 +110,15 @@ async def run(
     rng = random.Random(seed)
     rows = []
     for num_chunks in chunk_counts:
-        for layerwise, direct in ((True, True), (True, False), (False, False)):
+        for path in PATHS:
             samples = []
             for r in range(repeats):
                 ids = [
                     rng.randrange(6, cluster.info.vocab_size)
                     for _ in range(num_chunks * chunk_tokens)
                 ]
-                rid = f"b{num_chunks}-{layerwise}-{direct}-{r}"
-                samples.append(await measure(cluster, ids, layerwise, direct, rid))
+                rid = f"b{num_chunks}-{path}-{r}"
+                samples.append(await measure(cluster, ids, path, rid))
             rows.append(min(samples, key=lambda b: b.ttft_s))
     return rows
 
@@ -102,10 +128,14 @@ def main(argv: list[str] | None = None) -> int:
         prog="halfmoon bench transfer",
         description="TTFT breakdown (prefill compute, transfer stall, rest) for prompts of 1 to 8 "
         "chunks on a live local cluster (1 prefill + 1 decode worker; the ~50M model on cpu, the "
-        "~0.9B shape on cuda): "
-        "layer-wise KV streaming with the prefill worker's direct notices (stream 'on', notices "
-        "'direct'), streaming with the notices through the store ('store'), and no streaming "
-        "('off'). Stall = the last layer published to the request joining the decode batch.",
+        "~0.9B shape on cuda): layer-wise KV streaming with the prefill worker's direct "
+        "notices, the decode worker copying each layer out of the prefill worker's own pages "
+        "(path 'pages', the default) or out of the store's shared arena ('arena'); streaming "
+        "with the notices through the store ('store', the path across nodes); and no "
+        "streaming ('off'). Stall = the last layer published to the request joining the "
+        "decode batch; kv_in = the part of it until the KV was all in the decode worker's "
+        "pages, token = until the first token was known there; lent_layers = layers copied out "
+        "of the prefill worker's pages.",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--chunks", default="1,2,4,8", help="chunk counts (1,2,4,8)")
@@ -153,38 +183,42 @@ def main(argv: list[str] | None = None) -> int:
 
 def _report(rows: list[Breakdown], as_json: bool, device: str = "cpu") -> int:
     worst = {}  # per streaming path: the worst stall / one layer and TTFT / compute
-    for direct in (True, False):
-        on = [r for r in rows if r.layerwise and r.direct == direct]
-        worst["direct" if direct else "store"] = {
+    for path in ("pages", "arena", "store"):
+        on = [r for r in rows if r.path == path]
+        if not on:
+            continue
+        worst[path] = {
             "max_stall_over_one_layer": max(r.transfer_stall_s / r.one_layer_s for r in on),
             "max_ttft_over_compute": max(r.ttft_s / r.prefill_compute_s for r in on),
             "max_stall_ms": max(r.transfer_stall_s for r in on) * 1e3,
         }
     summary = {
         "device": device,
-        "rows": [asdict(r) for r in rows],
-        # The default path (direct notices), as this key always reported.
-        **{k: v for k, v in worst["direct"].items() if k != "max_stall_ms"},
-        "by_notices": worst,
+        "rows": [{**asdict(r), "path": r.path} for r in rows],
+        # The default path (lent pages), as these keys always reported.
+        **{k: v for k, v in worst["pages"].items() if k != "max_stall_ms"},
+        "by_path": worst,
     }
     if as_json:
         print(json.dumps(summary))
         return 0
     print(
-        f"{'chunks':>6} {'stream':>6} {'notices':>7} {'ttft_ms':>8} {'compute_ms':>10} "
-        f"{'stall_ms':>8} {'layer_ms':>8} {'stall/layer':>11} {'ttft/compute':>12}"
+        f"{'chunks':>6} {'path':>6} {'lent_layers':>11} {'ttft_ms':>8} {'compute_ms':>10} "
+        f"{'stall_ms':>8} {'kv_in_ms':>8} {'token_ms':>8} {'layer_ms':>8} {'stall/layer':>11} "
+        f"{'ttft/compute':>12}"
     )
     for r in rows:
-        notices = "direct" if r.direct else "store"
         print(
-            f"{r.num_chunks:>6} {'on' if r.layerwise else 'off':>6} {notices:>7} "
+            f"{r.num_chunks:>6} {r.path:>6} {r.page_copies:>11} "
             f"{r.ttft_s * 1e3:>8.1f} {r.prefill_compute_s * 1e3:>10.1f} "
-            f"{r.transfer_stall_s * 1e3:>8.1f} {r.one_layer_s * 1e3:>8.2f} "
+            f"{r.transfer_stall_s * 1e3:>8.1f} {r.kv_landed_s * 1e3:>8.1f} "
+            f"{r.token_known_s * 1e3:>8.1f} "
+            f"{r.one_layer_s * 1e3:>8.2f} "
             f"{r.transfer_stall_s / r.one_layer_s:>11.2f} {r.ttft_s / r.prefill_compute_s:>12.3f}"
         )
     for path, w in worst.items():
         print(
-            f"streaming, notices {path}: worst stall = {w['max_stall_ms']:.1f} ms = "
+            f"path {path}: worst stall = {w['max_stall_ms']:.1f} ms = "
             f"{w['max_stall_over_one_layer']:.2f} x one layer (goal <= 1.2), worst TTFT = "
             f"{w['max_ttft_over_compute']:.3f} x compute (goal <= 1.15)",
             file=sys.stderr,

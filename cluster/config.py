@@ -144,6 +144,10 @@ class StoreSection(Section):
     # over a Unix socket, and the decode worker joins its batch as soon as both are in
     # (kvstore/kv_notices.py); off: through the store node and the router's hand-off.
     direct_notices: bool = True
+    # With direct notices, the prefill worker also lends its own KV pages (the device tier): the
+    # decode worker copies each layer straight out of them (on a GPU, device to device through
+    # CUDA IPC), and the store's copy only feeds the cache; off: out of the store's arena.
+    lend_pages: bool = True
 
     @field_validator("redis_hmac_key")
     @classmethod

@@ -238,6 +238,16 @@ class Cluster:
         utilization = self.engine_config.gpu_memory_utilization * share
         return dataclasses.replace(self.engine_config, gpu_memory_utilization=utilization)
 
+    def _worker_engine_config(self, kind: str) -> EngineConfig:
+        """A pool's engine config; prefill workers' KV caches shared with their node when they
+        lend pages to decode workers (`store.lend_pages`)."""
+        config = self._pool_engine_config(self.pools[kind])
+        store = self.config.store
+        lend = self.config.mode == "disaggregated" and store.direct_notices and store.lend_pages
+        if kind == "prefill" and lend:
+            config = dataclasses.replace(config, share_kv=True)
+        return config
+
     def _store_config(self) -> StoreConfig:
         store = self.config.store
         url, password = store.redis_url, secret(store.redis_password, REDIS_PASSWORD_ENV)
@@ -280,7 +290,7 @@ class Cluster:
                 max_concurrency=10_000,
                 max_restarts=0,
             )
-            .remote(name, self._pool_engine_config(pool), None, self.config.store.get_timeout_s)
+            .remote(name, self._worker_engine_config(kind), None, self.config.store.get_timeout_s)
         )
         worker = self.workers[name] = WorkerHandle(name, kind, actor)
         return worker

@@ -1,7 +1,8 @@
 """The decode worker: reserves pages, pulls each layer of a prompt's KV from the store as it
-lands (or, on the prefill worker's node, copies it out of the store's shared arena when the
-prefill worker says it is there), joins the request to its continuous batch as soon as the
-last layer and the first token are in, and streams the tokens back."""
+lands (or, on the prefill worker's node, copies it out of the prefill worker's own pages or
+the store's shared arena when the prefill worker says it is there), joins the request to its
+continuous batch as soon as the last layer and the first token are in, and streams the tokens
+back."""
 
 from __future__ import annotations
 
@@ -22,7 +23,17 @@ from halfmoon.engine.llm_engine import LLMEngine, RequestOutput
 from halfmoon.engine.sampling_params import SamplingParams
 from halfmoon.engine.worker_base import EngineWorker
 from halfmoon.engine.worker_errors import WorkerError, aborted
-from halfmoon.kvstore.kv_notices import KvPeer, LayerNotice, Notice, NoticeListener, TokenNotice
+from halfmoon.kvstore.kv_notices import (
+    Hello,
+    KvPeer,
+    LayerNotice,
+    Notice,
+    NoticeConn,
+    NoticeListener,
+    PagesNotice,
+    ReleaseNotice,
+    TokenNotice,
+)
 from halfmoon.kvstore.locate import local_store
 from halfmoon.kvstore.shared_arena import MappedArena, map_arena
 from halfmoon.kvstore.transfer import plan_transfer
@@ -52,12 +63,22 @@ class _Reservation:
     """One reserved request: what the prefill worker's notices call it, its first token (from
     the reserve of a retry, the prefill worker's notice, or `generate`, whichever comes
     first), and, when the prefill worker tells this worker directly, the layers it said are
-    in the arena and the claims this worker owes the store a release of."""
+    in the arena and the claims this worker owes the store a release of; when the prefill
+    worker lends its own pages, the layers it said are in them, and the connections this
+    worker owes a `ReleaseNotice` (`lenders`) or has refused (`refused`: their later page
+    notices are refused too, as the prefill worker may have taken the pages back)."""
 
     key: str
     first_token: asyncio.Future
     direct: bool = False
     layers: dict[tuple[int, int], LayerNotice] = dataclasses.field(default_factory=dict)
+    pages: dict[tuple[int, int], tuple[PagesNotice, NoticeConn]] = dataclasses.field(
+        default_factory=dict
+    )
+    copied: set[tuple[int, int]] = dataclasses.field(default_factory=set)  # out of lent pages
+    lenders: set[NoticeConn] = dataclasses.field(default_factory=set)
+    refused: set[NoticeConn] = dataclasses.field(default_factory=set)
+    lender_lost: bool = False
     arrived: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     join_error: HalfmoonError | None = None
 
@@ -69,6 +90,7 @@ class ReceiveTimings:
     reserved_at: float
     first_layer_received_at: float = 0.0
     all_received_at: float = 0.0
+    first_token_at: float = 0.0  # the first token became known here
     joined_at: float = 0.0
     num_bytes: int = 0
 
@@ -108,10 +130,13 @@ class DecodeWorker(EngineWorker):
         self.listener: NoticeListener | None = None
         self.reservations: dict[str, _Reservation] = {}  # by request id
         self.by_key: dict[str, _Reservation] = {}  # by the key notices name them by
-        self.early: dict[str, list[Notice]] = {}  # notices that overtook their reserve
+        # Notices that overtook their reserve, with the connection each came on.
+        self.early: dict[str, list[tuple[Notice, NoticeConn]]] = {}
         self.ended_keys: OrderedDict[str, None] = OrderedDict()
         self.num_direct_receives = 0
         self.num_early_joins = 0
+        self.num_page_copies = 0  # layers copied out of a prefill worker's lent pages
+        self.num_lenders = 0  # prefill workers' caches opened
         self.node_store = store  # this node's store, where notices' claims are released
 
     def _extra_counters(self) -> dict:
@@ -121,6 +146,8 @@ class DecodeWorker(EngineWorker):
             "num_shared_reads": self.num_shared_reads,
             "num_direct_receives": self.num_direct_receives,
             "num_early_joins": self.num_early_joins,
+            "num_page_copies": self.num_page_copies,
+            "num_lenders": self.num_lenders,
             "num_malformed_notices": self.listener.num_malformed if self.listener else 0,
         }
 
@@ -128,7 +155,7 @@ class DecodeWorker(EngineWorker):
         """Where prefill workers on this node send their notices (kvstore/kv_notices.py)."""
         if self.listener is None:
             node = ray.get_runtime_context().get_node_id()
-            self.listener = NoticeListener(node, self._on_notice)
+            self.listener = NoticeListener(node, self._on_notice, self._on_closed)
         return self.listener.peer
 
     async def reserve(
@@ -162,8 +189,8 @@ class DecodeWorker(EngineWorker):
         if first_token_id is not None:
             reservation.first_token.set_result(first_token_id)
         self.reservations[request_id] = self.by_key[reservation.key] = reservation
-        for notice in self.early.pop(reservation.key, []):
-            self._on_notice(notice)
+        for notice, conn in self.early.pop(reservation.key, []):
+            self._on_notice(notice, conn)
         units = plan_transfer(
             self.engine.root_key,
             prompt_token_ids,
@@ -171,7 +198,11 @@ class DecodeWorker(EngineWorker):
             self.chunk_tokens,
             request_id,
         )
-        self._record(request_id, ReceiveTimings(reserved_at=time.time()))
+        timings = ReceiveTimings(reserved_at=time.time())
+        self._record(request_id, timings)
+        reservation.first_token.add_done_callback(
+            lambda _: setattr(timings, "first_token_at", timings.first_token_at or time.time())
+        )
         receive = asyncio.create_task(
             self._receive(store, request_id, units, pages, store_name, reservation)
         )
@@ -290,10 +321,10 @@ class DecodeWorker(EngineWorker):
         self._free(request_id)
 
     def _free(self, request_id: str) -> bool:
-        """Abort a request whose KV was being received: its pages are freed only once the
-        writes already issued into them have landed."""
-        self._forget(request_id)
+        """Abort a request whose KV was being received: its pages are freed (and lent pages
+        it copied from given back) only once the writes already issued have landed."""
         self.engine.kv.wait_writes()
+        self._forget(request_id)
         return self._engine().abort(request_id)
 
     def _forget(self, request_id: str) -> None:
@@ -308,34 +339,86 @@ class DecodeWorker(EngineWorker):
             self.ended_keys.popitem(last=False)
         self._release([n.lease for n in reservation.layers.values()])
         reservation.layers.clear()
+        self._answer_lenders(reservation)
 
-    def _on_notice(self, notice: Notice) -> None:
+    def _answer_lenders(self, reservation: _Reservation) -> None:
+        """Tell each prefill worker that lent this receive pages that it needs none any more
+        (the copies out of them have landed: callers wait for the writes first)."""
+        conns = reservation.lenders | {conn for _, conn in reservation.pages.values()}
+        reservation.pages.clear()
+        reservation.lenders.clear()
+        for conn in conns - reservation.refused:
+            reservation.refused.add(conn)
+            conn.reply(ReleaseNotice(reservation.key))
+
+    def _on_notice(self, notice: Notice, conn: NoticeConn) -> None:
         """A notice from a prefill worker (the listener's callback, in the event loop)."""
+        if isinstance(notice, Hello):
+            asyncio.get_running_loop().create_task(self._open_lender(conn))
+            return
         reservation = self.by_key.get(notice.key)
         if reservation is None:
             if notice.key in self.ended_keys:  # its receive ended: nothing will copy it
                 self._release([notice.lease] if isinstance(notice, LayerNotice) else [])
+                if isinstance(notice, PagesNotice):
+                    conn.reply(ReleaseNotice(notice.key))
                 return
             if notice.key not in self.early:
                 asyncio.get_running_loop().call_later(
                     self.early_notice_s, self._drop_early, notice.key
                 )
-            self.early.setdefault(notice.key, []).append(notice)
+            self.early.setdefault(notice.key, []).append((notice, conn))
             return
         if isinstance(notice, TokenNotice):
             if not reservation.first_token.done():
                 reservation.first_token.set_result(notice.token_id)
             return
-        if not reservation.direct:  # the layers come through the store stream
-            self._release([notice.lease])
+        if isinstance(notice, PagesNotice):
+            usable = reservation.direct and conn.cache is not None and not conn.closed
+            if not usable or conn in reservation.refused:
+                if conn not in reservation.refused:  # the arena's copy it is, for all of it
+                    reservation.refused.add(conn)
+                    conn.reply(ReleaseNotice(notice.key))
+                return
+            reservation.lenders.add(conn)
+            reservation.pages[(notice.unit, notice.layer)] = (notice, conn)
+            reservation.arrived.set()
+            return
+        if not reservation.direct or (notice.unit, notice.layer) in reservation.copied:
+            self._release([notice.lease])  # through the store stream, or copied already
             return
         reservation.layers[(notice.unit, notice.layer)] = notice
         reservation.arrived.set()
 
     def _drop_early(self, key: str) -> None:
-        """Notices whose reserve never came: give their claims back."""
-        leases = [n.lease for n in self.early.pop(key, []) if isinstance(n, LayerNotice)]
-        self._release(leases)
+        """Notices whose reserve never came: give their claims and lent pages back."""
+        early = self.early.pop(key, [])
+        self._release([n.lease for n, _ in early if isinstance(n, LayerNotice)])
+        for conn in {conn for n, conn in early if isinstance(n, PagesNotice)}:
+            conn.reply(ReleaseNotice(key))
+
+    def _on_closed(self, conn: NoticeConn) -> None:
+        """A prefill worker's connection ended: the pages it lent are not held any more, so a
+        receive still copying from them fails (the router retries it)."""
+        for reservation in self.reservations.values():
+            if conn in reservation.lenders and not reservation.lender_lost:
+                reservation.lender_lost = True
+                reservation.arrived.set()
+
+    async def _open_lender(self, conn: NoticeConn) -> None:
+        """Open the KV cache of the prefill worker that said hello on `conn`, so its page
+        notices can be copied from; until then (or if it cannot be) they are refused and its
+        layers come through the arena."""
+        try:
+            lender = ray.get_actor(conn.lender)
+            export = await lender.kv_export.remote()
+            if export is None:
+                raise ValueError("it does not lend its pages")
+            conn.cache = self.engine.kv.open_peer(export)
+            self.num_lenders += 1
+            log.info("copying KV straight out of the pages of %s", conn.lender)
+        except Exception as error:  # noqa: BLE001 - the arena path stays; say why once
+            log.warning("cannot open the KV cache of %s: %s", conn.lender, error)
 
     def _release(self, leases: list[int]) -> None:
         """Give claims back to this node's store (which the prefill worker's notices name);
@@ -390,6 +473,7 @@ class DecodeWorker(EngineWorker):
                 reservation.direct = False
                 self._release([n.lease for n in reservation.layers.values()])
                 reservation.layers.clear()
+                self._answer_lenders(reservation)
             await self._receive_streamed(store, request_id, units, pages, arena)
         # The KV is in: from now on, a hand-off is due within handoff_timeout_s.
         asyncio.get_running_loop().call_later(
@@ -409,8 +493,10 @@ class DecodeWorker(EngineWorker):
     async def _receive_notified(
         self, request_id: str, units, pages: list[int], arena: MappedArena, reservation
     ) -> None:
-        """Each layer of each unit from the arena slots the prefill worker's notice names;
-        each unit's claim is released once its last layer is copied."""
+        """Each layer of each unit from the prefill worker's own pages or the arena slots its
+        notices name (the pages when both are offered: they come first, and cost one copy on
+        the device); each unit's claim is released once its last layer is copied, the lent
+        pages once everything has landed."""
         kv_cache = self.engine.kv
         timings = self.timings[request_id]
         written = None
@@ -418,20 +504,46 @@ class DecodeWorker(EngineWorker):
             for index, unit in enumerate(units):
                 unit_pages = pages[unit.first_block : unit.first_block + len(unit.keys)]
                 for layer in range(kv_cache.num_layers):
-                    while (notice := reservation.layers.pop((index, layer), None)) is None:
+                    where = (index, layer)
+                    while True:
+                        if reservation.lender_lost:
+                            raise ConnectionError(
+                                "the prefill worker lending this request's pages went away"
+                            )
+                        lent = reservation.pages.pop(where, None)
+                        notice = reservation.layers.pop(where, None) if lent is None else None
+                        if lent is not None or notice is not None:
+                            break
                         reservation.arrived.clear()
                         await reservation.arrived.wait()
-                    try:
-                        _check_slots(notice, len(unit.keys), arena.pages.shape[0])
-                        kv = arena.read(notice.slots, layer, pin=kv_cache.device.type == "cuda")
-                    finally:
-                        self._release([notice.lease])  # copied out (or never will be)
-                    self.num_shared_reads += 1
-                    written = kv_cache.write_layer(layer, unit_pages, kv, ordered=False)
-                    timings.num_bytes += kv.nbytes
+                    if lent is not None:
+                        pages_notice, conn = lent
+                        reservation.copied.add(where)
+                        if (slots := reservation.layers.pop(where, None)) is not None:
+                            self._release([slots.lease])
+                        pages_named = pages_notice.pages
+                        size = conn.cache.num_pages
+                        _check_places(pages_notice, pages_named, "pages", len(unit.keys), size)
+                        written = kv_cache.copy_pages(
+                            layer, conn.cache, pages_notice.pages, unit_pages
+                        )
+                        self.num_page_copies += 1
+                        timings.num_bytes += len(unit_pages) * kv_cache.page_layer_bytes
+                    else:
+                        try:
+                            size = arena.pages.shape[0]
+                            _check_places(notice, notice.slots, "slots", len(unit.keys), size)
+                            pin = kv_cache.device.type == "cuda"
+                            kv = arena.read(notice.slots, layer, pin=pin)
+                        finally:
+                            self._release([notice.lease])  # copied out (or never will be)
+                        self.num_shared_reads += 1
+                        written = kv_cache.write_layer(layer, unit_pages, kv, ordered=False)
+                        timings.num_bytes += kv.nbytes
                     if not timings.first_layer_received_at:
                         timings.first_layer_received_at = time.time()
         await self._all_written(written, timings)
+        self._answer_lenders(reservation)
 
     async def _receive_streamed(
         self, store, request_id: str, units, pages: list[int], arena: MappedArena | None
@@ -487,13 +599,13 @@ class DecodeWorker(EngineWorker):
             self.timings.popitem(last=False)
 
 
-def _check_slots(notice: LayerNotice, num_blocks: int, num_slots: int) -> None:
-    """A notice names one arena slot per block of its unit, each inside the arena."""
-    if len(notice.slots) != num_blocks or any(s >= num_slots for s in notice.slots):
+def _check_places(notice, places: tuple[int, ...], what: str, num_blocks: int, size: int) -> None:
+    """A notice names one place (arena slot, lent page) per block of its unit, each among the
+    `size` there are."""
+    if len(places) != num_blocks or any(place >= size for place in places):
         raise ValueError(
-            f"a notice for unit {notice.unit} layer {notice.layer} names {len(notice.slots)} "
-            f"slots (up to {max(notice.slots, default=0)}) for {num_blocks} blocks in an arena "
-            f"of {num_slots}"
+            f"a notice for unit {notice.unit} layer {notice.layer} names {len(places)} {what} "
+            f"(up to {max(places, default=0)}) for {num_blocks} blocks out of {size}"
         )
 
 

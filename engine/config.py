@@ -26,6 +26,10 @@ class EngineConfig:
     prefill_chunk_size: int | None = None
     # False replays decode steps from CUDA graphs on a GPU; True always runs them eagerly.
     enforce_eager: bool = False
+    # Other processes of this node may open the KV cache (`PagedKvCache.export`): on CPU it is
+    # allocated in shared memory; on CUDA it is shared by IPC handles. Prefill workers lend
+    # their pages to decode workers this way (the device tier).
+    share_kv: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):

@@ -25,3 +25,6 @@ class KVHooks:
 
     def after_layer(self, layer: int, batch: list[ScheduledSeq]) -> None:
         """Layer `layer` of this step wrote its KV for every token of `batch`."""
+
+    def sampled(self, seq: Sequence, token_id: int) -> None:
+        """This step sampled `token_id` for `seq` (before it is appended or streamed)."""

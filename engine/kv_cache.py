@@ -1,9 +1,17 @@
 """The engine's paged KV tensors behind a small API: read a layer of some pages, write a layer into
-some pages. Workers move KV only through it, so device placement, dtype and copy streams live
-here and nowhere else."""
+some pages, copy a layer of pages out of another engine's cache on this node. Workers move KV
+only through it, so device placement, dtype and copy streams live here and nowhere else.
+
+Another process of the same node can open an engine's cache (`export` / `open_peer`): on CPU
+it lives in an anonymous memory file the other process maps; on CUDA the other process opens
+its allocations through CUDA IPC handles (torch's `reduce_tensor`), which works between
+processes on the same GPU. A decode worker copies a prompt's KV straight out of the prefill
+worker's pages this way, one copy, without staging it in host memory (the device tier).
+"""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -12,6 +20,48 @@ import torch
 from halfmoon.engine.device_copy import device_tensor
 from halfmoon.kernels import ops
 from halfmoon.kvstore.layout import LayerKV
+from halfmoon.kvstore.shared_arena import create_arena
+
+
+@dataclass(frozen=True, slots=True)
+class KvExport:
+    """How another process on this node opens an engine's KV cache (`PagedKvCache.open_peer`).
+
+    `path`: on CPU, the memory file every layer lives in, as `[layer, k|v, page, ...]`.
+    `device_uuid` and `handles`: on CUDA, the GPU and, per layer, the arguments torch's
+    `rebuild_cuda_tensor` takes for K and for V (from `reduce_tensor`)."""
+
+    num_layers: int
+    page_shape: tuple[int, ...]  # num_pages, block_size, num_kv_heads, head_dim
+    dtype: str
+    path: str | None = None
+    device_uuid: str | None = None
+    handles: tuple = ()
+
+
+@dataclass(slots=True)
+class PeerKv:
+    """Another engine's KV cache, opened in this process: per layer its K and V pages."""
+
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def num_pages(self) -> int:
+        return self.layers[0][0].shape[0]
+
+
+def create_shared_kv(
+    num_layers: int, page_shape: tuple[int, ...], dtype: torch.dtype
+) -> tuple[str, torch.Tensor] | None:
+    """Zeroed KV pages `[layer, k|v, *page_shape]` in an anonymous memory file, and the path
+    other processes map it by; None where the platform cannot (then allocate privately)."""
+    shape = (num_layers, 2, *page_shape)
+    num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    arena = create_arena(num_bytes)
+    if arena is None:
+        return None
+    memory, path = arena
+    return path, memory.view(dtype).view(shape)
 
 
 @dataclass(slots=True)
@@ -45,8 +95,11 @@ class LayerWrite:
 class PagedKvCache:
     """Per layer, K and V of `[num_pages, block_size, num_kv_heads, head_dim]` on one device."""
 
-    def __init__(self, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def __init__(
+        self, layers: list[tuple[torch.Tensor, torch.Tensor]], shared_path: str | None = None
+    ) -> None:
         self.layers = layers
+        self.shared_path = shared_path  # CPU: the memory file the layers live in
         self.device = layers[0][0].device
         self.dtype = layers[0][0].dtype
         cuda = self.device.type == "cuda"
@@ -59,15 +112,91 @@ class PagedKvCache:
     def num_layers(self) -> int:
         return len(self.layers)
 
-    def read_layer(self, layer: int, pages: Sequence[int]) -> HostLayer:
-        """K and V of `pages` (in that order) in `layer`, copied to (pinned) host memory."""
-        k_cache, v_cache = self.layers[layer]
-        index = self._index(pages)
-        k, v = ops.gather_pages(k_cache, index), ops.gather_pages(v_cache, index)
+    @property
+    def page_layer_bytes(self) -> int:
+        """Bytes of K and V of one page in one layer."""
+        k = self.layers[0][0]
+        return 2 * k[0].numel() * k.element_size()
+
+    def export(self) -> KvExport | None:
+        """What another process of this node needs to open this cache; None when it cannot
+        (a CPU cache not allocated shared)."""
+        page_shape = tuple(self.layers[0][0].shape)
+        dtype = str(self.dtype)
+        if self.device.type == "cpu":
+            if self.shared_path is None:
+                return None
+            return KvExport(self.num_layers, page_shape, dtype, path=self.shared_path)
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        handles = tuple((reduce_tensor(k)[1], reduce_tensor(v)[1]) for k, v in self.layers)
+        uuid = str(torch.cuda.get_device_properties(self.device).uuid)
+        return KvExport(self.num_layers, page_shape, dtype, device_uuid=uuid, handles=handles)
+
+    def open_peer(self, export: KvExport) -> PeerKv:
+        """Another engine's cache from its `export`, to `copy_pages` from; ValueError saying
+        why when it cannot be (another model or dtype, another device)."""
+        mine = tuple(self.layers[0][0].shape)
+        if export.num_layers != self.num_layers or tuple(export.page_shape[1:]) != mine[1:]:
+            raise ValueError(
+                f"its pages are {export.num_layers} x {tuple(export.page_shape)}, "
+                f"these {self.num_layers} x {mine}: another model or block size"
+            )
+        if export.dtype != str(self.dtype):
+            raise ValueError(f"its KV is {export.dtype}, this cache's {self.dtype}")
+        if self.device.type == "cpu":
+            if export.path is None:
+                raise ValueError("it is on a GPU and this cache on the CPU")
+            shape = (export.num_layers, 2, *export.page_shape)
+            count = math.prod(shape)
+            pages = torch.from_file(export.path, shared=True, size=count, dtype=self.dtype)
+            pages = pages.view(shape)
+            return PeerKv([(pages[layer, 0], pages[layer, 1]) for layer in range(len(pages))])
+        uuid = str(torch.cuda.get_device_properties(self.device).uuid)
+        if export.device_uuid != uuid:
+            raise ValueError(f"it is on GPU {export.device_uuid}, this cache on {uuid}")
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+
+        def rebuild(args: tuple) -> torch.Tensor:
+            args = list(args)
+            args[6] = index  # the same GPU may have another index in this process
+            return rebuild_cuda_tensor(*args)
+
+        return PeerKv([(rebuild(k), rebuild(v)) for k, v in export.handles])
+
+    def mark(self) -> torch.cuda.Event | None:
+        """An event after the work queued so far on the compute stream (CUDA; None on CPU):
+        give it to `read_layer(after=)` from another thread, or wait on it before another
+        process reads the pages."""
         if self._copy_stream is None:
-            return HostLayer(LayerKV(k, v))
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def read_layer(
+        self, layer: int, pages: Sequence[int], after: torch.cuda.Event | None = None
+    ) -> HostLayer:
+        """K and V of `pages` (in that order) in `layer`, copied to (pinned) host memory.
+
+        `after` (from `mark`): gather on the copy stream once that event has passed, instead
+        of on the current stream (for a caller on another thread than the step's)."""
+        k_cache, v_cache = self.layers[layer]
         stream = self._copy_stream
-        stream.wait_stream(torch.cuda.current_stream(self.device))  # after the gathers
+        if stream is not None and after is not None:
+            stream.wait_event(after)
+            with torch.cuda.stream(stream):
+                index = self._index(pages)
+                k, v = ops.gather_pages(k_cache, index), ops.gather_pages(v_cache, index)
+        else:
+            index = self._index(pages)
+            k, v = ops.gather_pages(k_cache, index), ops.gather_pages(v_cache, index)
+        if stream is None:
+            return HostLayer(LayerKV(k, v))
+        if after is None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))  # after the gathers
         with torch.cuda.stream(stream):
             k_host = torch.empty(k.shape, dtype=k.dtype, pin_memory=True)
             v_host = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
@@ -106,6 +235,31 @@ class PagedKvCache:
             copied.record(stream)
         if ordered:
             compute.wait_event(copied)
+        return LayerWrite(copied)
+
+    def copy_pages(
+        self, layer: int, peer: PeerKv, src_pages: Sequence[int], dst_pages: Sequence[int]
+    ) -> LayerWrite:
+        """Copy `layer` of the peer's `src_pages` into this cache's `dst_pages` (pairwise), in
+        one gather and one scatter on this device. The caller has made sure the peer's pages
+        hold their values (its prefill worker waited for them before saying so). On CUDA it
+        runs on the write stream, like `write_layer(ordered=False)`: `done()` before the pages
+        are used or the peer's pages given back."""
+        k_src, v_src = peer.layers[layer]
+        k_cache, v_cache = self.layers[layer]
+        stream = self._write_stream
+        if stream is None:
+            src, dst = self._index(src_pages), self._index(dst_pages)
+            ops.scatter_pages(k_cache, dst, ops.gather_pages(k_src, src))
+            ops.scatter_pages(v_cache, dst, ops.gather_pages(v_src, src))
+            return LayerWrite()
+        stream.wait_stream(torch.cuda.current_stream(self.device))  # the pages' last users
+        with torch.cuda.stream(stream):
+            src, dst = self._index(src_pages), self._index(dst_pages)
+            ops.scatter_pages(k_cache, dst, ops.gather_pages(k_src, src))
+            ops.scatter_pages(v_cache, dst, ops.gather_pages(v_src, src))
+            copied = torch.cuda.Event()
+            copied.record(stream)
         return LayerWrite(copied)
 
     def wait_writes(self) -> None:

@@ -114,8 +114,8 @@ class LLMEngine:
         self.runner = ModelRunner(model_dir, cfg, config.block_size, self.dtype, self.device)
         self.num_pages, self.max_model_len = _size_kv(config, cfg, self.dtype, self.runner)
         cfg.max_model_len = self.max_model_len
-        self.runner.allocate_kv(self.num_pages, self.max_model_len)
-        self.kv = PagedKvCache(self.runner.kv_caches)
+        shared_path = self.runner.allocate_kv(self.num_pages, self.max_model_len, config.share_kv)
+        self.kv = PagedKvCache(self.runner.kv_caches, shared_path)
         self.root_key = model_root_key(
             _model_identity(model_dir),
             str(self.dtype),
@@ -245,6 +245,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one batch; return what each request that progressed produced."""
         started = time.perf_counter()
+        self.pool.drain_unholds()
         batch = self.scheduler.schedule()
         if not batch:
             self._busy_since = None
@@ -271,6 +272,8 @@ class LLMEngine:
             for seq, token_id, logprobs in zip(
                 sampled, result.token_ids, result.logprobs, strict=True
             ):
+                if self.hooks is not None:
+                    self.hooks.sampled(seq, token_id)
                 outputs.append(self._append_token(seq, token_id, logprobs))
         ended = time.perf_counter()
         waited_s = started - self._busy_since if self._busy_since is not None else 0.0
@@ -281,6 +284,7 @@ class LLMEngine:
         return outputs
 
     def stats(self) -> EngineStats:
+        self.pool.drain_unholds()
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),

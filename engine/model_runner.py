@@ -11,6 +11,7 @@ import torch
 
 from halfmoon.engine.cuda_graphs import DecodeBatch, DecodeGraphs
 from halfmoon.engine.hooks import KVHooks
+from halfmoon.engine.kv_cache import create_shared_kv
 from halfmoon.engine.loader import load_weights
 from halfmoon.engine.model import CausalLM
 from halfmoon.engine.model_config import ModelConfig
@@ -41,13 +42,24 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.decode_graphs: DecodeGraphs | None = None
 
-    def allocate_kv(self, num_pages: int, max_model_len: int) -> None:
-        """Allocate the KV pages and the rotary table once the weights' size is known."""
+    def allocate_kv(self, num_pages: int, max_model_len: int, shared: bool = False) -> str | None:
+        """Allocate the KV pages and the rotary table once the weights' size is known.
+
+        `shared` on CPU: all layers in one anonymous memory file that other processes of this
+        node can map (returns its path; see `PagedKvCache.export`). A CUDA cache is shared by
+        IPC handles and needs nothing here."""
         cfg, dtype, device = self.cfg, self.model.embed_tokens.weight.dtype, self.device
         self.cos_sin = cos_sin_cache(
             cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_model_len
         ).to(device)
         shape = (num_pages, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        shared_file = None
+        if shared and device.type == "cpu":
+            shared_file = create_shared_kv(cfg.num_layers, shape, dtype)
+        if shared_file is not None:
+            path, pages = shared_file
+            self.kv_caches = [(pages[layer, 0], pages[layer, 1]) for layer in range(len(pages))]
+            return path
         self.kv_caches = [
             (
                 torch.zeros(shape, dtype=dtype, device=device),
@@ -55,6 +67,7 @@ class ModelRunner:
             )
             for _ in range(cfg.num_layers)
         ]
+        return None
 
     def enable_decode_graphs(self, max_batch: int, max_model_len: int, capture: bool) -> None:
         """Serve decode-only steps of up to `max_batch` sequences from static buffers, replayed

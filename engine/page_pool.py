@@ -6,6 +6,7 @@ go it stays cached, on an LRU list, until a new allocation needs it.
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict, deque
 
 from halfmoon.engine.sequence import Sequence
@@ -29,6 +30,12 @@ class PagePool:
         self.page_to_key: dict[int, bytes] = {}
         # (kind, key) of blocks entering and leaving the cache, for a cluster-wide index.
         self.events: list[tuple[str, bytes]] | None = None
+        # Pages lent to another process (a prefill worker's to a decode worker that copies them):
+        # `hold` keeps them from being reused; `unhold_later` may come from any thread and takes
+        # effect at the next `drain_unholds` (the engine's next step).
+        self.num_held_pages = 0
+        self._unholds: deque[list[int]] = deque()
+        self._unholds_lock = threading.Lock()
 
     @property
     def num_free_pages(self) -> int:
@@ -130,14 +137,42 @@ class PagePool:
     def release(self, seq: Sequence) -> None:
         """Drop `seq`'s hold on its pages; the tail goes first so prefixes are evicted last."""
         for page in reversed(seq.block_table):
-            self.ref_counts[page] -= 1
-            if self.ref_counts[page] == 0:
-                if page in self.page_to_key:
-                    self.cached_free[page] = None
-                else:
-                    self.free_pages.append(page)
+            self._drop(page)
         seq.block_table = []
         seq.block_keys = []
+
+    def hold(self, pages: list[int]) -> None:
+        """One more reference on each of `pages` (in use by a sequence), so they are neither
+        freed nor evicted until `unhold_later(pages)` has been drained."""
+        for page in pages:
+            if self.ref_counts[page] < 1:
+                raise ValueError(f"page {page} is not in use: only a sequence's pages can be held")
+            self._acquire(page)
+        self.num_held_pages += len(pages)
+
+    def unhold_later(self, pages: list[int]) -> None:
+        """Give back a `hold` (thread-safe; takes effect at the next `drain_unholds`)."""
+        with self._unholds_lock:
+            self._unholds.append(list(pages))
+
+    def drain_unholds(self) -> None:
+        """Apply the `unhold_later` calls made since the last drain (the engine's thread)."""
+        while True:
+            with self._unholds_lock:
+                if not self._unholds:
+                    return
+                pages = self._unholds.popleft()
+            self.num_held_pages -= len(pages)
+            for page in reversed(pages):
+                self._drop(page)
+
+    def _drop(self, page: int) -> None:
+        self.ref_counts[page] -= 1
+        if self.ref_counts[page] == 0:
+            if page in self.page_to_key:
+                self.cached_free[page] = None
+            else:
+                self.free_pages.append(page)
 
     def _acquire(self, page: int) -> None:
         if self.ref_counts[page] == 0:

@@ -14,6 +14,13 @@ request R is in these slots" (with the claim's lease, which the decode worker re
 has copied the unit's last layer), and "the first token of R is T", so the decode worker joins
 its batch as soon as the last layer is in its pages, without waiting for the router.
 
+When the prefill worker lends its own pages (the device tier, `engine/kv_cache.py`), it first
+says who it is ("hello", its Ray actor name, once per connection; the decode worker opens its
+KV cache from the export that actor gives), then before each layer's slots notice sends
+"layer L of unit U is in these pages of mine". The decode worker copies from there, and answers
+on the same connection "release R" once it needs none of R's pages any more (or at once, when
+it cannot use them); the prefill worker holds them until then, or until the connection closes.
+
 The socket has an abstract name (Linux: no file, so nothing is left behind when a worker is
 killed); a connection from a process of another user is refused (its SO_PEERCRED uid);
 messages are fixed binary records, checked field by field, never unpickled.
@@ -35,14 +42,16 @@ from dataclasses import dataclass
 log = logging.getLogger(__name__)
 
 MAGIC = b"HMKN"
-LAYER, FIRST_TOKEN = 1, 2
-_HEAD = struct.Struct("<4sBH")  # magic, kind, length of the receive key
+LAYER, FIRST_TOKEN, HELLO, PAGES, RELEASE = 1, 2, 3, 4, 5
+_HEAD = struct.Struct("<4sBH")  # magic, kind, length of the receive key (or the hello's name)
 _LAYER = struct.Struct("<IHQI")  # unit, layer, lease to release (0: none), number of slots
+_PAGES = struct.Struct("<IHI")  # unit, layer, number of pages
 _TOKEN = struct.Struct("<q")
 MAX_KEY_BYTES = 512
 MAX_SLOTS = 4096  # a unit of 64k tokens in 16-token blocks; one message stays under 17 KiB
 MAX_MESSAGE = _HEAD.size + MAX_KEY_BYTES + _LAYER.size + 4 * MAX_SLOTS
 SEND_TIMEOUT_S = 5.0
+TRY_LOCK_S = 0.002
 
 
 class NoticeError(ValueError):
@@ -81,7 +90,33 @@ class TokenNotice:
     token_id: int
 
 
-Notice = LayerNotice | TokenNotice
+@dataclass(frozen=True, slots=True)
+class PagesNotice:
+    """Layer `layer` of transfer unit `unit` of the receive `key` is in the sender's own KV
+    pages `pages` (held for the reader until it sends `ReleaseNotice(key)`)."""
+
+    key: str
+    unit: int
+    layer: int
+    pages: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """First on a connection whose sender lends its pages: `key` is its Ray actor name."""
+
+    key: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseNotice:
+    """The reply: the reader needs none of the receive `key`'s lent pages any more."""
+
+    key: str
+
+
+Notice = LayerNotice | TokenNotice | PagesNotice | Hello | ReleaseNotice
+_KINDS = {Hello: HELLO, ReleaseNotice: RELEASE}
 
 
 def encode(notice: Notice) -> bytes:
@@ -90,6 +125,14 @@ def encode(notice: Notice) -> bytes:
         raise NoticeError(f"receive key of {len(key)} bytes (1 to {MAX_KEY_BYTES})")
     if isinstance(notice, TokenNotice):
         return _HEAD.pack(MAGIC, FIRST_TOKEN, len(key)) + key + _TOKEN.pack(notice.token_id)
+    if type(notice) in _KINDS:
+        return _HEAD.pack(MAGIC, _KINDS[type(notice)], len(key)) + key
+    if isinstance(notice, PagesNotice):
+        if len(notice.pages) > MAX_SLOTS:
+            raise NoticeError(f"{len(notice.pages)} pages in one notice (at most {MAX_SLOTS})")
+        body = _PAGES.pack(notice.unit, notice.layer, len(notice.pages))
+        pages = struct.pack(f"<{len(notice.pages)}I", *notice.pages)
+        return _HEAD.pack(MAGIC, PAGES, len(key)) + key + body + pages
     if len(notice.slots) > MAX_SLOTS:
         raise NoticeError(f"{len(notice.slots)} slots in one notice (at most {MAX_SLOTS})")
     body = _LAYER.pack(notice.unit, notice.layer, notice.lease, len(notice.slots))
@@ -116,6 +159,18 @@ def decode(data: bytes) -> Notice:
             raise NoticeError(f"first-token notice with {len(rest)} bytes of body")
         (token_id,) = _TOKEN.unpack(rest)
         return TokenNotice(key, token_id)
+    if kind in (HELLO, RELEASE):
+        if len(rest):
+            raise NoticeError(f"{'hello' if kind == HELLO else 'release'} with a body")
+        return Hello(key) if kind == HELLO else ReleaseNotice(key)
+    if kind == PAGES:
+        if len(rest) < _PAGES.size:
+            raise NoticeError(f"pages notice with {len(rest)} bytes of body")
+        unit, layer, num_pages = _PAGES.unpack_from(rest)
+        if len(rest) != _PAGES.size + 4 * num_pages or num_pages > MAX_SLOTS:
+            raise NoticeError(f"pages notice of {num_pages} pages with {len(rest)} bytes of body")
+        pages = struct.unpack_from(f"<{num_pages}I", rest, _PAGES.size)
+        return PagesNotice(key, unit, layer, pages)
     if kind != LAYER:
         raise NoticeError(f"unknown notice kind {kind}")
     if len(rest) < _LAYER.size:
@@ -127,12 +182,42 @@ def decode(data: bytes) -> Notice:
     return LayerNotice(key, unit, layer, lease, slots)
 
 
+class NoticeConn:
+    """One prefill worker's connection to a listener: who it said it is (`lender`), what the
+    decode worker opened from that (`cache`, its to set), and the way back (`reply`)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.lender: str | None = None
+        self.cache: object | None = None
+        self.closed = False
+
+    def reply(self, notice: ReleaseNotice) -> bool:
+        """Send `notice` back to the prefill worker (never blocks); False when it cannot be
+        (its worker is gone: its holds went with it)."""
+        if self.closed:
+            return False
+        try:
+            self.sock.send(encode(notice))
+            return True
+        except OSError as error:
+            log.warning("cannot answer a KV notice sender: %s", error)
+            return False
+
+
 class NoticeListener:
     """A decode worker's socket, read in its event loop: each well-formed notice goes to
-    `deliver`; malformed ones are counted and dropped. Start it inside the running loop."""
+    `deliver(notice, conn)`; malformed ones are counted and dropped; `closed(conn)` is called
+    when a sender's connection ends. Start it inside the running loop."""
 
-    def __init__(self, node_id: str, deliver: Callable[[Notice], None]) -> None:
+    def __init__(
+        self,
+        node_id: str,
+        deliver: Callable[[Notice, NoticeConn], None],
+        closed: Callable[[NoticeConn], None] | None = None,
+    ) -> None:
         self.deliver = deliver
+        self.closed = closed
         self.num_malformed = 0
         self.num_refused = 0  # connections from another user's processes
         name = f"\0halfmoon-kv-notices-{os.getpid()}-{uuid.uuid4().hex}"
@@ -142,28 +227,29 @@ class NoticeListener:
         self._server.bind(self.peer.path)
         self._server.listen(128)
         self._server.setblocking(False)
-        self._conns: set[socket.socket] = set()
+        self._conns: set[NoticeConn] = set()
         self._loop.add_reader(self._server.fileno(), self._accept)
 
     def _accept(self) -> None:
         try:
-            conn, _ = self._server.accept()
+            sock, _ = self._server.accept()
         except (BlockingIOError, InterruptedError):
             return
-        _, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        _, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
         if uid != os.getuid():
             self.num_refused += 1
             log.warning("refused a KV notice connection from uid %d", uid)
-            conn.close()
+            sock.close()
             return
-        conn.setblocking(False)
+        sock.setblocking(False)
+        conn = NoticeConn(sock)
         self._conns.add(conn)
-        self._loop.add_reader(conn.fileno(), self._read, conn)
+        self._loop.add_reader(sock.fileno(), self._read, conn)
 
-    def _read(self, conn: socket.socket) -> None:
+    def _read(self, conn: NoticeConn) -> None:
         while True:
             try:
-                data = conn.recv(MAX_MESSAGE)
+                data = conn.sock.recv(MAX_MESSAGE)
             except (BlockingIOError, InterruptedError):
                 return
             except OSError:
@@ -173,16 +259,23 @@ class NoticeListener:
                 return
             try:
                 notice = decode(data)
+                if isinstance(notice, ReleaseNotice):
+                    raise NoticeError("a release sent to a decode worker")
             except NoticeError as error:
                 self.num_malformed += 1
                 log.warning("dropped a malformed KV notice: %s", error)
                 continue
-            self.deliver(notice)
+            if isinstance(notice, Hello):
+                conn.lender = notice.key
+            self.deliver(notice, conn)
 
-    def _drop(self, conn: socket.socket) -> None:
-        self._loop.remove_reader(conn.fileno())
+    def _drop(self, conn: NoticeConn) -> None:
+        self._loop.remove_reader(conn.sock.fileno())
         self._conns.discard(conn)
-        conn.close()
+        conn.closed = True
+        conn.sock.close()
+        if self.closed is not None:
+            self.closed(conn)
 
     def close(self) -> None:
         for conn in list(self._conns):
@@ -193,12 +286,25 @@ class NoticeListener:
 
 class NoticeSender:
     """A prefill worker's connections to decode workers' sockets, one per peer, kept open.
-    `send` blocks (up to SEND_TIMEOUT_S); call it from one thread (the publisher)."""
+    `send` blocks (up to SEND_TIMEOUT_S); call it from one thread (the publisher).
 
-    def __init__(self) -> None:
+    `hello`: this worker's Ray actor name, said first on each connection (it lends its pages).
+    `replies`: called in `loop` with (peer, the `ReleaseNotice`) for each answer, and with
+    (peer, None) when a connection ends (every hold for that peer may go)."""
+
+    def __init__(
+        self,
+        hello: str | None = None,
+        replies: Callable[[KvPeer, ReleaseNotice | None], None] | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
         self._conns: dict[str, socket.socket] = {}
         self._lock = threading.Lock()
+        self.hello = hello
+        self.replies = replies
+        self.loop = loop
         self.num_sent = 0
+        self.num_malformed_replies = 0
 
     def send(self, peer: KvPeer, notice: Notice) -> None:
         """Deliver `notice` (after those sent before it), reconnecting once if the connection
@@ -209,7 +315,7 @@ class NoticeSender:
                 conn = self._conns.get(peer.path)
                 try:
                     if conn is None:
-                        conn = self._connect(peer.path)
+                        conn = self._connect(peer)
                     conn.send(payload)
                     self.num_sent += 1
                     return
@@ -218,22 +324,83 @@ class NoticeSender:
                     if attempt:
                         raise
 
-    def _connect(self, path: str) -> socket.socket:
+    def try_send(self, peer: KvPeer, notice: Notice) -> bool:
+        """Deliver `notice` without waiting on the peer (from the engine's step thread): False
+        when it would (no connection yet, a full or broken one, another thread's send taking
+        over TRY_LOCK_S); then `send` it."""
+        if not self._lock.acquire(timeout=TRY_LOCK_S):  # a send holds it for microseconds
+            return False
+        try:
+            conn = self._conns.get(peer.path)
+            if conn is None:
+                return False
+            # The descriptor is non-blocking underneath the socket's timeout, which `send`
+            # would wait out: a plain write fails at once instead.
+            os.write(conn.fileno(), encode(notice))
+            self.num_sent += 1
+            return True
+        except OSError:
+            return False
+        finally:
+            self._lock.release()
+
+    def _connect(self, peer: KvPeer) -> socket.socket:
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         conn.settimeout(SEND_TIMEOUT_S)
         try:
-            conn.connect(path)
+            conn.connect(peer.path)
+            if self.hello is not None:
+                conn.send(encode(Hello(self.hello)))
         except OSError:
             conn.close()
             raise
-        self._conns[path] = conn
+        self._conns[peer.path] = conn
+        if self.replies is not None and self.loop is not None:
+            self.loop.call_soon_threadsafe(self._watch, peer, conn)
         return conn
+
+    def _watch(self, peer: KvPeer, conn: socket.socket) -> None:
+        """In the loop: read the answers on `conn` until it ends, through a non-blocking
+        duplicate of it (the publisher's sends wait up to SEND_TIMEOUT_S on the original)."""
+        try:
+            reader = conn.dup()
+        except OSError:  # closed before the loop got to it
+            self.replies(peer, None)
+            return
+        reader.setblocking(False)
+        self.loop.add_reader(reader.fileno(), self._read, peer, reader)
+
+    def _read(self, peer: KvPeer, conn: socket.socket) -> None:
+        while True:
+            try:
+                data = conn.recv(MAX_MESSAGE)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                data = b""
+            if not data:
+                self.loop.remove_reader(conn.fileno())
+                conn.close()
+                self.replies(peer, None)
+                return
+            try:
+                notice = decode(data)
+            except NoticeError as error:
+                notice = error
+            if not isinstance(notice, ReleaseNotice):
+                self.num_malformed_replies += 1
+                log.warning("dropped a malformed answer from a decode worker: %s", notice)
+                continue
+            self.replies(peer, notice)
 
     def _forget(self, path: str) -> None:
         conn = self._conns.pop(path, None)
-        if conn is not None:
-            with contextlib.suppress(OSError):
-                conn.close()
+        if conn is None:
+            return
+        with contextlib.suppress(OSError):
+            conn.shutdown(socket.SHUT_RDWR)  # its reader in the loop then reads the end
+        with contextlib.suppress(OSError):
+            conn.close()
 
     def close(self) -> None:
         with self._lock:

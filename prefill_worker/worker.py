@@ -1,5 +1,9 @@
 """The prefill worker: loads a cached prefix, computes the rest in chunks, and publishes
-each layer of each chunk to the KV store as soon as that layer is computed."""
+each layer of each chunk to the KV store as soon as that layer is computed.
+
+With `EngineConfig.share_kv` it also lends its own pages (the device tier) to a decode worker
+on its node: it tells it where each layer is in its KV cache, before the store has a copy,
+and holds those pages until the decode worker answers that it has copied them."""
 
 from __future__ import annotations
 
@@ -25,7 +29,14 @@ from halfmoon.engine.sequence import Sequence, TokenLogprobs
 from halfmoon.engine.worker_base import EngineWorker
 from halfmoon.engine.worker_errors import WorkerError, aborted
 from halfmoon.kvstore.index import BlockEvent
-from halfmoon.kvstore.kv_notices import KvPeer, LayerNotice, NoticeSender, TokenNotice
+from halfmoon.kvstore.kv_notices import (
+    KvPeer,
+    LayerNotice,
+    NoticeSender,
+    PagesNotice,
+    ReleaseNotice,
+    TokenNotice,
+)
 from halfmoon.kvstore.layout import LayerKV
 from halfmoon.kvstore.locate import local_store, local_store_name
 from halfmoon.kvstore.shared_arena import MappedArena, map_arena
@@ -36,6 +47,9 @@ log = logging.getLogger(__name__)
 RECENT_REQUESTS = 1024
 # Blocks warmed per engine call: bounds the memory in flight and the pause of the step loop.
 WARM_CHUNK_BLOCKS = 64
+# Pages lent to a decode worker that has not answered this long after they were all sent go
+# back with a warning (it answers within milliseconds; its connection ending frees them too).
+LEND_TIMEOUT_S = 300.0
 
 
 @dataclass(slots=True)
@@ -78,16 +92,27 @@ class _Job:
     claims: dict = field(default_factory=dict)
     last_layer_published_at: float = 0.0
     started_at: float = 0.0
+    # Lending its pages to `peer` (the device tier): the pages held so far, and whether the
+    # decode worker and the publisher are done with them (they are given back when both are).
+    lends: bool = False
+    lent_key: tuple[str, str] = ("", "")
+    held: list[int] = field(default_factory=list)
+    decode_done: bool = False
+    publisher_done: bool = False
 
 
 @dataclass(slots=True)
 class _LayerOut:
-    """For the publisher: one layer of one transfer unit, snapshotted off the pages."""
+    """For the publisher: one layer of one transfer unit, snapshotted off the pages, or, when
+    the job lends its pages, read from them by the publisher (`pages`, held; `ready`: on CUDA
+    the event after which the layer is in them)."""
 
     job: _Job
     unit: int  # its index in the job's plan
     layer: int
-    snapshot: object  # HostLayer: `wait()` gives the LayerKV
+    snapshot: object = None  # HostLayer: `wait()` gives the LayerKV
+    pages: list[int] | None = None
+    ready: object = None
 
     @property
     def keys(self) -> list[bytes]:
@@ -100,6 +125,13 @@ class _TokenOut:
 
     job: _Job
     token_id: int
+
+
+@dataclass(slots=True)
+class _EndOut:
+    """For the publisher: the job's prefill call ended; nothing more of it follows."""
+
+    job: _Job
 
 
 @dataclass(slots=True)
@@ -134,9 +166,26 @@ class PrefillWorker(EngineWorker, KVHooks):
         self.arena_checked = False
         self.num_shared_writes = 0
         self.node = ray.get_runtime_context().get_node_id()
-        self.notices = NoticeSender()  # used by the publisher thread only
+        # Lend pages only where a decode worker can open them: a named actor (it looks us up),
+        # a cache allocated to be shared.
+        actor_name = ray.get_runtime_context().get_actor_name() or None
+        kv = self.engine.kv
+        shareable = config.share_kv and (kv.device.type == "cuda" or kv.shared_path is not None)
+        self.lends = bool(actor_name and shareable)
+        self.lent: dict[tuple[str, str], _Job] = {}  # by (decode worker's socket, receive key)
+        self.lend_lock = threading.Lock()
+        self.num_page_notices = 0
+        self.num_reclaimed_lends = 0
+        self._export = None
+        # Used by the publisher thread only; the answers are read in the event loop.
+        self.notices = NoticeSender(actor_name if self.lends else None, self._on_answer)
         self.num_failed_notices = 0
         threading.Thread(target=self._send_forever, name="kv-publisher", daemon=True).start()
+        # Lent layers are announced by their own thread, ahead of the publisher's copies for
+        # the store (which only feed the cache on this path).
+        self.lend_queue: queue.SimpleQueue = queue.SimpleQueue()
+        if self.lends:
+            threading.Thread(target=self._lend_forever, name="kv-lender", daemon=True).start()
 
     def _store(self):
         # Our own node's store, found on first use: it is started after the workers.
@@ -155,6 +204,9 @@ class PrefillWorker(EngineWorker, KVHooks):
             "num_flushing": len(self.flushes),
             "num_shared_writes": self.num_shared_writes,
             "num_direct_notices": self.notices.num_sent,
+            "num_page_notices": self.num_page_notices,
+            "num_lent_pages": self._engine().call(_held_pages),
+            "num_reclaimed_lends": self.num_reclaimed_lends,
             "num_failed_notices": self.num_failed_notices,
             "num_failed_flushes": self.num_failed_flushes,
         }
@@ -167,6 +219,7 @@ class PrefillWorker(EngineWorker, KVHooks):
         layerwise: bool = True,
         ticket: str | None = None,
         kv_peer: KvPeer | None = None,
+        lend: bool = True,
     ) -> PrefillResult | WorkerError:
         """Compute the prompt's KV, publish it, and return the first token (a `WorkerError`
         when it fails or was aborted: `ticket` names this call for `abort`). It returns as
@@ -176,7 +229,8 @@ class PrefillWorker(EngineWorker, KVHooks):
         `kv_peer`: the decode worker that reserved the request (with `direct=True`). When it
         is on this node and the layers go through the store's shared arena, it is told of
         each layer and of the first token straight away (kvstore/kv_notices.py), and it
-        releases each unit's claim once it has copied it.
+        releases each unit's claim once it has copied it. When this worker lends its pages
+        (and `lend`), it is first told where each layer is in them (the module's docstring).
 
         With `layerwise=False` the KV is sent only after the whole prompt is computed (the
         baseline the transfer benchmark compares against)."""
@@ -194,6 +248,12 @@ class PrefillWorker(EngineWorker, KVHooks):
         job.layerwise = layerwise
         job.key = ticket or request_id
         job.peer = kv_peer if kv_peer is not None and kv_peer.node_id == self.node else None
+        if job.peer is not None and self.lends and lend:
+            job.lends = True
+            job.lent_key = (job.peer.path, job.key)
+            self.notices.loop = asyncio.get_running_loop()
+            with self.lend_lock:
+                self.lent[job.lent_key] = job
         self._store()
         await self._find_stored_prefix(job, len(prompt_token_ids))
         self.jobs[request_id] = job
@@ -215,8 +275,8 @@ class PrefillWorker(EngineWorker, KVHooks):
             self.jobs.pop(request_id, None)
             if job.lease_id is not None:  # the loaded prefix is in our pages by now
                 self.store.release.remote(job.lease_id)
-        if job.peer is not None:  # after the layers queued before it: the decode can join
-            self.outbox.put(_TokenOut(job, last.new_token_ids[0]))
+            if job.lends:  # after the job's last layer: its pages can go once read
+                self.outbox.put(_EndOut(job))
         self._flush_later(ticket or request_id, job)
         return PrefillResult(
             request_id=request_id,
@@ -231,6 +291,15 @@ class PrefillWorker(EngineWorker, KVHooks):
             finished_at=time.time(),
             last_layer_published_at=job.last_layer_published_at,
         )
+
+    async def kv_export(self):
+        """How a decode worker on this node opens this worker's KV cache to copy lent pages
+        from (`engine/kv_cache.py`); None when this worker does not lend them."""
+        if not self.lends:
+            return None
+        if self._export is None:
+            self._export = self._engine().call(lambda e: e.kv.export())
+        return self._export
 
     async def warm(self, block_keys: list[bytes], store_name: str | None = None) -> int:
         """Load the stored KV of the prefix chain `block_keys` from the store node `store_name`
@@ -359,10 +428,29 @@ class PrefillWorker(EngineWorker, KVHooks):
                     job.last_layer_published_at = time.time()
                     self._remember(item.seq.request_id, job.last_layer_published_at)
 
+    def sampled(self, seq: Sequence, token_id: int) -> None:
+        """The first token, to the decode worker told directly, from the step that sampled it
+        (the decode worker joins once it and every layer are in, in either order): sent from
+        here when that cannot wait, else by a publishing thread."""
+        job = self.jobs.get(seq.request_id)
+        if job is None or job.peer is None:
+            return
+        if not self.notices.try_send(job.peer, TokenNotice(job.key, token_id)):
+            (self.lend_queue if job.lends else self.outbox).put(_TokenOut(job, token_id))
+
     def _publish(self, job: _Job, seq: Sequence, index: int, layer: int) -> None:
-        # Snapshot the pages here (a small copy); the publisher thread does the slow send.
         unit = job.units[index]
         pages = seq.block_table[unit.first_block : unit.first_block + len(unit.keys)]
+        if job.lends:  # held from the unit's first layer; the publisher reads them itself
+            if layer == 0:
+                self.engine.pool.hold(pages)
+                with self.lend_lock:
+                    job.held.extend(pages)
+            ready = self.engine.kv.mark()
+            self.lend_queue.put(_LayerOut(job, index, layer, pages=pages, ready=ready))
+            self.outbox.put(_LayerOut(job, index, layer, pages=pages, ready=ready))
+            return
+        # Snapshot the pages here (a small copy); the publisher thread does the slow send.
         snapshot = self.engine.kv.read_layer(layer, pages)
         self.outbox.put(_LayerOut(job, index, layer, snapshot))
 
@@ -378,15 +466,38 @@ class PrefillWorker(EngineWorker, KVHooks):
             if isinstance(item, _TokenOut):
                 self._notify(item.job, TokenNotice(item.job.key, item.token_id))
                 continue
+            if isinstance(item, _EndOut):
+                self._lend_done(item.job, publisher=True)
+                continue
             try:
                 item.job.puts.append(self._send(item))
             except Exception as error:  # noqa: BLE001 - the thread must live; the flush fails
                 log.exception("publishing a KV snapshot of %d blocks failed", len(item.keys))
                 item.job.puts.append(_failed(error))
 
+    def _lend_forever(self) -> None:
+        """Lender thread: tells the decode worker of each lent layer as soon as it is in our
+        pages (on CUDA, once its compute has run), and then of the first token."""
+        while True:
+            item = self.lend_queue.get()
+            job = item.job
+            if isinstance(item, _TokenOut):
+                self._notify(job, TokenNotice(job.key, item.token_id))
+                continue
+            if item.ready is not None:
+                item.ready.synchronize()  # the layer is in the pages before anyone reads them
+            if job.peer is not None and not job.decode_done:
+                notice = PagesNotice(job.key, item.unit, item.layer, tuple(item.pages))
+                if self._notify(job, notice):
+                    self.num_page_notices += 1
+
     def _send(self, item: _LayerOut):
-        """Send one layer of some blocks to the store; returns the store call's ObjectRef."""
-        kv = item.snapshot.wait()
+        """Send one layer of some blocks to the store; returns the store call's ObjectRef.
+        A lent layer is read from the (held) pages here, off the step thread."""
+        if item.pages is None:
+            kv = item.snapshot.wait()
+        else:
+            kv = self.engine.kv.read_layer(item.layer, item.pages, after=item.ready).wait()
         arena = self._arena()
         if arena is None:
             return self.store.put_layer.remote(item.keys, item.layer, kv)
@@ -441,7 +552,50 @@ class PrefillWorker(EngineWorker, KVHooks):
             self.num_failed_notices += 1
             log.warning("cannot notify the decode worker of %s: %s", job.key, error)
             job.peer = None  # the rest goes through the store alone
+            if job.lends:
+                self._lend_done(job, decode=True)  # nobody there reads our pages any more
             return False
+
+    def _on_answer(self, peer: KvPeer, answer: ReleaseNotice | None) -> None:
+        """In the event loop: a decode worker needs none of a receive's lent pages any more,
+        or (None) its connection ended and it needs none at all."""
+        with self.lend_lock:
+            if answer is None:
+                jobs = [job for (path, _), job in self.lent.items() if path == peer.path]
+            else:
+                jobs = [job] if (job := self.lent.get((peer.path, answer.key))) else []
+        for job in jobs:
+            self._lend_done(job, decode=True)
+
+    def _lend_done(self, job: _Job, decode: bool = False, publisher: bool = False) -> None:
+        """The decode worker or the publisher is done with `job`'s lent pages; once both are,
+        they go back to the engine (at its next step). Any thread."""
+        with self.lend_lock:
+            job.decode_done |= decode
+            job.publisher_done |= publisher
+            pages = []
+            if job.decode_done and job.publisher_done:
+                pages, job.held = job.held, []
+                self.lent.pop(job.lent_key, None)
+        if pages:
+            self.engine.pool.unhold_later(pages)
+        if publisher and not job.decode_done and self.notices.loop is not None:
+            self.notices.loop.call_soon_threadsafe(
+                self.notices.loop.call_later, LEND_TIMEOUT_S, self._reclaim, job
+            )
+
+    def _reclaim(self, job: _Job) -> None:
+        """The decode worker never answered for `job`'s pages: take them back."""
+        if job.decode_done:
+            return
+        self.num_reclaimed_lends += 1
+        log.warning(
+            "took back %d pages lent for %s: no answer %g s after the last was sent",
+            len(job.held),
+            job.key,
+            LEND_TIMEOUT_S,
+        )
+        self._lend_done(job, decode=True)
 
     async def _flush(self, job: _Job) -> None:
         """Wait until every layer of `job` was sent and stored."""
@@ -469,6 +623,11 @@ class PrefillWorker(EngineWorker, KVHooks):
                 self.failed_flushes.popitem(last=False)
 
         flush.add_done_callback(done)
+
+
+def _held_pages(engine: LLMEngine) -> int:
+    engine.pool.drain_unholds()  # those given back since the last step
+    return engine.pool.num_held_pages
 
 
 def _plan_keys(job: _Job) -> list[bytes]:

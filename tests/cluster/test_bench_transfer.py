@@ -16,24 +16,31 @@ pytestmark = pytest.mark.usefixtures("ray_session")
 
 def test_the_report_gives_each_streaming_path_its_worst_stall(capsys):
     rows = [
+        Breakdown(1, True, True, 0.068, 0.065, 0.002, 0.005, 0.003, lent=True, page_copies=4),
         Breakdown(1, True, True, 0.070, 0.065, 0.003, 0.005, 0.005),
         Breakdown(1, True, False, 0.080, 0.065, 0.010, 0.005, 0.015),
         Breakdown(1, False, False, 0.100, 0.070, 0.030, 0.0015, 0.030),
     ]
+    assert [r.path for r in rows] == ["pages", "arena", "store", "off"]
     bench_transfer._report(rows, as_json=True)
     out = json.loads(capsys.readouterr().out)
-    assert out["by_notices"]["direct"]["max_stall_over_one_layer"] == pytest.approx(0.6)
-    assert out["by_notices"]["store"]["max_stall_over_one_layer"] == pytest.approx(2.0)
-    assert out["max_stall_over_one_layer"] == pytest.approx(0.6)  # the default path's
+    assert out["by_path"]["pages"]["max_stall_over_one_layer"] == pytest.approx(0.4)
+    assert out["by_path"]["arena"]["max_stall_over_one_layer"] == pytest.approx(0.6)
+    assert out["by_path"]["store"]["max_stall_over_one_layer"] == pytest.approx(2.0)
+    assert out["max_stall_over_one_layer"] == pytest.approx(0.4)  # the default path's
+    assert out["rows"][0]["path"] == "pages" and out["rows"][0]["page_copies"] == 4
     bench_transfer._report(rows, as_json=False)
     text = capsys.readouterr()
-    assert "direct" in text.out and "notices store: worst stall = 10.0 ms" in text.err
+    assert "pages" in text.out and "path store: worst stall = 10.0 ms" in text.err
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_one_request_by_each_path_on_a_live_cluster(tiny_model_dir):
     with running_cluster(tiny_model_dir) as (cluster, _):
+        asyncio.run(bench_transfer.run(cluster, [1], 32, 1, seed=1))  # opens the lent cache
         rows = asyncio.run(bench_transfer.run(cluster, [2], 32, 1, seed=0))
-    assert [(r.layerwise, r.direct) for r in rows] == [(True, True), (True, False), (False, False)]
+    assert [r.path for r in rows] == ["pages", "arena", "store", "off"]
     assert all(r.num_chunks == 2 and 0 < r.transfer_stall_s < r.ttft_s for r in rows)
+    layers = cluster.info.num_layers
+    assert [r.page_copies for r in rows] == [2 * layers, 0, 0, 0]

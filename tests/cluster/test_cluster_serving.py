@@ -41,10 +41,11 @@ def _generate_concurrently(client, prompts, max_tokens=8):
     [
         {"prefill.replicas": 1, "decode.replicas": 1},
         {"prefill.replicas": 1, "decode.replicas": 1, "store.direct_notices": False},
+        {"prefill.replicas": 1, "decode.replicas": 1, "store.lend_pages": False},
         {"prefill.replicas": 2, "decode.replicas": 2, "router.policy": "round_robin"},
         {"mode": "colocated", "decode.replicas": 2},
     ],
-    ids=["1p1d", "1p1d-store-notices", "2p2d", "colocated"],
+    ids=["1p1d", "1p1d-store-notices", "1p1d-arena", "2p2d", "colocated"],
 )
 def test_greedy_outputs_over_grpc_equal_the_offline_engine(tiny_model_dir, tiny_llm, shape):
     with running_cluster(tiny_model_dir, **shape) as (cluster, client):
@@ -52,11 +53,17 @@ def test_greedy_outputs_over_grpc_equal_the_offline_engine(tiny_model_dir, tiny_
         client.complete("timed", max_tokens=2, request_id="timed")
         explained = client.explain("timed")
         decodes = [counters(cluster, name) for name in cluster.workers if "decode" in name]
+        prefills = [counters(cluster, name) for name in cluster.workers if "prefill" in name]
     assert [r.token_ids for r in results] == _expected(tiny_llm, PROMPTS)
     if shape.get("mode") != "colocated":  # told by the prefill worker itself, or not at all
         direct = shape.get("store.direct_notices", True)
         assert (sum(c["num_direct_receives"] for c in decodes) > 0) == direct
-        assert (sum(c["num_early_joins"] for c in decodes) > 0) == direct
+        # copied straight out of the prefill worker's pages, which all went back to it
+        lent = direct and shape.get("store.lend_pages", True)
+        if lent or not direct:  # (out of the arena they sometimes all join after the hand-off)
+            assert (sum(c["num_early_joins"] for c in decodes) > 0) == direct
+        assert (sum(c["num_page_copies"] for c in decodes) > 0) == lent
+        assert all(c["num_lent_pages"] == 0 for c in prefills)
     assert all(r.finish_reason == "length" for r in results)
     # The first output's way through the worker is in the router's timeline, in order (a
     # decode worker's first output is the prefill's token, joined without a step).

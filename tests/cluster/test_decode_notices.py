@@ -7,6 +7,7 @@ test plays the prefill worker with the same calls it makes (claim, arena copy, n
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import uuid
 
@@ -19,7 +20,13 @@ from halfmoon.engine.config import EngineConfig
 from halfmoon.engine.llm_engine import LLMEngine
 from halfmoon.engine.sampling_params import SamplingParams
 from halfmoon.engine.worker_errors import WorkerError
-from halfmoon.kvstore.kv_notices import LayerNotice, NoticeSender, TokenNotice
+from halfmoon.kvstore.kv_notices import (
+    LayerNotice,
+    NoticeSender,
+    PagesNotice,
+    ReleaseNotice,
+    TokenNotice,
+)
 from halfmoon.kvstore.layout import KvLayout, LayerKV
 from halfmoon.kvstore.shared_arena import map_arena
 from halfmoon.kvstore.store_node import start_store_node
@@ -189,3 +196,158 @@ def test_notices_whose_reserve_never_comes_give_their_claims_back(parts):
     prefill.publish(0)
     assert leased(store) > 0
     wait_for(lambda: leased(store) == 0, timeout_s=EARLY_NOTICE_S + 10)
+
+
+# The device tier: the prefill worker lends its own pages (engine/kv_cache.py). Here the test
+# process holds the lending engine's shared KV cache, and a named actor stands for the prefill
+# worker's actor, which the decode worker asks for the cache's export.
+
+
+@ray.remote
+class Lender:
+    def __init__(self, export):
+        self.export = export
+
+    def kv_export(self):
+        return self.export
+
+
+class SeededPrefill(Prefill):
+    """A prefill whose arena copy of each layer holds `arena_seed`'s values; with a `lending`
+    side it first offers each layer in that engine's own pages, holding `seed`'s values, as the
+    prefill worker does."""
+
+    def __init__(self, parts, key: str, arena_seed: int, lending=None, seed: int = 0):
+        super().__init__(parts, key, key)
+        self.lending, self.seed, self.arena_seed = lending, seed, arena_seed
+        if lending is not None:
+            self.sender = lending.sender
+
+    def publish(self, unit_index: int, layers=None, slots_of=None) -> None:
+        unit = self.units[unit_index]
+        if unit_index not in self.claims:
+            self.claims[unit_index] = ray.get(self.store.claim.remote(unit.keys))
+        slots, lease = self.claims[unit_index]
+        pages = tuple(4 * unit_index + block for block in range(len(unit.keys)))
+        last = self.layout.num_layers - 1
+        for layer in range(self.layout.num_layers) if layers is None else layers:
+            if self.lending is not None:
+                kv = unit_kv(self, unit_index, layer, self.seed)
+                self.lending.engine.kv.write_layer(layer, pages, kv)
+                self.sender.send(self.peer, PagesNotice(self.key, unit_index, layer, pages))
+            self.arena.write(slots, layer, unit_kv(self, unit_index, layer, self.arena_seed))
+            ray.get(self.store.layer_written.remote(unit.keys, layer, slots, None))
+            notice = LayerNotice(self.key, unit_index, layer, lease if layer == last else 0, slots)
+            self.sender.send(self.peer, notice)
+
+
+def unit_kv(prefill: Prefill, unit_index: int, layer: int, seed: int) -> LayerKV:
+    generator = torch.Generator().manual_seed(seed * 1000 + unit_index * 100 + layer)
+    shape = (len(prefill.units[unit_index].keys), *prefill.layout.page_shape)
+    return LayerKV(
+        *(torch.randn(shape, generator=generator).to(prefill.layout.dtype) for _ in "kv")
+    )
+
+
+class Lending:
+    """The lending side: a shared-KV engine, the actor that exports it, and a sender that says
+    hello with that actor's name and collects the decode worker's answers."""
+
+    def __init__(self, tiny_model_dir, export_it: bool = True):
+        config = EngineConfig(
+            model=str(tiny_model_dir), num_pages=32, prefill_chunk_size=32, share_kv=True
+        )
+        self.engine = LLMEngine(config)
+        name = f"lender-{uuid.uuid4().hex[:8]}"
+        export = self.engine.kv.export() if export_it else None
+        self.actor = Lender.options(name=name).remote(export)
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        self.answers = []
+        self.sender = NoticeSender(
+            name, lambda peer, answer: self.answers.append(answer), self.loop
+        )
+
+    def connect(self, decode, peer) -> None:
+        """Say hello; wait until the decode worker has opened (or tried to open) the cache."""
+        opened = counters(decode)["num_lenders"]
+        self.sender.send(peer, TokenNotice("hello-only", 0))
+        if self.engine.kv.export() is not None and ray.get(self.actor.kv_export.remote()):
+            wait_for(lambda: counters(decode)["num_lenders"] > opened)
+        else:
+            time.sleep(0.5)
+
+    def close(self) -> None:
+        self.sender.close()
+        ray.kill(self.actor)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def decoded(parts, key: str, arena_seed: int, lending=None, seed: int = 0) -> list[int]:
+    decode = parts[3]
+    ray.get(decode.reserve.remote(key, PROMPT, PARAMS, None, key, True))
+    prefill = SeededPrefill(parts, key, arena_seed, lending, seed)
+    prefill.publish(0)
+    prefill.publish(1)
+    prefill.first_token(9)
+    return [t for out in outputs(decode, key, 9) for t in out.new_token_ids]
+
+
+@pytest.mark.timeout(180)
+def test_lent_pages_are_copied_instead_of_the_arena_and_given_back(parts, tiny_model_dir):
+    store, decode, peer = parts[2], parts[3], parts[4]
+    expected = decoded(parts, "p0", arena_seed=1)  # the arena holding seed 1
+    assert decoded(parts, "p1", arena_seed=2) != expected  # the KV matters
+    lending = Lending(tiny_model_dir)
+    try:
+        lending.connect(decode, peer)
+        before = counters(decode)
+        # the pages hold seed 1, the arena seed 2: the decode worker must take the pages
+        assert decoded(parts, "p2", arena_seed=2, lending=lending, seed=1) == expected
+        after = counters(decode)
+        layers = 2 * lending.engine.kv.num_layers
+        assert after["num_page_copies"] - before["num_page_copies"] == layers
+        assert after["num_shared_reads"] == before["num_shared_reads"]
+        wait_for(lambda: ReleaseNotice("p2") in lending.answers)
+        wait_for(lambda: leased(store) == 0)  # the arena's claims went back as well
+    finally:
+        lending.close()
+
+
+@pytest.mark.timeout(180)
+def test_pages_of_a_cache_that_cannot_be_opened_are_refused_and_the_arena_used(
+    parts, tiny_model_dir
+):
+    store, decode, peer = parts[2], parts[3], parts[4]
+    expected = decoded(parts, "q0", arena_seed=2)
+    lending = Lending(tiny_model_dir, export_it=False)  # its actor exports nothing
+    try:
+        lending.connect(decode, peer)
+        before = counters(decode)
+        assert decoded(parts, "q1", arena_seed=2, lending=lending, seed=1) == expected
+        after = counters(decode)
+        assert after["num_page_copies"] == before["num_page_copies"]
+        assert lending.answers.count(ReleaseNotice("q1")) == 1  # refused once, for all of it
+        wait_for(lambda: leased(store) == 0)
+    finally:
+        lending.close()
+
+
+@pytest.mark.timeout(180)
+def test_a_lender_that_goes_away_mid_transfer_fails_the_receive_retryably(parts, tiny_model_dir):
+    store, decode, peer = parts[2], parts[3], parts[4]
+    lending = Lending(tiny_model_dir)
+    try:
+        lending.connect(decode, peer)
+        ray.get(decode.reserve.remote("g1", PROMPT, PARAMS, None, "g1", True))
+        prefill = SeededPrefill(parts, "g1", 2, lending, 1)
+        prefill.publish(0)  # unit 1 never comes: the lender's connection ends
+        wait_for(lambda: counters(decode)["num_page_copies"] > 0)
+        lending.sender.close()
+        (error,) = outputs(decode, "g1", 1)
+        assert isinstance(error, WorkerError) and error.retryable
+        assert "lending this request's pages went away" in error.message
+        wait_for(lambda: leased(store) == 0)
+        assert counters(decode)["num_used_pages"] == 0
+    finally:
+        lending.close()

@@ -33,8 +33,12 @@ def test_greedy_outputs_on_cuda_equal_the_offline_engine(tiny_model_dir, cuda_ll
     with running_cluster(tiny_model_dir, **ON_GPU, **shape) as (cluster, client):
         devices = {ray.get(w.actor.info.remote()).device for w in cluster.workers.values()}
         results = _generate_concurrently(client, PROMPTS)
+        decodes = [counters(cluster, n) for n, w in cluster.workers.items() if w.kind == "decode"]
     assert devices == {"cuda"}
     assert [r.token_ids for r in results] == _expected(cuda_llm, PROMPTS)
+    if shape.get("mode") != "colocated":  # copied out of the prefill worker's pages by CUDA IPC
+        assert sum(c["num_lenders"] for c in decodes) == 1
+        assert sum(c["num_page_copies"] for c in decodes) > 0
 
 
 @pytest.mark.timeout(600)

@@ -58,6 +58,10 @@ def cluster(tiny_model_dir):
         "router.bypass_threshold_tokens": 0,
         "prefill.replicas": 2,
         "store.get_timeout_s": GET_TIMEOUT_S,
+        # The store's copy is what the decode worker waits for here: with lent pages it copies
+        # the prefill worker's own pages and never waits for the store (tests/cluster/
+        # test_decode_notices.py has a lender that goes away mid-transfer).
+        "store.lend_pages": False,
     }
     try:
         with running_cluster(tiny_model_dir, **settings) as (cluster, client):
