@@ -20,6 +20,7 @@ BENCHMARKS = {
     "rdt": "halfmoon.kvstore.bench_rdt",
     "router": "halfmoon.router.bench",
     "transfer": "halfmoon.cluster.bench_transfer",
+    "prefix-load": "halfmoon.cluster.bench_prefix_load",
     "replay": "halfmoon.cluster.bench_replay",
     "serve": "halfmoon.cluster.bench_serve",
     "capacity": "halfmoon.router.bench_capacity",

@@ -191,6 +191,17 @@ class KvStore:
             for layer in range(num_layers):
                 yield await self.get_layer(keys, layer, timeout_s)
 
+    def lease_slots(self, keys: Sequence[bytes]) -> tuple[list[int], int] | None:
+        """For a reader on this node that maps the shared arena: the slots of `keys` and a
+        lease holding them (release it once copied), when the host tier holds every layer of
+        every one of them; else None (read them with `get_layer`, which promotes from Redis)."""
+        if self.host.leading_complete(keys) < len(keys):
+            return None
+        lease_id = self.host.lease(keys, self.config.lease_ttl_s)
+        self._stats.host.hits += len(keys)
+        self._stats.host.bytes_read += len(keys) * self.layout.block_bytes
+        return self.host.slots_of(keys), lease_id
+
     def cached_prefix(self, keys: Sequence[bytes]) -> int:
         """How many leading blocks of `keys` the host tier holds with every layer."""
         return self.host.leading_complete(keys)

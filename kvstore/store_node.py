@@ -49,6 +49,9 @@ class StoreNode:
     async def claim(self, keys: Sequence[bytes]) -> tuple[list[int], int]:
         return self.store.claim(keys)
 
+    async def lease_slots(self, keys: Sequence[bytes]) -> tuple[list[int], int] | None:
+        return self.store.lease_slots(keys)
+
     async def layer_written(
         self,
         keys: Sequence[bytes],

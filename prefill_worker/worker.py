@@ -71,9 +71,15 @@ class PrefillResult:
 
 @dataclass(slots=True)
 class _PrefixLoad:
+    """A stored prefix on its way into our pages: each layer copied out of the store's
+    shared arena (`slots`, held by `lease_id`) when the store is on this node and holds all
+    of it, else one ObjectRef per layer (`layers`) of the store's `get_layer`."""
+
     first_block: int
     pages: list[int]
-    layers: list  # one ObjectRef per layer
+    layers: list | None = None
+    slots: list[int] | None = None
+    lease_id: int = 0
 
 
 @dataclass(slots=True)
@@ -86,6 +92,7 @@ class _Job:
     lease_id: int | None = None
     load: _PrefixLoad | None = None
     layerwise: bool = True
+    arena_loads: bool = True
     num_loaded_tokens: int = 0
     puts: list = field(default_factory=list)
     # Per unit (by its first key), on the shared-arena path: its slots and the claim's lease.
@@ -99,6 +106,7 @@ class _Job:
     held: list[int] = field(default_factory=list)
     decode_done: bool = False
     publisher_done: bool = False
+    offering: bool = True
 
 
 @dataclass(slots=True)
@@ -165,6 +173,7 @@ class PrefillWorker(EngineWorker, KVHooks):
         self.arena: MappedArena | None = None  # the store's arena, mapped on first publish
         self.arena_checked = False
         self.num_shared_writes = 0
+        self.num_arena_loads = 0  # layers of stored prefixes copied out of the arena
         self.node = ray.get_runtime_context().get_node_id()
         # Lend pages only where a decode worker can open them: a named actor (it looks us up),
         # a cache allocated to be shared.
@@ -203,6 +212,7 @@ class PrefillWorker(EngineWorker, KVHooks):
             "forward_s": self.engine.runner.forward_s,
             "num_flushing": len(self.flushes),
             "num_shared_writes": self.num_shared_writes,
+            "num_arena_loads": self.num_arena_loads,
             "num_direct_notices": self.notices.num_sent,
             "num_page_notices": self.num_page_notices,
             "num_lent_pages": self._engine().call(_held_pages),
@@ -220,6 +230,7 @@ class PrefillWorker(EngineWorker, KVHooks):
         ticket: str | None = None,
         kv_peer: KvPeer | None = None,
         lend: bool = True,
+        arena_loads: bool = True,
     ) -> PrefillResult | WorkerError:
         """Compute the prompt's KV, publish it, and return the first token (a `WorkerError`
         when it fails or was aborted: `ticket` names this call for `abort`). It returns as
@@ -233,7 +244,9 @@ class PrefillWorker(EngineWorker, KVHooks):
         (and `lend`), it is first told where each layer is in them (the module's docstring).
 
         With `layerwise=False` the KV is sent only after the whole prompt is computed (the
-        baseline the transfer benchmark compares against)."""
+        baseline the transfer benchmark compares against); with `arena_loads=False` a stored
+        prefix is read as Ray objects even from this node's store (the prefix-load
+        benchmark's baseline)."""
         arrived_at = time.time()
         engine = self._engine()
         job = _Job(
@@ -246,6 +259,7 @@ class PrefillWorker(EngineWorker, KVHooks):
             )
         )
         job.layerwise = layerwise
+        job.arena_loads = arena_loads
         job.key = ticket or request_id
         job.peer = kv_peer if kv_peer is not None and kv_peer.node_id == self.node else None
         if job.peer is not None and self.lends and lend:
@@ -382,11 +396,20 @@ class PrefillWorker(EngineWorker, KVHooks):
     def load_prefix(self, seq: Sequence, first_block: int, pages: list[int]) -> None:
         job = self.jobs[seq.request_id]
         keys = _plan_keys(job)[first_block : first_block + len(pages)]
+        held = None
+        if job.arena_loads and self._arena() is not None:
+            try:  # one round trip, instead of a Ray object per layer
+                held = ray.get(self.store.lease_slots.remote(keys), timeout=self.get_timeout_s)
+            except (ray.exceptions.RayError, TimeoutError) as error:
+                log.warning("leasing a stored prefix's arena slots failed: %s", error)
+        if held is not None:
+            job.load = _PrefixLoad(first_block, pages, slots=held[0], lease_id=held[1])
+            return
         refs = [
             self.store.get_layer.remote(keys, layer, self.get_timeout_s)
             for layer in range(self.engine.model_config.num_layers)
         ]
-        job.load = _PrefixLoad(first_block, pages, refs)
+        job.load = _PrefixLoad(first_block, pages, layers=refs)
 
     def before_layer(self, layer: int, batch: list[ScheduledSeq]) -> None:
         for item in batch:
@@ -395,10 +418,18 @@ class PrefillWorker(EngineWorker, KVHooks):
                 job.started_at = time.time()
             if job is None or job.load is None:
                 continue
-            kv: LayerKV = ray.get(job.load.layers[layer])
-            self.engine.kv.write_layer(layer, job.load.pages, kv)
-            if layer == len(job.load.layers) - 1:
-                loaded = len(job.load.pages) * self.engine.config.block_size
+            load = job.load
+            if load.slots is not None:
+                cuda = self.engine.kv.device.type == "cuda"
+                kv = self.arena.read(load.slots, layer, pin=cuda)
+                self.num_arena_loads += 1
+            else:
+                kv: LayerKV = ray.get(load.layers[layer])
+            self.engine.kv.write_layer(layer, load.pages, kv)
+            if layer == self.engine.model_config.num_layers - 1:
+                if load.slots is not None:  # copied out: the slots may go
+                    self.store.release.remote(load.lease_id)
+                loaded = len(load.pages) * self.engine.config.block_size
                 job.num_loaded_tokens += loaded
                 self.num_loaded_tokens += loaded
                 job.load = None
@@ -481,15 +512,21 @@ class PrefillWorker(EngineWorker, KVHooks):
         while True:
             item = self.lend_queue.get()
             job = item.job
-            if isinstance(item, _TokenOut):
-                self._notify(job, TokenNotice(job.key, item.token_id))
-                continue
-            if item.ready is not None:
-                item.ready.synchronize()  # the layer is in the pages before anyone reads them
-            if job.peer is not None and not job.decode_done:
-                notice = PagesNotice(job.key, item.unit, item.layer, tuple(item.pages))
-                if self._notify(job, notice):
-                    self.num_page_notices += 1
+            try:
+                if isinstance(item, _TokenOut):
+                    self._notify(job, TokenNotice(job.key, item.token_id))
+                    continue
+                if item.ready is not None:
+                    item.ready.synchronize()  # the layer is in the pages before anyone reads them
+                if job.peer is not None and job.offering and not job.decode_done:
+                    notice = PagesNotice(job.key, item.unit, item.layer, tuple(item.pages))
+                    if self._notify(job, notice):
+                        self.num_page_notices += 1
+            except Exception:  # noqa: BLE001 - the thread must live; the arena's copy stays
+                log.exception("offering lent pages of %s failed", job.key)
+                # Nothing more is offered (the decode worker takes the arena's copies); what
+                # was offered stays held until it answers.
+                job.offering = False
 
     def _send(self, item: _LayerOut):
         """Send one layer of some blocks to the store; returns the store call's ObjectRef.

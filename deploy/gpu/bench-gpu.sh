@@ -29,9 +29,11 @@ run kernels kernels --json
 run engine engine --device cuda --eager --json
 run rdt rdt --device cuda --json
 run rdt-gpu-shape rdt --device cuda --shape gpu --tokens 1024,4096,8192 --requests 10 --json
-# Issue 12: the stall after the last layer (direct notices vs through the store vs no streaming),
-# 0.9B shape, prompts of 256-2048 tokens.
+# Issue 12: the stall after the last layer (lent pages vs the arena vs through the store vs no
+# streaming), 0.9B shape, prompts of 256-2048 tokens.
 run transfer transfer --device cuda --json
+# Issue 12: a stored prefix loaded by another prefill worker, out of the arena vs as Ray objects.
+run prefix-load prefix-load --device cuda --tokens 512,2048,4064 --json
 # Issue 13: served TTFT against the engine's own prefill, one at a time and at 2 req/s.
 run ttft ttft --device cuda --prompt-tokens 1024 --requests 24 --json
 run ttft-2rps ttft --device cuda --prompt-tokens 1024 --requests 48 --max-tokens 128 --request-rate 2 --json

@@ -99,10 +99,12 @@ def test_kv_streams_layer_by_layer_and_prefixes_are_reused_across_instances(
         placed = {rid: _placement(client.explain(rid)) for rid in ("first", "second", "long")}
         published = ray.get(worker(cluster, placed["long"][0]).publish_time.remote("long"))
         received = ray.get(worker(cluster, "decode-2").receive_timings.remote("long"))
-        loaded = counters(cluster, placed["second"][0])["num_loaded_tokens"]
-        # The prefill worker copied its layers into its node's store through shared memory.
+        loader = counters(cluster, placed["second"][0])
+        # The prefill worker copied its layers into its node's store through shared memory,
+        # and the decode worker copied them out of there or out of the prefill worker's pages.
         shared_writes = counters(cluster, placed["long"][0])["num_shared_writes"]
-        shared_reads = counters(cluster, "decode-2")["num_shared_reads"]
+        decode = counters(cluster, "decode-2")
+        copies = decode["num_shared_reads"] + decode["num_page_copies"]
         # ... and told the decode worker of each layer and of the first token itself.
         notices = counters(cluster, placed["long"][0])["num_direct_notices"]
         direct_receives = counters(cluster, "decode-2")["num_direct_receives"]
@@ -112,9 +114,12 @@ def test_kv_streams_layer_by_layer_and_prefixes_are_reused_across_instances(
     assert placed["second"][1] == "decode-2"
     assert unknown.value.code == grpc.StatusCode.NOT_FOUND.name
     assert received.first_layer_received_at < published
-    assert shared_writes > 0 and shared_reads > 0
+    assert shared_writes > 0 and copies > 0
     assert notices > 0 and direct_receives == 3
+    # The second prefill worker loaded the first one's prefix out of the store's arena.
+    loaded = loader["num_loaded_tokens"]
     assert loaded == (len(prefix) // 16) * 16
+    assert loader["num_arena_loads"] == tiny_llm.engine.model_config.num_layers
     assert b.usage.cached_tokens == loaded
     assert [a.token_ids, b.token_ids] == _expected(tiny_llm, [first, second], 6)
 

@@ -10,6 +10,7 @@ from kv_helpers import LAYOUT, assert_same, make_keys, random_kv
 from halfmoon.kvstore.config import StoreConfig
 from halfmoon.kvstore.errors import LayerTimeout
 from halfmoon.kvstore.layout import LayerKV
+from halfmoon.kvstore.shared_arena import map_arena
 from halfmoon.kvstore.store_node import start_store_node
 
 
@@ -91,8 +92,6 @@ def test_reads_waiting_in_the_node_never_hold_back_a_put(node) -> None:
 
 
 def test_a_producer_on_the_node_writes_through_the_shared_arena(node) -> None:
-    from halfmoon.kvstore.shared_arena import map_arena
-
     info = ray.get(node.arena_info.remote())
     arena = map_arena(info, ray.get_runtime_context().get_node_id())
     assert arena is not None
@@ -134,4 +133,23 @@ def test_a_cancelled_slot_stream_leaves_no_lease_behind(node) -> None:
     deadline = time.monotonic() + 10
     while ray.get(node.stats.remote()).host.leased_blocks and time.monotonic() < deadline:
         time.sleep(0.05)
+    assert ray.get(node.stats.remote()).host.leased_blocks == 0
+
+
+def test_a_stored_prefix_is_leased_by_its_slots_only_when_every_layer_is_there(node) -> None:
+    """A prefill worker on the store's node copies a stored prefix out of the arena itself:
+    `lease_slots` gives the slots and holds them, or None when some layer is missing (then
+    `get_layer` reads it, from Redis if need be)."""
+    arena = map_arena(ray.get(node.arena_info.remote()), ray.get_runtime_context().get_node_id())
+    keys = make_keys(3)
+    payloads = [random_kv(3, 40 + layer) for layer in range(LAYOUT.num_layers)]
+    for layer, kv in enumerate(payloads[:-1]):
+        ray.get(node.put_layer.remote(keys, layer, kv))
+    assert ray.get(node.lease_slots.remote(keys)) is None  # its last layer is not there yet
+    ray.get(node.put_layer.remote(keys, LAYOUT.num_layers - 1, payloads[-1]))
+    slots, lease_id = ray.get(node.lease_slots.remote(keys))
+    assert ray.get(node.stats.remote()).host.leased_blocks == 3
+    for layer, kv in enumerate(payloads):
+        assert_same(arena.read(slots, layer), kv)
+    assert ray.get(node.release.remote(lease_id))
     assert ray.get(node.stats.remote()).host.leased_blocks == 0
