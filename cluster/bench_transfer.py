@@ -14,6 +14,8 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
+import numpy as np
+
 from halfmoon.cluster.bench_device import SHARED_GPU_SETTINGS, add_device_argument, check_device
 from halfmoon.cluster.config import load_config
 from halfmoon.cluster.launcher import Cluster
@@ -105,8 +107,15 @@ async def measure(cluster: Cluster, token_ids: list[int], path: str, rid: str) -
 
 
 async def run(
-    cluster: Cluster, chunk_counts: list[int], chunk_tokens: int, repeats: int, seed: int
+    cluster: Cluster,
+    chunk_counts: list[int],
+    chunk_tokens: int,
+    repeats: int,
+    seed: int,
+    all_samples: list[Breakdown] | None = None,
 ):
+    """The best of `repeats` per chunk count and path; every sample also goes to
+    `all_samples` when given (for the stall's percentiles)."""
     rng = random.Random(seed)
     rows = []
     for num_chunks in chunk_counts:
@@ -120,6 +129,8 @@ async def run(
                 rid = f"b{num_chunks}-{path}-{r}"
                 samples.append(await measure(cluster, ids, path, rid))
             rows.append(min(samples, key=lambda b: b.ttft_s))
+            if all_samples is not None:
+                all_samples.extend(samples)
     return rows
 
 
@@ -142,7 +153,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--chunk-tokens", type=int, help="prefill chunk size (64 on cpu, 256 on cuda)"
     )
-    parser.add_argument("--repeats", type=int, default=3, help="runs per point, best kept (3)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="runs per point: the table keeps the best, the stall's p50 and p99 use every run (3)",
+    )
     add_device_argument(parser, on_cpu="the ~50M model in fp32")
     parser.add_argument("--model", help="checkpoint (default: by --device)")
     parser.add_argument("--seed", type=int, default=0)
@@ -172,16 +188,47 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cluster.start()
         asyncio.run(run(cluster, [1], chunk_tokens, 1, args.seed))  # warm up
-        rows = asyncio.run(run(cluster, chunk_counts, chunk_tokens, args.repeats, args.seed))
+        samples: list[Breakdown] = []
+        rows = asyncio.run(
+            run(cluster, chunk_counts, chunk_tokens, args.repeats, args.seed, samples)
+        )
     except WorkerCallError as error:  # e.g. a prompt beyond the model's context
         print(f"halfmoon bench transfer: {error}", file=sys.stderr)
         return 1
     finally:
         cluster.stop()  # shuts Ray down too when it started it
-    return _report(rows, args.json, args.device)
+    return _report(rows, args.json, args.device, samples)
 
 
-def _report(rows: list[Breakdown], as_json: bool, device: str = "cpu") -> int:
+def stall_percentiles(samples: list[Breakdown]) -> dict:
+    """Issue 12's measure: per streaming path, the stall's p50 and p99 over every request,
+    against the time one layer takes to move alone (the median interval between layers
+    arriving when all were published before the first was read: the `off` path)."""
+    moves = [s.one_layer_s for s in samples if s.path == "off"]
+    if not moves:
+        return {}
+    move_s = float(np.median(moves))
+    by_path = {}
+    for path in ("pages", "arena", "store"):
+        stalls = [s.transfer_stall_s for s in samples if s.path == path]
+        if stalls:
+            p50, p99 = np.percentile(stalls, [50, 99])
+            by_path[path] = {
+                "requests": len(stalls),
+                "p50_ms": p50 * 1e3,
+                "p99_ms": p99 * 1e3,
+                "p50_over_layer_move": p50 / move_s,
+                "p99_over_layer_move": p99 / move_s,
+            }
+    return {"layer_move_ms": move_s * 1e3, "by_path": by_path}
+
+
+def _report(
+    rows: list[Breakdown],
+    as_json: bool,
+    device: str = "cpu",
+    samples: list[Breakdown] | None = None,
+) -> int:
     worst = {}  # per streaming path: the worst stall / one layer and TTFT / compute
     for path in ("pages", "arena", "store"):
         on = [r for r in rows if r.path == path]
@@ -198,6 +245,7 @@ def _report(rows: list[Breakdown], as_json: bool, device: str = "cpu") -> int:
         # The default path (lent pages), as these keys always reported.
         **{k: v for k, v in worst["pages"].items() if k != "max_stall_ms"},
         "by_path": worst,
+        "stall_percentiles": stall_percentiles(samples or []),
     }
     if as_json:
         print(json.dumps(summary))
@@ -221,6 +269,15 @@ def _report(rows: list[Breakdown], as_json: bool, device: str = "cpu") -> int:
             f"path {path}: worst stall = {w['max_stall_ms']:.1f} ms = "
             f"{w['max_stall_over_one_layer']:.2f} x one layer (goal <= 1.2), worst TTFT = "
             f"{w['max_ttft_over_compute']:.3f} x compute (goal <= 1.15)",
+            file=sys.stderr,
+        )
+    percentiles = summary["stall_percentiles"]
+    for path, p in percentiles.get("by_path", {}).items():
+        print(
+            f"path {path}: stall p50 = {p['p50_ms']:.1f} ms = {p['p50_over_layer_move']:.2f} x "
+            f"moving one layer alone ({percentiles['layer_move_ms']:.2f} ms; goal <= 1.2), p99 = "
+            f"{p['p99_ms']:.1f} ms = {p['p99_over_layer_move']:.2f} x (goal <= 3), "
+            f"{p['requests']} requests",
             file=sys.stderr,
         )
     return 0

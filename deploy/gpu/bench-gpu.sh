@@ -30,8 +30,8 @@ run engine engine --device cuda --eager --json
 run rdt rdt --device cuda --json
 run rdt-gpu-shape rdt --device cuda --shape gpu --tokens 1024,4096,8192 --requests 10 --json
 # Issue 12: the stall after the last layer (lent pages vs the arena vs through the store vs no
-# streaming), 0.9B shape, prompts of 256-2048 tokens.
-run transfer transfer --device cuda --json
+# streaming), 0.9B shape, prompts of 256-2048 tokens; p50 and p99 over 40 requests a path.
+run transfer transfer --device cuda --repeats 10 --json
 # Issue 12: a stored prefix loaded by another prefill worker, out of the arena vs as Ray objects.
 run prefix-load prefix-load --device cuda --tokens 512,2048,4064 --json
 # Issue 13: served TTFT against the engine's own prefill, one at a time and at 2 req/s.

@@ -34,13 +34,34 @@ def test_the_report_gives_each_streaming_path_its_worst_stall(capsys):
     assert "pages" in text.out and "path store: worst stall = 10.0 ms" in text.err
 
 
+def test_the_stall_percentiles_are_against_moving_one_layer_alone(capsys):
+    def sample(lent, direct, layerwise, stall_s, layer_s):
+        return Breakdown(1, layerwise, direct, 0.1, 0.09, stall_s, layer_s, 0.01, lent=lent)
+
+    samples = [sample(True, True, True, stall / 1e3, 0.005) for stall in range(1, 101)]
+    samples += [sample(False, False, False, 0.03, layer) for layer in (0.001, 0.002, 0.003)]
+    percentiles = bench_transfer.stall_percentiles(samples)
+    assert percentiles["layer_move_ms"] == pytest.approx(2.0)  # the median of the off path
+    pages = percentiles["by_path"]["pages"]
+    assert pages["requests"] == 100 and pages["p50_ms"] == pytest.approx(50.5)
+    assert pages["p99_over_layer_move"] == pytest.approx(99.01 / 2.0)
+    assert set(percentiles["by_path"]) == {"pages"}  # no samples of the other paths
+    assert bench_transfer.stall_percentiles(samples[:5]) == {}  # nothing moved alone
+    bench_transfer._report(samples[:1], as_json=False, samples=samples)
+    err = capsys.readouterr().err
+    assert "path pages: stall p50 = 50.5 ms = 25.25 x moving one layer alone (2.00 ms" in err
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_one_request_by_each_path_on_a_live_cluster(tiny_model_dir):
     with running_cluster(tiny_model_dir) as (cluster, _):
         asyncio.run(bench_transfer.run(cluster, [1], 32, 1, seed=1))  # opens the lent cache
-        rows = asyncio.run(bench_transfer.run(cluster, [2], 32, 1, seed=0))
+        samples = []
+        rows = asyncio.run(bench_transfer.run(cluster, [2], 32, 1, seed=0, all_samples=samples))
     assert [r.path for r in rows] == ["pages", "arena", "store", "off"]
     assert all(r.num_chunks == 2 and 0 < r.transfer_stall_s < r.ttft_s for r in rows)
     layers = cluster.info.num_layers
     assert [r.page_copies for r in rows] == [2 * layers, 0, 0, 0]
+    assert samples == rows  # one sample per point: the best is the only one
+    assert set(bench_transfer.stall_percentiles(samples)["by_path"]) == {"pages", "arena", "store"}
