@@ -137,6 +137,8 @@ class DecodeWorker(EngineWorker):
         self.num_early_joins = 0
         self.num_page_copies = 0  # layers copied out of a prefill worker's lent pages
         self.num_lenders = 0  # prefill workers' caches opened
+        # Connections whose lender's cache is being opened: their page notices wait for it.
+        self.opening: dict[NoticeConn, asyncio.Future] = {}
         self.node_store = store  # this node's store, where notices' claims are released
 
     def _extra_counters(self) -> dict:
@@ -354,6 +356,7 @@ class DecodeWorker(EngineWorker):
     def _on_notice(self, notice: Notice, conn: NoticeConn) -> None:
         """A notice from a prefill worker (the listener's callback, in the event loop)."""
         if isinstance(notice, Hello):
+            self.opening[conn] = asyncio.get_running_loop().create_future()
             asyncio.get_running_loop().create_task(self._open_lender(conn))
             return
         reservation = self.by_key.get(notice.key)
@@ -374,11 +377,11 @@ class DecodeWorker(EngineWorker):
                 reservation.first_token.set_result(notice.token_id)
             return
         if isinstance(notice, PagesNotice):
-            usable = reservation.direct and conn.cache is not None and not conn.closed
-            if not usable or conn in reservation.refused:
-                if conn not in reservation.refused:  # the arena's copy it is, for all of it
-                    reservation.refused.add(conn)
-                    conn.reply(ReleaseNotice(notice.key))
+            opened = conn.cache is not None or conn in self.opening  # or soon will be
+            if not (reservation.direct and opened and not conn.closed):
+                self._refuse(reservation, conn)
+                return
+            if conn in reservation.refused:
                 return
             reservation.lenders.add(conn)
             reservation.pages[(notice.unit, notice.layer)] = (notice, conn)
@@ -389,6 +392,13 @@ class DecodeWorker(EngineWorker):
             return
         reservation.layers[(notice.unit, notice.layer)] = notice
         reservation.arrived.set()
+
+    def _refuse(self, reservation: _Reservation, conn: NoticeConn) -> None:
+        """Take none of `conn`'s lent pages for this receive (the arena's copies instead):
+        told once, for all of them, so the lender may give them back at once."""
+        if conn not in reservation.refused:
+            reservation.refused.add(conn)
+            conn.reply(ReleaseNotice(reservation.key))
 
     def _drop_early(self, key: str) -> None:
         """Notices whose reserve never came: give their claims and lent pages back."""
@@ -419,6 +429,8 @@ class DecodeWorker(EngineWorker):
             log.info("copying KV straight out of the pages of %s", conn.lender)
         except Exception as error:  # noqa: BLE001 - the arena path stays; say why once
             log.warning("cannot open the KV cache of %s: %s", conn.lender, error)
+        finally:
+            self.opening.pop(conn).set_result(conn.cache is not None)
 
     def _release(self, leases: list[int]) -> None:
         """Give claims back to this node's store (which the prefill worker's notices name);
@@ -511,6 +523,14 @@ class DecodeWorker(EngineWorker):
                                 "the prefill worker lending this request's pages went away"
                             )
                         lent = reservation.pages.pop(where, None)
+                        if lent is not None and lent[1] in reservation.refused:
+                            continue  # told its lender we take none of its pages
+                        if lent is not None and lent[1].cache is None:
+                            if (opening := self.opening.get(lent[1])) is not None:
+                                await asyncio.shield(opening)  # its lender's cache opens
+                            if lent[1].cache is None:  # it could not: the arena's copy
+                                self._refuse(reservation, lent[1])
+                                continue
                         notice = reservation.layers.pop(where, None) if lent is None else None
                         if lent is not None or notice is not None:
                             break

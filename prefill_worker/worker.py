@@ -185,7 +185,8 @@ class PrefillWorker(EngineWorker, KVHooks):
         self.lend_lock = threading.Lock()
         self.num_page_notices = 0
         self.num_reclaimed_lends = 0
-        self._export = None
+        # Made now, before the step thread runs: a decode worker's first request waits on it.
+        self._export = self.engine.kv.export() if self.lends else None
         # Used by the publisher thread only; the answers are read in the event loop.
         self.notices = NoticeSender(actor_name if self.lends else None, self._on_answer)
         self.num_failed_notices = 0
@@ -309,10 +310,6 @@ class PrefillWorker(EngineWorker, KVHooks):
     async def kv_export(self):
         """How a decode worker on this node opens this worker's KV cache to copy lent pages
         from (`engine/kv_cache.py`); None when this worker does not lend them."""
-        if not self.lends:
-            return None
-        if self._export is None:
-            self._export = self._engine().call(lambda e: e.kv.export())
         return self._export
 
     async def warm(self, block_keys: list[bytes], store_name: str | None = None) -> int:

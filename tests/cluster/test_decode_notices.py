@@ -315,6 +315,23 @@ def test_lent_pages_are_copied_instead_of_the_arena_and_given_back(parts, tiny_m
 
 
 @pytest.mark.timeout(180)
+def test_pages_offered_while_the_cache_is_still_opening_wait_for_it(parts, tiny_model_dir):
+    decode = parts[3]
+    expected = decoded(parts, "o0", arena_seed=1)
+    lending = Lending(tiny_model_dir)  # its hello goes with the first notice, unanswered yet
+    try:
+        before = counters(decode)
+        assert decoded(parts, "o1", arena_seed=2, lending=lending, seed=1) == expected
+        after = counters(decode)
+        assert after["num_lenders"] == before["num_lenders"] + 1
+        layers = 2 * lending.engine.kv.num_layers  # every layer of both units
+        assert after["num_page_copies"] - before["num_page_copies"] == layers
+        wait_for(lambda: ReleaseNotice("o1") in lending.answers)
+    finally:
+        lending.close()
+
+
+@pytest.mark.timeout(180)
 def test_pages_of_a_cache_that_cannot_be_opened_are_refused_and_the_arena_used(
     parts, tiny_model_dir
 ):
