@@ -50,6 +50,9 @@ WARM_CHUNK_BLOCKS = 64
 # Pages lent to a decode worker that has not answered this long after they were all sent go
 # back with a warning (it answers within milliseconds; its connection ending frees them too).
 LEND_TIMEOUT_S = 300.0
+# How long the publisher waits for the lender thread to offer a layer's pages before it sends
+# the layer's slots notice anyway (the decode worker then takes whichever came first).
+OFFER_WAIT_S = 1.0
 
 
 @dataclass(slots=True)
@@ -121,6 +124,9 @@ class _LayerOut:
     snapshot: object = None  # HostLayer: `wait()` gives the LayerKV
     pages: list[int] | None = None
     ready: object = None
+    # Set by the lender thread once the page notice is sent (or will not be): the slots
+    # notice goes after it, so the decode worker sees the pages first.
+    offered: threading.Event | None = None
 
     @property
     def keys(self) -> list[bytes]:
@@ -475,8 +481,10 @@ class PrefillWorker(EngineWorker, KVHooks):
                 with self.lend_lock:
                     job.held.extend(pages)
             ready = self.engine.kv.mark()
-            self.lend_queue.put(_LayerOut(job, index, layer, pages=pages, ready=ready))
-            self.outbox.put(_LayerOut(job, index, layer, pages=pages, ready=ready))
+            item = _LayerOut(job, index, layer, pages=pages, ready=ready)
+            item.offered = threading.Event()
+            self.lend_queue.put(item)  # the same item for both threads: see `offered`
+            self.outbox.put(item)
             return
         # Snapshot the pages here (a small copy); the publisher thread does the slow send.
         snapshot = self.engine.kv.read_layer(layer, pages)
@@ -524,6 +532,9 @@ class PrefillWorker(EngineWorker, KVHooks):
                 # Nothing more is offered (the decode worker takes the arena's copies); what
                 # was offered stays held until it answers.
                 job.offering = False
+            finally:
+                if isinstance(item, _LayerOut):
+                    item.offered.set()
 
     def _send(self, item: _LayerOut):
         """Send one layer of some blocks to the store; returns the store call's ObjectRef.
@@ -565,6 +576,8 @@ class PrefillWorker(EngineWorker, KVHooks):
         self.num_shared_writes += 1
         last = layer == self.engine.model_config.num_layers - 1
         release = lease_id if last else None
+        if item.offered is not None:  # its page notice first (the lender is rarely behind)
+            item.offered.wait(OFFER_WAIT_S)
         if job.peer is not None:
             peer = job.peer
             notice = LayerNotice(job.key, item.unit, layer, lease_id if last else 0, tuple(slots))
