@@ -7,6 +7,8 @@ import argparse
 
 import torch
 
+from halfmoon.engine.init_model import BENCH_SHAPE, GPU_BENCH_SHAPE, default_model_dir, ensure_model
+
 # Both workers on the one GPU, as in the GPU issues' measurements.
 SHARED_GPU_SETTINGS = {"engine.dtype": "bfloat16", "prefill.num_gpus": 0.3, "decode.num_gpus": 0.3}
 
@@ -20,6 +22,17 @@ def add_device_argument(parser: argparse.ArgumentParser, on_cpu: str) -> None:
         help=f"cpu: {on_cpu}; cuda: the ~0.9B shape of the GPU issues in bf16, both workers "
         "sharing the GPU (default: cuda when one is visible)",
     )
+
+
+def bench_model(device: str, model: str | None = None) -> str:
+    """`model`, else the bench checkpoint for `device` (made on first use): the ~50M model on
+    cpu, the ~0.9B shape of the GPU issues on cuda."""
+    if model:
+        return model
+    name, shape = (
+        ("bench-0.9b", GPU_BENCH_SHAPE) if device == "cuda" else ("bench-50m", BENCH_SHAPE)
+    )
+    return str(ensure_model(default_model_dir().with_name(name), shape))
 
 
 def check_device(parser: argparse.ArgumentParser, device: str) -> None:

@@ -13,10 +13,14 @@ import sys
 
 import ray
 
-from halfmoon.cluster.bench_device import SHARED_GPU_SETTINGS, add_device_argument, check_device
+from halfmoon.cluster.bench_device import (
+    SHARED_GPU_SETTINGS,
+    add_device_argument,
+    bench_model,
+    check_device,
+)
 from halfmoon.cluster.config import load_config
 from halfmoon.cluster.launcher import Cluster
-from halfmoon.engine.init_model import BENCH_SHAPE, GPU_BENCH_SHAPE, default_model_dir, ensure_model
 from halfmoon.engine.sampling_params import SamplingParams
 from halfmoon.engine.worker_errors import WorkerCallError, unwrap
 
@@ -80,8 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--tokens must be multiples of 16 (at least 16), --repeats at least 1")
     check_device(parser, args.device)
     cuda = args.device == "cuda"
-    name, shape = ("bench-0.9b", GPU_BENCH_SHAPE) if cuda else ("bench-50m", BENCH_SHAPE)
-    model = args.model or str(ensure_model(default_model_dir().with_name(name), shape))
+    model = bench_model(args.device, args.model)
     longest = max(lengths) + TAIL_TOKENS
     settings = {
         "model": model, "server.grpc_port": 0, "server.metrics_port": 0, "server.http_port": "off",

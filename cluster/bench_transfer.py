@@ -16,15 +16,14 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from halfmoon.cluster.bench_device import SHARED_GPU_SETTINGS, add_device_argument, check_device
+from halfmoon.cluster.bench_device import (
+    SHARED_GPU_SETTINGS,
+    add_device_argument,
+    bench_model,
+    check_device,
+)
 from halfmoon.cluster.config import load_config
 from halfmoon.cluster.launcher import Cluster
-from halfmoon.engine.init_model import (
-    BENCH_SHAPE,
-    GPU_BENCH_SHAPE,
-    default_model_dir,
-    ensure_model,
-)
 from halfmoon.engine.sampling_params import SamplingParams
 from halfmoon.engine.worker_errors import WorkerCallError, unwrap
 
@@ -172,8 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--chunks and --repeats must be at least 1, --chunk-tokens a multiple of 16")
     check_device(parser, args.device)
     cuda = args.device == "cuda"
-    name, shape = ("bench-0.9b", GPU_BENCH_SHAPE) if cuda else ("bench-50m", BENCH_SHAPE)
-    model = args.model or str(ensure_model(default_model_dir().with_name(name), shape))
+    model = bench_model(args.device, args.model)
     settings = {
         "model": model, "server.grpc_port": 0, "server.metrics_port": 0, "server.http_port": "off",
         "engine.prefill_chunk_size": chunk_tokens,

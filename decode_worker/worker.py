@@ -203,7 +203,7 @@ class DecodeWorker(EngineWorker):
         timings = ReceiveTimings(reserved_at=time.time())
         self._record(request_id, timings)
         reservation.first_token.add_done_callback(
-            lambda _: setattr(timings, "first_token_at", timings.first_token_at or time.time())
+            lambda _: setattr(timings, "first_token_at", time.time())
         )
         receive = asyncio.create_task(
             self._receive(store, request_id, units, pages, store_name, reservation)
@@ -349,9 +349,8 @@ class DecodeWorker(EngineWorker):
         conns = reservation.lenders | {conn for _, conn in reservation.pages.values()}
         reservation.pages.clear()
         reservation.lenders.clear()
-        for conn in conns - reservation.refused:
-            reservation.refused.add(conn)
-            conn.reply(ReleaseNotice(reservation.key))
+        for conn in conns:
+            self._refuse(reservation, conn)
 
     def _on_notice(self, notice: Notice, conn: NoticeConn) -> None:
         """A notice from a prefill worker (the listener's callback, in the event loop)."""
@@ -517,36 +516,15 @@ class DecodeWorker(EngineWorker):
                 unit_pages = pages[unit.first_block : unit.first_block + len(unit.keys)]
                 for layer in range(kv_cache.num_layers):
                     where = (index, layer)
-                    while True:
-                        if reservation.lender_lost:
-                            raise ConnectionError(
-                                "the prefill worker lending this request's pages went away"
-                            )
-                        lent = reservation.pages.pop(where, None)
-                        if lent is not None and lent[1] in reservation.refused:
-                            continue  # told its lender we take none of its pages
-                        if lent is not None and lent[1].cache is None:
-                            if (opening := self.opening.get(lent[1])) is not None:
-                                await asyncio.shield(opening)  # its lender's cache opens
-                            if lent[1].cache is None:  # it could not: the arena's copy
-                                self._refuse(reservation, lent[1])
-                                continue
-                        notice = reservation.layers.pop(where, None) if lent is None else None
-                        if lent is not None or notice is not None:
-                            break
-                        reservation.arrived.clear()
-                        await reservation.arrived.wait()
+                    lent, notice = await self._next_offer(reservation, where)
                     if lent is not None:
                         pages_notice, conn = lent
                         reservation.copied.add(where)
                         if (slots := reservation.layers.pop(where, None)) is not None:
                             self._release([slots.lease])
-                        pages_named = pages_notice.pages
-                        size = conn.cache.num_pages
-                        _check_places(pages_notice, pages_named, "pages", len(unit.keys), size)
-                        written = kv_cache.copy_pages(
-                            layer, conn.cache, pages_notice.pages, unit_pages
-                        )
+                        named, size = pages_notice.pages, conn.cache.num_pages
+                        _check_places(pages_notice, named, "pages", len(unit.keys), size)
+                        written = kv_cache.copy_pages(layer, conn.cache, named, unit_pages)
                         self.num_page_copies += 1
                         timings.num_bytes += len(unit_pages) * kv_cache.page_layer_bytes
                     else:
@@ -564,6 +542,30 @@ class DecodeWorker(EngineWorker):
                         timings.first_layer_received_at = time.time()
         await self._all_written(written, timings)
         self._answer_lenders(reservation)
+
+    async def _next_offer(
+        self, reservation: _Reservation, where: tuple[int, int]
+    ) -> tuple[tuple[PagesNotice, NoticeConn] | None, LayerNotice | None]:
+        """Wait for layer `where` (unit, layer) to be offered: in a lender's pages that can be
+        copied from (waiting for its cache to open), else in arena slots."""
+        while True:
+            if reservation.lender_lost:
+                raise ConnectionError("the prefill worker lending this request's pages went away")
+            lent = reservation.pages.pop(where, None)
+            if lent is not None:
+                conn = lent[1]
+                if conn in reservation.refused:
+                    continue  # told its lender we take none of its pages
+                if conn.cache is None and (opening := self.opening.get(conn)) is not None:
+                    await asyncio.shield(opening)  # its lender's cache opens
+                if conn.cache is not None:
+                    return lent, None
+                self._refuse(reservation, conn)  # it could not be opened: the arena's copy
+                continue
+            if (notice := reservation.layers.pop(where, None)) is not None:
+                return None, notice
+            reservation.arrived.clear()
+            await reservation.arrived.wait()
 
     async def _receive_streamed(
         self, store, request_id: str, units, pages: list[int], arena: MappedArena | None

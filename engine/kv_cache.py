@@ -11,6 +11,7 @@ worker's pages this way, one copy, without staging it in host memory (the device
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -52,16 +53,22 @@ class PeerKv:
 
 def create_shared_kv(
     num_layers: int, page_shape: tuple[int, ...], dtype: torch.dtype
-) -> tuple[str, torch.Tensor] | None:
-    """Zeroed KV pages `[layer, k|v, *page_shape]` in an anonymous memory file, and the path
-    other processes map it by; None where the platform cannot (then allocate privately)."""
+) -> tuple[str, list[tuple[torch.Tensor, torch.Tensor]]] | None:
+    """Zeroed KV pages `[layer, k|v, *page_shape]` in an anonymous memory file: the path other
+    processes map it by, and per layer its K and V; None where the platform cannot (then
+    allocate privately)."""
     shape = (num_layers, 2, *page_shape)
     num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     arena = create_arena(num_bytes)
     if arena is None:
         return None
     memory, path = arena
-    return path, memory.view(dtype).view(shape)
+    return path, _as_layers(memory.view(dtype).view(shape))
+
+
+def _as_layers(pages: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`[layer, k|v, ...]` pages as per layer (K, V)."""
+    return [(pages[layer, 0], pages[layer, 1]) for layer in range(len(pages))]
 
 
 @dataclass(slots=True)
@@ -150,8 +157,7 @@ class PagedKvCache:
             shape = (export.num_layers, 2, *export.page_shape)
             count = math.prod(shape)
             pages = torch.from_file(export.path, shared=True, size=count, dtype=self.dtype)
-            pages = pages.view(shape)
-            return PeerKv([(pages[layer, 0], pages[layer, 1]) for layer in range(len(pages))])
+            return PeerKv(_as_layers(pages.view(shape)))
         uuid = str(torch.cuda.get_device_properties(self.device).uuid)
         if export.device_uuid != uuid:
             raise ValueError(f"it is on GPU {export.device_uuid}, this cache on {uuid}")
@@ -185,12 +191,10 @@ class PagedKvCache:
         of on the current stream (for a caller on another thread than the step's)."""
         k_cache, v_cache = self.layers[layer]
         stream = self._copy_stream
-        if stream is not None and after is not None:
+        side = stream is not None and after is not None
+        if side:
             stream.wait_event(after)
-            with torch.cuda.stream(stream):
-                index = self._index(pages)
-                k, v = ops.gather_pages(k_cache, index), ops.gather_pages(v_cache, index)
-        else:
+        with torch.cuda.stream(stream) if side else contextlib.nullcontext():
             index = self._index(pages)
             k, v = ops.gather_pages(k_cache, index), ops.gather_pages(v_cache, index)
         if stream is None:
@@ -248,18 +252,16 @@ class PagedKvCache:
         k_src, v_src = peer.layers[layer]
         k_cache, v_cache = self.layers[layer]
         stream = self._write_stream
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))  # the pages' last users
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            src, dst = self._index(src_pages), self._index(dst_pages)
+            ops.scatter_pages(k_cache, dst, ops.gather_pages(k_src, src))
+            ops.scatter_pages(v_cache, dst, ops.gather_pages(v_src, src))
         if stream is None:
-            src, dst = self._index(src_pages), self._index(dst_pages)
-            ops.scatter_pages(k_cache, dst, ops.gather_pages(k_src, src))
-            ops.scatter_pages(v_cache, dst, ops.gather_pages(v_src, src))
             return LayerWrite()
-        stream.wait_stream(torch.cuda.current_stream(self.device))  # the pages' last users
-        with torch.cuda.stream(stream):
-            src, dst = self._index(src_pages), self._index(dst_pages)
-            ops.scatter_pages(k_cache, dst, ops.gather_pages(k_src, src))
-            ops.scatter_pages(v_cache, dst, ops.gather_pages(v_src, src))
-            copied = torch.cuda.Event()
-            copied.record(stream)
+        copied = torch.cuda.Event()
+        copied.record(stream)
         return LayerWrite(copied)
 
     def wait_writes(self) -> None:

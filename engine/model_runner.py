@@ -57,8 +57,7 @@ class ModelRunner:
         if shared and device.type == "cpu":
             shared_file = create_shared_kv(cfg.num_layers, shape, dtype)
         if shared_file is not None:
-            path, pages = shared_file
-            self.kv_caches = [(pages[layer, 0], pages[layer, 1]) for layer in range(len(pages))]
+            path, self.kv_caches = shared_file
             return path
         self.kv_caches = [
             (

@@ -182,6 +182,21 @@ def decode(data: bytes) -> Notice:
     return LayerNotice(key, unit, layer, lease, slots)
 
 
+def _receive_all(sock: socket.socket) -> tuple[list[bytes], bool]:
+    """Every message waiting on the non-blocking `sock`, and whether its peer has gone."""
+    messages = []
+    while True:
+        try:
+            data = sock.recv(MAX_MESSAGE)
+        except (BlockingIOError, InterruptedError):
+            return messages, False
+        except OSError:
+            data = b""
+        if not data:
+            return messages, True
+        messages.append(data)
+
+
 class NoticeConn:
     """One prefill worker's connection to a listener: who it said it is (`lender`), what the
     decode worker opened from that (`cache`, its to set), and the way back (`reply`)."""
@@ -247,16 +262,8 @@ class NoticeListener:
         self._loop.add_reader(sock.fileno(), self._read, conn)
 
     def _read(self, conn: NoticeConn) -> None:
-        while True:
-            try:
-                data = conn.sock.recv(MAX_MESSAGE)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
-                data = b""
-            if not data:  # the sender closed (or died)
-                self._drop(conn)
-                return
+        messages, ended = _receive_all(conn.sock)
+        for data in messages:
             try:
                 notice = decode(data)
                 if isinstance(notice, ReleaseNotice):
@@ -268,6 +275,8 @@ class NoticeListener:
             if isinstance(notice, Hello):
                 conn.lender = notice.key
             self.deliver(notice, conn)
+        if ended:  # the sender closed (or died)
+            self._drop(conn)
 
     def _drop(self, conn: NoticeConn) -> None:
         self._loop.remove_reader(conn.sock.fileno())
@@ -286,7 +295,8 @@ class NoticeListener:
 
 class NoticeSender:
     """A prefill worker's connections to decode workers' sockets, one per peer, kept open.
-    `send` blocks (up to SEND_TIMEOUT_S); call it from one thread (the publisher).
+    `send` blocks (up to SEND_TIMEOUT_S), `try_send` never waits on the peer; both may be
+    called from any thread (a lock keeps each message whole and in order).
 
     `hello`: this worker's Ray actor name, said first on each connection (it lends its pages).
     `replies`: called in `loop` with (peer, the `ReleaseNotice`) for each answer, and with
@@ -371,18 +381,8 @@ class NoticeSender:
         self.loop.add_reader(reader.fileno(), self._read, peer, reader)
 
     def _read(self, peer: KvPeer, conn: socket.socket) -> None:
-        while True:
-            try:
-                data = conn.recv(MAX_MESSAGE)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
-                data = b""
-            if not data:
-                self.loop.remove_reader(conn.fileno())
-                conn.close()
-                self.replies(peer, None)
-                return
+        messages, ended = _receive_all(conn)
+        for data in messages:
             try:
                 notice = decode(data)
             except NoticeError as error:
@@ -392,6 +392,10 @@ class NoticeSender:
                 log.warning("dropped a malformed answer from a decode worker: %s", notice)
                 continue
             self.replies(peer, notice)
+        if ended:
+            self.loop.remove_reader(conn.fileno())
+            conn.close()
+            self.replies(peer, None)
 
     def _forget(self, path: str) -> None:
         conn = self._conns.pop(path, None)

@@ -183,16 +183,15 @@ class PrefillWorker(EngineWorker, KVHooks):
         self.node = ray.get_runtime_context().get_node_id()
         # Lend pages only where a decode worker can open them: a named actor (it looks us up),
         # a cache allocated to be shared.
+        # Made now, before the step thread runs: a decode worker's first request waits on it.
         actor_name = ray.get_runtime_context().get_actor_name() or None
-        kv = self.engine.kv
-        shareable = config.share_kv and (kv.device.type == "cuda" or kv.shared_path is not None)
-        self.lends = bool(actor_name and shareable)
+        lendable = config.share_kv and actor_name
+        self._export = self.engine.kv.export() if lendable else None
+        self.lends = self._export is not None
         self.lent: dict[tuple[str, str], _Job] = {}  # by (decode worker's socket, receive key)
         self.lend_lock = threading.Lock()
         self.num_page_notices = 0
         self.num_reclaimed_lends = 0
-        # Made now, before the step thread runs: a decode worker's first request waits on it.
-        self._export = self.engine.kv.export() if self.lends else None
         # Used by the publisher thread only; the answers are read in the event loop.
         self.notices = NoticeSender(actor_name if self.lends else None, self._on_answer)
         self.num_failed_notices = 0
@@ -222,7 +221,7 @@ class PrefillWorker(EngineWorker, KVHooks):
             "num_arena_loads": self.num_arena_loads,
             "num_direct_notices": self.notices.num_sent,
             "num_page_notices": self.num_page_notices,
-            "num_lent_pages": self._engine().call(_held_pages),
+            "num_lent_pages": self.engine.pool.num_held_pages,  # drained by `counters`' stats
             "num_reclaimed_lends": self.num_reclaimed_lends,
             "num_failed_notices": self.num_failed_notices,
             "num_failed_flushes": self.num_failed_flushes,
@@ -481,8 +480,7 @@ class PrefillWorker(EngineWorker, KVHooks):
                 with self.lend_lock:
                     job.held.extend(pages)
             ready = self.engine.kv.mark()
-            item = _LayerOut(job, index, layer, pages=pages, ready=ready)
-            item.offered = threading.Event()
+            item = _LayerOut(job, index, layer, pages=pages, ready=ready, offered=threading.Event())
             self.lend_queue.put(item)  # the same item for both threads: see `offered`
             self.outbox.put(item)
             return
@@ -551,10 +549,10 @@ class PrefillWorker(EngineWorker, KVHooks):
     def _arena(self) -> MappedArena | None:
         """The store node's shared arena, mapped once (None: it is elsewhere or private, and
         layers go through `put_layer`)."""
-        if not self.arena_checked:
-            self.arena_checked = True
+        if not self.arena_checked:  # the step thread and the publisher may both map it once
             info = ray.get(self.store.arena_info.remote())
             self.arena = map_arena(info, ray.get_runtime_context().get_node_id())
+            self.arena_checked = True  # after `arena`: a thread seeing it sees the arena too
             log.info(
                 "KV layers go to the store %s",
                 "through shared memory" if self.arena else "as Ray objects",
@@ -670,11 +668,6 @@ class PrefillWorker(EngineWorker, KVHooks):
                 self.failed_flushes.popitem(last=False)
 
         flush.add_done_callback(done)
-
-
-def _held_pages(engine: LLMEngine) -> int:
-    engine.pool.drain_unholds()  # those given back since the last step
-    return engine.pool.num_held_pages
 
 
 def _plan_keys(job: _Job) -> list[bytes]:
