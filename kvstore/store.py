@@ -101,18 +101,22 @@ class KvStore:
     async def layer_written(
         self,
         keys: Sequence[bytes],
-        layer: int,
+        layer: int | Sequence[int],
         slots: Sequence[int],
         release_lease: int | None = None,
     ) -> None:
-        """A producer copied `layer` of `keys` into their claimed `slots`: wake its readers
-        (as `put_layer` does), and release the claim's lease when given."""
+        """A producer copied `layer` of `keys` (or each of several layers) into their claimed
+        `slots`: wake its readers (as `put_layer` does), and release the claim's lease when
+        given."""
         start = time.perf_counter()
-        self._absorb(self.host.written(keys, layer, slots))
-        self._stats.host.bytes_written += len(keys) * self.layout.layer_bytes
+        layers = [layer] if isinstance(layer, int) else list(layer)
+        for each in layers:
+            self._absorb(self.host.written(keys, each, slots))
+        self._stats.host.bytes_written += len(layers) * len(keys) * self.layout.layer_bytes
         if release_lease is not None:
             self.host.release(release_lease)
-        await self._notify(layer)
+        for each in layers:
+            await self._notify(each)
         self._stats.put_latency.record(time.perf_counter() - start)
 
     async def get_layer(

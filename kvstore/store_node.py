@@ -55,7 +55,7 @@ class StoreNode:
     async def layer_written(
         self,
         keys: Sequence[bytes],
-        layer: int,
+        layer: int | Sequence[int],
         slots: Sequence[int],
         release_lease: int | None = None,
     ) -> None:

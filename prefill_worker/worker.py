@@ -100,6 +100,9 @@ class _Job:
     puts: list = field(default_factory=list)
     # Per unit (by its first key), on the shared-arena path: its slots and the claim's lease.
     claims: dict = field(default_factory=dict)
+    # Per unit (by its index), layers in the arena the store has not been told of yet: with
+    # direct notices it is told once per unit, after the last layer (it only caches them).
+    unreported: dict = field(default_factory=dict)
     last_layer_published_at: float = 0.0
     started_at: float = 0.0
     # Lending its pages to `peer` (the device tier): the pages held so far, and whether the
@@ -179,6 +182,7 @@ class PrefillWorker(EngineWorker, KVHooks):
         self.arena: MappedArena | None = None  # the store's arena, mapped on first publish
         self.arena_checked = False
         self.num_shared_writes = 0
+        self.num_store_reports = 0  # `layer_written` calls: one per unit with direct notices
         self.num_arena_loads = 0  # layers of stored prefixes copied out of the arena
         self.node = ray.get_runtime_context().get_node_id()
         # Lend pages only where a decode worker can open them: a named actor (it looks us up),
@@ -218,6 +222,7 @@ class PrefillWorker(EngineWorker, KVHooks):
             "forward_s": self.engine.runner.forward_s,
             "num_flushing": len(self.flushes),
             "num_shared_writes": self.num_shared_writes,
+            "num_store_reports": self.num_store_reports,
             "num_arena_loads": self.num_arena_loads,
             "num_direct_notices": self.notices.num_sent,
             "num_page_notices": self.num_page_notices,
@@ -504,7 +509,9 @@ class PrefillWorker(EngineWorker, KVHooks):
                 self._lend_done(item.job, publisher=True)
                 continue
             try:
-                item.job.puts.append(self._send(item))
+                put = self._send(item)
+                if put is not None:
+                    item.job.puts.append(put)
             except Exception as error:  # noqa: BLE001 - the thread must live; the flush fails
                 log.exception("publishing a KV snapshot of %d blocks failed", len(item.keys))
                 item.job.puts.append(_failed(error))
@@ -535,7 +542,8 @@ class PrefillWorker(EngineWorker, KVHooks):
                     item.offered.set()
 
     def _send(self, item: _LayerOut):
-        """Send one layer of some blocks to the store; returns the store call's ObjectRef.
+        """Send one layer of some blocks to the store; returns the store call's ObjectRef
+        (None: the store is told later, see `_write_shared`).
         A lent layer is read from the (held) pages here, off the step thread."""
         if item.pages is None:
             kv = item.snapshot.wait()
@@ -564,7 +572,11 @@ class PrefillWorker(EngineWorker, KVHooks):
         slots (one round trip per unit) is made with its first layer, released with its last:
         by this worker, or, when the decode worker is told directly, by the decode worker
         once it has copied the unit. A notice that cannot be delivered fails the flush (the
-        router then retries the request) and leaves the release to this worker."""
+        router then retries the request) and leaves the release to this worker.
+
+        When the decode worker is told directly, the store (which then only caches the blocks)
+        is told of the unit's layers in one call with its last, not one call per layer;
+        returns None for the layers it is not told of yet."""
         job, keys, layer = item.job, item.keys, item.layer
         claim = job.claims.get(keys[0])
         if claim is None:
@@ -584,7 +596,13 @@ class PrefillWorker(EngineWorker, KVHooks):
             else:
                 unreachable = f"the decode worker's notice socket {peer} is unreachable"
                 job.puts.append(_failed(ConnectionError(unreachable)))
-        return self.store.layer_written.remote(keys, layer, slots, release)
+        layers = job.unreported.setdefault(item.unit, [])
+        layers.append(layer)
+        if job.peer is not None and not last:
+            return None
+        del job.unreported[item.unit]
+        self.num_store_reports += 1
+        return self.store.layer_written.remote(keys, layers, slots, release)
 
     def _notify(self, job: _Job, notice) -> bool:
         """Tell the decode worker; False (logged once per request) when it cannot be reached."""

@@ -64,6 +64,11 @@ def test_greedy_outputs_over_grpc_equal_the_offline_engine(tiny_model_dir, tiny_
             assert (sum(c["num_early_joins"] for c in decodes) > 0) == direct
         assert (sum(c["num_page_copies"] for c in decodes) > 0) == lent
         assert all(c["num_lent_pages"] == 0 for c in prefills)
+        # Every layer went into the store's arena; the store was told of a unit's layers once
+        # when the decode worker was told directly, else of each layer as it came.
+        per_report = tiny_llm.engine.model_config.num_layers if direct else 1
+        for c in prefills:
+            assert c["num_shared_writes"] == per_report * c["num_store_reports"] > 0
     assert all(r.finish_reason == "length" for r in results)
     # The first output's way through the worker is in the router's timeline, in order (a
     # decode worker's first output is the prefill's token, joined without a step).

@@ -118,6 +118,25 @@ def test_a_producer_on_the_node_writes_through_the_shared_arena(node) -> None:
     assert ray.get(node.stats.remote()).host.leased_blocks == 0
 
 
+def test_a_units_layers_are_told_in_one_call(node) -> None:
+    """With direct notices the producer tells the store of a unit once, after its last layer:
+    every layer is present then (a reader waiting for one wakes), and the claim is released."""
+    arena = map_arena(ray.get(node.arena_info.remote()), ray.get_runtime_context().get_node_id())
+    keys = make_keys(2)
+    payloads = [random_kv(2, 10 + seed) for seed in range(LAYOUT.num_layers)]
+    waiting = node.get_layer.remote(keys, 0, 60.0)
+    slots, lease_id = ray.get(node.claim.remote(keys))
+    for layer, kv in enumerate(payloads):
+        arena.write(slots, layer, kv)
+    assert ray.get(node.cached_prefix.remote(keys)) == 0  # not told yet
+    ray.get(node.layer_written.remote(keys, list(range(LAYOUT.num_layers)), slots, lease_id))
+    assert_same(ray.get(waiting, timeout=30), payloads[0])
+    assert ray.get(node.cached_prefix.remote(keys)) == 2
+    for layer, kv in enumerate(payloads):
+        assert_same(ray.get(node.get_layer.remote(keys, layer)), kv)
+    assert ray.get(node.stats.remote()).host.leased_blocks == 0
+
+
 def test_a_cancelled_slot_stream_leaves_no_lease_behind(node) -> None:
     """A reader that stops early (its request was aborted) ends its stream: the leases of
     the items the store sent ahead of it, never taken, go too."""
