@@ -38,7 +38,7 @@ def test_ten_megabyte_prompt_does_not_stall_a_small_request(tiny_model_dir):
         thread.start()
         assert wait_for(lambda: client.server_info().details["in_flight"] == 1, 120)
         small_sent_s = time.monotonic()
-        small = client.complete("hello", max_tokens=4)
+        small = client.complete("hello", max_tokens=4, ignore_eos=True)
         small_done_s = time.monotonic()
         thread.join(timeout=600)
     assert small.finish_reason == "length" and len(small.token_ids) == 4
