@@ -35,6 +35,27 @@ def bench_model(device: str, model: str | None = None) -> str:
     return str(ensure_model(default_model_dir().with_name(name), shape))
 
 
+def int_list(parser: argparse.ArgumentParser, flag: str, text: str) -> list[int]:
+    """The whole numbers of a comma-separated option, or a usage error naming `flag`."""
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        parser.error(f"{flag} {text!r}: give whole numbers separated by commas")
+
+
+def live_bench_settings(model: str, device: str, **settings) -> dict:
+    """Cluster settings of a live-cluster benchmark: `model` on free ports, no HTTP server,
+    no local Redis, and on cuda both workers sharing the GPU; `settings` (dotted keys, as
+    `--set` takes them) on top."""
+    base = {
+        "model": model, "server.grpc_port": 0, "server.metrics_port": 0, "server.http_port": "off",
+        "store.use_local_redis": False,
+    }  # fmt: skip
+    if device == "cuda":
+        base.update(SHARED_GPU_SETTINGS)
+    return {**base, **settings}
+
+
 def check_device(parser: argparse.ArgumentParser, device: str) -> None:
     """A usage error for `--device cuda` where torch sees no GPU."""
     if device == "cuda" and not torch.cuda.is_available():

@@ -14,10 +14,11 @@ import sys
 import ray
 
 from halfmoon.cluster.bench_device import (
-    SHARED_GPU_SETTINGS,
     add_device_argument,
     bench_model,
     check_device,
+    int_list,
+    live_bench_settings,
 )
 from halfmoon.cluster.config import load_config
 from halfmoon.cluster.launcher import Cluster
@@ -76,26 +77,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", help="checkpoint (default: by --device)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    try:
-        lengths = [int(t) for t in args.tokens.split(",")]
-    except ValueError:
-        parser.error(f"--tokens {args.tokens!r}: give whole numbers separated by commas")
+    lengths = int_list(parser, "--tokens", args.tokens)
     if min(lengths) < 16 or any(t % 16 for t in lengths) or args.repeats < 1:
         parser.error("--tokens must be multiples of 16 (at least 16), --repeats at least 1")
     check_device(parser, args.device)
-    cuda = args.device == "cuda"
-    model = bench_model(args.device, args.model)
     longest = max(lengths) + TAIL_TOKENS
-    settings = {
-        "model": model, "server.grpc_port": 0, "server.metrics_port": 0, "server.http_port": "off",
-        "prefill.replicas": 2, "engine.prefill_chunk_size": 512,
-        "engine.max_num_batched_tokens": max(2048, longest),
-        "store.use_local_redis": False,
-        "store.host_capacity_bytes": 2 << 30,  # every stored prefix stays in the host tier
-    }  # fmt: skip
-    if cuda:
-        settings.update(SHARED_GPU_SETTINGS)
-    else:  # three workers on a small machine
+    settings = live_bench_settings(
+        bench_model(args.device, args.model),
+        args.device,
+        **{
+            "prefill.replicas": 2,
+            "engine.prefill_chunk_size": 512,
+            "engine.max_num_batched_tokens": max(2048, longest),
+            "store.host_capacity_bytes": 2 << 30,  # every stored prefix stays in the host tier
+        },
+    )
+    if args.device != "cuda":  # three workers on a small machine
         settings.update({"prefill.num_cpus": 0.5, "decode.num_cpus": 0.5})
         settings["engine.num_pages"] = max(256, 4 * longest // 16)
     cluster = Cluster(load_config(None, settings))

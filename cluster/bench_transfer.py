@@ -17,10 +17,11 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from halfmoon.cluster.bench_device import (
-    SHARED_GPU_SETTINGS,
     add_device_argument,
     bench_model,
     check_device,
+    int_list,
+    live_bench_settings,
 )
 from halfmoon.cluster.config import load_config
 from halfmoon.cluster.launcher import Cluster
@@ -162,25 +163,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", help="checkpoint (default: by --device)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    try:
-        chunk_counts = [int(c) for c in args.chunks.split(",")]
-    except ValueError:
-        parser.error(f"--chunks {args.chunks!r}: give whole numbers separated by commas")
+    chunk_counts = int_list(parser, "--chunks", args.chunks)
     chunk_tokens = args.chunk_tokens or (256 if args.device == "cuda" else 64)
     if min(chunk_counts) < 1 or chunk_tokens < 16 or chunk_tokens % 16 or args.repeats < 1:
         parser.error("--chunks and --repeats must be at least 1, --chunk-tokens a multiple of 16")
     check_device(parser, args.device)
-    cuda = args.device == "cuda"
-    model = bench_model(args.device, args.model)
-    settings = {
-        "model": model, "server.grpc_port": 0, "server.metrics_port": 0, "server.http_port": "off",
-        "engine.prefill_chunk_size": chunk_tokens,
-        "engine.max_num_batched_tokens": max(2048, chunk_tokens),
-        "store.use_local_redis": False,
-    }  # fmt: skip
-    if cuda:
-        settings.update(SHARED_GPU_SETTINGS)
-    else:
+    settings = live_bench_settings(
+        bench_model(args.device, args.model),
+        args.device,
+        **{
+            "engine.prefill_chunk_size": chunk_tokens,
+            "engine.max_num_batched_tokens": max(2048, chunk_tokens),
+        },
+    )
+    if args.device != "cuda":
         settings["engine.num_pages"] = max(256, max(chunk_counts) * chunk_tokens // 16 + 16)
     cluster = Cluster(load_config(None, settings))
     try:
