@@ -113,9 +113,10 @@ async def run(
     repeats: int,
     seed: int,
     all_samples: list[Breakdown] | None = None,
+    tag: str = "",
 ):
     """The best of `repeats` per chunk count and path; every sample also goes to
-    `all_samples` when given (for the stall's percentiles)."""
+    `all_samples` when given (for the stall's percentiles). `tag` starts each request id."""
     rng = random.Random(seed)
     rows = []
     for num_chunks in chunk_counts:
@@ -126,7 +127,7 @@ async def run(
                     rng.randrange(6, cluster.info.vocab_size)
                     for _ in range(num_chunks * chunk_tokens)
                 ]
-                rid = f"b{num_chunks}-{path}-{r}"
+                rid = f"{tag}b{num_chunks}-{path}-{r}"
                 samples.append(await measure(cluster, ids, path, rid))
             rows.append(min(samples, key=lambda b: b.ttft_s))
             if all_samples is not None:
@@ -181,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     cluster = Cluster(load_config(None, settings))
     try:
         cluster.start()
-        asyncio.run(run(cluster, [1], chunk_tokens, 1, args.seed))  # warm up
+        # Warm up on other prompts: the measured ones must not find their blocks cached.
+        asyncio.run(run(cluster, [1], chunk_tokens, 1, args.seed + 1, tag="warm-"))
         samples: list[Breakdown] = []
         rows = asyncio.run(
             run(cluster, chunk_counts, chunk_tokens, args.repeats, args.seed, samples)

@@ -65,3 +65,18 @@ def test_one_request_by_each_path_on_a_live_cluster(tiny_model_dir):
     assert [r.page_copies for r in rows] == [2 * layers, 0, 0, 0]
     assert samples == rows  # one sample per point: the best is the only one
     assert set(bench_transfer.stall_percentiles(samples)["by_path"]) == {"pages", "arena", "store"}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_command_measures_prompts_its_warm_up_did_not_cache(tiny_model_dir, capsys):
+    """The whole command, warm-up included: a measured prompt that the warm-up had put in the
+    store would be read from there before the prefill published it (KV in before the last
+    layer, as the store path once reported). Streaming, the last layer is in only after it
+    was published (without streaming, the time is taken once all layers are queued, and a
+    tiny model's first ones may land before it)."""
+    args = ["--model", str(tiny_model_dir), "--device", "cpu", "--chunks", "1"]
+    assert bench_transfer.main([*args, "--chunk-tokens", "32", "--repeats", "1", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [r["path"] for r in rows] == ["pages", "arena", "store", "off"]
+    assert all(r["kv_landed_s"] > 0 for r in rows if r["layerwise"]), rows
