@@ -9,26 +9,29 @@ import os
 import re
 import sys
 
-from halfmoon.cluster.auth import API_KEY_ENV
+from halfmoon.cluster.frontend.auth import API_KEY_ENV
 from halfmoon.cluster.version import package_version
 
 BENCHMARKS = {
-    "engine": "halfmoon.engine.bench",
-    "step": "halfmoon.engine.bench_step",
-    "kernels": "halfmoon.kernels.bench",
-    "kvstore": "halfmoon.kvstore.bench",
-    "rdt": "halfmoon.kvstore.bench_rdt",
-    "router": "halfmoon.router.bench",
-    "transfer": "halfmoon.cluster.bench_transfer",
-    "prefix-load": "halfmoon.cluster.bench_prefix_load",
-    "replay": "halfmoon.cluster.bench_replay",
-    "serve": "halfmoon.cluster.bench_serve",
-    "capacity": "halfmoon.router.bench_capacity",
-    "ttft": "halfmoon.cluster.bench_ttft",
-    "live-capacity": "halfmoon.cluster.bench_live_capacity",
+    "engine": "halfmoon.cluster.bench.engine",
+    "step": "halfmoon.cluster.bench.step",
+    "kernels": "halfmoon.cluster.bench.kernels",
+    "kvstore": "halfmoon.cluster.bench.kvstore",
+    "rdt": "halfmoon.cluster.bench.rdt",
+    "router": "halfmoon.cluster.bench.router",
+    "transfer": "halfmoon.cluster.bench.transfer",
+    "prefix-load": "halfmoon.cluster.bench.prefix_load",
+    "replay": "halfmoon.cluster.bench.replay",
+    "serve": "halfmoon.cluster.bench.serve",
+    "capacity": "halfmoon.cluster.bench.capacity",
+    "ttft": "halfmoon.cluster.bench.ttft",
+    "live-capacity": "halfmoon.cluster.bench.live_capacity",
 }
 # Commands whose own parser lives in their module; everything after the name is theirs.
-FORWARDED = {"simulate": "halfmoon.router.simulate", "profile": "halfmoon.cluster.measured_profile"}
+FORWARDED = {
+    "simulate": "halfmoon.router.sim.simulate",
+    "profile": "halfmoon.cluster.control.measured_profile",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -234,7 +237,7 @@ def _run_serve(args) -> int:
 
 
 def _run_status(args) -> int:
-    from halfmoon.cluster.client import Client, ServerError
+    from halfmoon.cluster.client.grpc_client import Client, ServerError
 
     try:
         client = Client(args.server, args.tls_ca, api_key=args.api_key)
@@ -324,7 +327,7 @@ def sampling_kwargs(args) -> dict:
 
 def _run_generate(args) -> int:
     if not args.local:
-        from halfmoon.cluster.generate_remote import generate_remote
+        from halfmoon.cluster.client.generate_remote import generate_remote
 
         return generate_remote(args)
     from halfmoon.engine import EngineConfig, LLMEngine, SamplingParams

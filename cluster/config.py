@@ -20,14 +20,14 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from halfmoon.cluster.autoscaling_policy import (
+from halfmoon.cluster.control.autoscaling_policy import (
     TAG_PREFIX,
     AutoscalingConfig,
     DecodePlannerPolicy,
     PrefillPlannerPolicy,
     invalid,
 )
-from halfmoon.cluster.request_limits import RequestLimits
+from halfmoon.cluster.frontend.request_limits import RequestLimits
 from halfmoon.router.policies import POLICIES
 from halfmoon.router.profile import PROFILE_DIR
 

@@ -8,8 +8,8 @@ import sys
 import threading
 
 from halfmoon.cluster.config import ClusterConfig
-from halfmoon.cluster.controller import Controller
-from halfmoon.cluster.launcher import Cluster
+from halfmoon.cluster.control.controller import Controller
+from halfmoon.cluster.control.launcher import Cluster
 
 log = logging.getLogger(__name__)
 

@@ -7,9 +7,9 @@ from collections.abc import Iterator
 
 import ray
 
-from halfmoon.cluster.client import Client
+from halfmoon.cluster.client.grpc_client import Client
 from halfmoon.cluster.config import load_config
-from halfmoon.cluster.launcher import Cluster
+from halfmoon.cluster.control.launcher import Cluster
 
 
 @contextlib.contextmanager

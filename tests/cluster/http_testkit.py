@@ -9,9 +9,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from halfmoon.cluster.grpc_server import start_grpc_server
-from halfmoon.cluster.http_server import OpenAIServer, start_http_server
-from halfmoon.cluster.local_backend import LocalBackend
+from halfmoon.cluster.frontend.grpc_server import start_grpc_server
+from halfmoon.cluster.frontend.http_server import OpenAIServer, start_http_server
+from halfmoon.cluster.serving.local_backend import LocalBackend
 from halfmoon.engine import EngineConfig, LLMEngine
 from halfmoon.engine.async_engine import AsyncEngine
 

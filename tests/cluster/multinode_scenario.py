@@ -17,11 +17,11 @@ import ray
 from prometheus_client.parser import text_string_to_metric_families
 from ray.cluster_utils import Cluster as RayCluster
 
-from halfmoon.cluster.client import Client
+from halfmoon.cluster.client.grpc_client import Client
 from halfmoon.cluster.config import load_config
-from halfmoon.cluster.controller import Controller
-from halfmoon.cluster.grpc_errors import ServerError
-from halfmoon.cluster.launcher import Cluster
+from halfmoon.cluster.control.controller import Controller
+from halfmoon.cluster.control.launcher import Cluster
+from halfmoon.cluster.frontend.grpc_errors import ServerError
 from halfmoon.engine import LLM, SamplingParams
 
 GiB = 1 << 30

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from halfmoon.cluster import bench_replay
+from halfmoon.cluster.bench import replay as bench_replay
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_session")]
 

@@ -8,8 +8,8 @@ import json
 import pytest
 from cluster_kit import running_cluster
 
-from halfmoon.cluster import bench_transfer
-from halfmoon.cluster.bench_transfer import Breakdown
+from halfmoon.cluster.bench import transfer as bench_transfer
+from halfmoon.cluster.bench.transfer import Breakdown
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from halfmoon.cluster.bench_ttft import ModeResult, make_prompts, report
+from halfmoon.cluster.bench.ttft import ModeResult, make_prompts, report
 
 
 def test_the_report_orders_stage_medians_and_checks_the_goal_against_the_engine():

@@ -9,7 +9,7 @@ import time
 import pytest
 from cluster_kit import running_cluster
 
-from halfmoon.cluster.controller import Controller
+from halfmoon.cluster.control.controller import Controller
 
 pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.slow]
 

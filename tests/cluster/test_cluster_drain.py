@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_testkit import wait_for
 from test_cluster_process import _alive, _descendants, _name, _wait_for_line
 
-from halfmoon.cluster.client import Client, ServerError
+from halfmoon.cluster.client.grpc_client import Client, ServerError
 from halfmoon.kvstore.redis_server import free_port
 
 pytestmark = pytest.mark.slow

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from cluster_kit import running_cluster
 
-from halfmoon.cluster.client import ServerError
+from halfmoon.cluster.client.grpc_client import ServerError
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 

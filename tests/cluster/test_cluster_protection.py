@@ -11,7 +11,7 @@ import pytest
 from cluster_kit import running_cluster
 from grpc_testkit import wait_for
 
-from halfmoon.cluster.client import AsyncClient, ServerError
+from halfmoon.cluster.client.grpc_client import AsyncClient, ServerError
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_session")]
 TEN_MB = 10_000_000

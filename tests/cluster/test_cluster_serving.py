@@ -9,7 +9,7 @@ import pytest
 import ray
 from cluster_kit import counters, running_cluster, worker
 
-from halfmoon.cluster.client import ServerError
+from halfmoon.cluster.client.grpc_client import ServerError
 from halfmoon.engine import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("ray_session")

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from halfmoon.cluster.autoscaling_policy import DecodeTargetPolicy, PrefillTargetPolicy
 from halfmoon.cluster.config import ClusterConfig, ConfigError, load_config
+from halfmoon.cluster.control.autoscaling_policy import DecodeTargetPolicy, PrefillTargetPolicy
 
 CONFIGS = Path(__file__).resolve().parents[2] / "deploy" / "configs"
 

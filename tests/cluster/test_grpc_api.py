@@ -12,8 +12,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from grpc_testkit import serve_model
 
-from halfmoon.cluster.backend import Usage
-from halfmoon.cluster.client import AsyncClient, Client, ServerError
+from halfmoon.cluster.client.grpc_client import AsyncClient, Client, ServerError
+from halfmoon.cluster.serving.backend import Usage
 from halfmoon.engine import SamplingParams
 
 PROMPTS = [

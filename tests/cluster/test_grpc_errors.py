@@ -8,10 +8,10 @@ import threading
 import grpc
 import pytest
 
-from halfmoon.cluster.backend import DuplicateRequestError, NoWorkerError, RejectedError
-from halfmoon.cluster.client import Client, ServerError
-from halfmoon.cluster.grpc_errors import status_for
-from halfmoon.cluster.grpc_server import start_grpc_server
+from halfmoon.cluster.client.grpc_client import Client, ServerError
+from halfmoon.cluster.frontend.grpc_errors import status_for
+from halfmoon.cluster.frontend.grpc_server import start_grpc_server
+from halfmoon.cluster.serving.backend import DuplicateRequestError, NoWorkerError, RejectedError
 from halfmoon.engine.errors import InvalidRequestError, OutOfPagesError, RequestNotFoundError
 from halfmoon.engine.worker_errors import WorkerCallError, WorkerError
 

@@ -14,7 +14,7 @@ import ray
 import ray.cloudpickle
 from cluster_kit import counters, running_cluster
 
-from halfmoon.cluster import launcher
+from halfmoon.cluster.control import launcher
 from halfmoon.engine import SamplingParams
 from halfmoon.prefill_worker.worker import PrefillWorker
 

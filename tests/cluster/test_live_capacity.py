@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from halfmoon.cluster.bench_live_capacity import (
+from halfmoon.cluster.bench.live_capacity import (
     COLOCATED,
     DISAGGREGATED,
     ClusterShape,
@@ -21,7 +21,7 @@ from halfmoon.cluster.bench_live_capacity import (
     simulated_capacity,
     to_records,
 )
-from halfmoon.cluster.bench_workload import BenchRequest, WorkloadError, random_requests
+from halfmoon.cluster.bench.workload import BenchRequest, WorkloadError, random_requests
 from halfmoon.router.config import RouterConfig
 from halfmoon.router.errors import ProfileError
 from halfmoon.router.profile import PROFILE_DIR, load_profile, profile_from_dict, profile_to_dict

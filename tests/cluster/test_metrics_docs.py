@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from halfmoon.cluster.metrics import Metrics
+from halfmoon.cluster.control.metrics import Metrics
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 EXPOSED_SUFFIX = {"counter": "_total"}

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from halfmoon.cluster.metrics import Metrics, start_metrics_server
+from halfmoon.cluster.control.metrics import Metrics, start_metrics_server
 from halfmoon.kvstore.stats import StoreStats
 
 

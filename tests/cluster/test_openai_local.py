@@ -13,17 +13,17 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from http_testkit import serve_openai
 
-from halfmoon.cluster.backend import (
+from halfmoon.cluster.cli import build_parser, main
+from halfmoon.cluster.client.grpc_client import Client, ServerError
+from halfmoon.cluster.config import ConfigError, load_config, validate_config
+from halfmoon.cluster.frontend.http_errors import http_error
+from halfmoon.cluster.serving.backend import (
     DuplicateRequestError,
     ModelNotFoundError,
     NoWorkerError,
     RejectedError,
     UnauthenticatedError,
 )
-from halfmoon.cluster.cli import build_parser, main
-from halfmoon.cluster.client import Client, ServerError
-from halfmoon.cluster.config import ConfigError, load_config, validate_config
-from halfmoon.cluster.http_errors import http_error
 from halfmoon.engine.errors import InvalidRequestError, OutOfPagesError
 from halfmoon.engine.init_model import build_tokenizer
 from halfmoon.engine.tokenizer import tokenize_prompt
@@ -134,8 +134,8 @@ def test_messages_use_a_default_template_when_the_tokenizer_has_none():
 def test_http_requests_obey_the_request_limits_and_the_drain(tiny_model_dir):
     import asyncio
 
-    from halfmoon.cluster.drain import Drain
-    from halfmoon.cluster.request_limits import RequestLimits
+    from halfmoon.cluster.frontend.drain import Drain
+    from halfmoon.cluster.frontend.request_limits import RequestLimits
 
     limits = RequestLimits(max_stop_strings=2, max_prompt_bytes=1000)
     drain = Drain()

@@ -16,8 +16,8 @@ import ray
 from cluster_kit import counters, running_cluster, worker
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from halfmoon.cluster.client import AsyncClient, ServerError
-from halfmoon.cluster.controller import Controller
+from halfmoon.cluster.client.grpc_client import AsyncClient, ServerError
+from halfmoon.cluster.control.controller import Controller
 from halfmoon.engine import SamplingParams
 from halfmoon.engine.worker_errors import WorkerError
 

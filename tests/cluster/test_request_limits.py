@@ -9,9 +9,9 @@ import grpc
 import pytest
 from grpc_testkit import serve_model
 
-from halfmoon.cluster.client import Client, ServerError
-from halfmoon.cluster.grpc_errors import MAX_MESSAGE_CHARS, bounded
-from halfmoon.cluster.request_limits import (
+from halfmoon.cluster.client.grpc_client import Client, ServerError
+from halfmoon.cluster.frontend.grpc_errors import MAX_MESSAGE_CHARS, bounded
+from halfmoon.cluster.frontend.request_limits import (
     RequestLimits,
     check_messages,
     check_stops,
@@ -153,7 +153,7 @@ def test_tls_server_answers_clients_that_trust_its_ca_only(tiny_model_dir, tmp_p
 def test_drain_refuses_new_requests_and_lets_the_stream_in_flight_finish(tiny_model_dir):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from halfmoon.cluster.drain import Drain
+    from halfmoon.cluster.frontend.drain import Drain
 
     drain = Drain()
     with serve_model(tiny_model_dir, drain=drain) as running, Client(running.address) as client:

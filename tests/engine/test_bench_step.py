@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from halfmoon.cluster.bench.step import decode_step_times
 from halfmoon.engine import LLM, SamplingParams
-from halfmoon.engine.bench_step import decode_step_times
 
 PARAMS = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
 

@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from halfmoon.kernels import bench, triton_kernels
+from halfmoon.cluster.bench import kernels as bench
+from halfmoon.kernels import triton_kernels
 
 # Compiled Triton kernels (on a CUDA host) take CUDA tensors only.
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

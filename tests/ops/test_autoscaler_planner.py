@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from halfmoon.cluster.autoscaling import Autoscaler
-from halfmoon.cluster.autoscaling_planner import (
+from halfmoon.cluster.control.autoscaling import Autoscaler
+from halfmoon.cluster.control.autoscaling_planner import (
     Load,
     decode_tokens_per_s,
     plan_decode,
     plan_prefill,
     prefill_tokens_per_s,
 )
-from halfmoon.cluster.autoscaling_policy import AutoscalingConfig, AutoscalingError
+from halfmoon.cluster.control.autoscaling_policy import AutoscalingConfig, AutoscalingError
 from halfmoon.router.cost_model import CostModel
 
 LOAD = Load(request_rate_per_s=20, mean_input_tokens=1000, mean_output_tokens=200)

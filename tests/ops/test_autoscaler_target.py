@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from halfmoon.cluster.autoscaling import Autoscaler
-from halfmoon.cluster.autoscaling_policy import AutoscalingConfig, AutoscalingError
+from halfmoon.cluster.control.autoscaling import Autoscaler
+from halfmoon.cluster.control.autoscaling_policy import AutoscalingConfig, AutoscalingError
 
 
 def prefill_scaler(**policy) -> Autoscaler:

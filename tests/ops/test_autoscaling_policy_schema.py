@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from halfmoon.cluster.autoscaling_policy import DecodePlannerPolicy, PrefillTargetPolicy
 from halfmoon.cluster.config import ConfigError, load_config, validate_config
+from halfmoon.cluster.control.autoscaling_policy import DecodePlannerPolicy, PrefillTargetPolicy
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "deploy" / "autoscaling"
 

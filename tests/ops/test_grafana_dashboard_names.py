@@ -1,4 +1,4 @@
-"""Every metric the Grafana dashboard queries is one halfmoon.cluster.metrics defines."""
+"""Every metric the Grafana dashboard queries is one halfmoon.cluster.control.metrics defines."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 import re
 from pathlib import Path
 
-from halfmoon.cluster.metrics import Metrics
+from halfmoon.cluster.control.metrics import Metrics
 from halfmoon.engine.worker_metrics import WorkerMetrics
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "halfmoon.json"

@@ -22,7 +22,7 @@ PACKAGE_DATA = [
     "deploy/configs/local.yaml",
     "deploy/configs/gpu-cluster.yaml",
     "deploy/autoscaling/slo-planner.yaml",
-    "router/report_template.md",
+    "cluster/bench/router_report_template.md",
 ]
 
 

@@ -9,16 +9,16 @@ import random
 import pytest
 from router_testkit import simple_profile
 
+from halfmoon.cluster.bench.capacity import main
 from halfmoon.kvstore.index import PrefixIndex
-from halfmoon.router.bench_capacity import main
-from halfmoon.router.capacity import MAX_SCALE, highest_passing
-from halfmoon.router.colocated_simulation import ColocatedSimulation
 from halfmoon.router.config import RouterConfig
 from halfmoon.router.cost_model import CostModel
 from halfmoon.router.errors import RouterConfigError
 from halfmoon.router.profile import save_profile
-from halfmoon.router.sim_colocated import ColocatedJob, SimColocated
-from halfmoon.router.trace import TraceRecord
+from halfmoon.router.sim.capacity import MAX_SCALE, highest_passing
+from halfmoon.router.sim.colocated_instance import ColocatedJob, SimColocated
+from halfmoon.router.sim.colocated_simulation import ColocatedSimulation
+from halfmoon.router.sim.trace import TraceRecord
 
 COST = CostModel((0.005, 1e-4, 0.0, 0.0), (0.004, 1e-3, 1e-6))
 PROFILE = dataclasses.replace(simple_profile(), cost=COST)

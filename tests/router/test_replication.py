@@ -4,9 +4,9 @@ from router_testkit import make_conductor, request, simple_profile
 from halfmoon.router.config import RouterConfig
 from halfmoon.router.errors import RouterConfigError
 from halfmoon.router.replication import HotPrefixTracker, Replication
-from halfmoon.router.sim_prefill import CACHE_TIER
-from halfmoon.router.simulation import Simulation
-from halfmoon.router.trace import TraceRecord
+from halfmoon.router.sim.prefill_instance import CACHE_TIER
+from halfmoon.router.sim.simulation import Simulation
+from halfmoon.router.sim.trace import TraceRecord
 
 PREFIX = list(range(8))  # eight of a request's ten 10-token blocks, held by p0
 

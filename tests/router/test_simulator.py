@@ -5,9 +5,9 @@ import pytest
 
 from halfmoon.router.cost_model import CostModel
 from halfmoon.router.errors import TraceFormatError
-from halfmoon.router.sim_decode import SimDecode
-from halfmoon.router.simulate import main
-from halfmoon.router.trace import read_trace, unbounded_hit_rate
+from halfmoon.router.sim.decode_instance import SimDecode
+from halfmoon.router.sim.simulate import main
+from halfmoon.router.sim.trace import read_trace, unbounded_hit_rate
 
 
 def write_trace(path, num_requests: int = 300, seed: int = 0) -> None:

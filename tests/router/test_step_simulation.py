@@ -9,9 +9,9 @@ from router_testkit import simple_profile
 
 from halfmoon.router.config import RouterConfig
 from halfmoon.router.cost_model import CostModel
-from halfmoon.router.sim_engine import SimEngine, StepJob
-from halfmoon.router.step_simulation import StepSimulation
-from halfmoon.router.trace import TraceRecord
+from halfmoon.router.sim.step_engine import SimEngine, StepJob
+from halfmoon.router.sim.step_simulation import StepSimulation
+from halfmoon.router.sim.trace import TraceRecord
 
 COST = CostModel((0.005, 1e-4, 0.0, 0.0), (0.004, 1e-3, 1e-6), chunk_tokens=64)
 
@@ -119,7 +119,7 @@ def test_simulate_steps_like_the_engine_with_a_chunked_profile(tmp_path, capsys)
     import json
 
     from halfmoon.router.profile import save_profile
-    from halfmoon.router.simulate import main
+    from halfmoon.router.sim.simulate import main
 
     save_profile(profile(), tmp_path / "chunked.yaml")
     trace = tmp_path / "trace.jsonl"

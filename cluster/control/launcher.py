@@ -1,0 +1,318 @@
+"""Brings the cluster up and down: Ray, a store node per Ray node, the worker pools and the
+router actor. The controller (cluster/control/controller.py) keeps it healthy and sized."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import os
+import secrets
+import shutil
+import subprocess
+import uuid
+from dataclasses import dataclass, field
+
+import ray
+import torch
+from pydantic import SecretStr
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from halfmoon.cluster.config import ClusterConfig, PoolConfig
+from halfmoon.cluster.control.measured_profile import measured_profile
+from halfmoon.cluster.serving.router_actor import RouterActor
+from halfmoon.decode_worker.worker import DecodeWorker
+from halfmoon.engine.config import EngineConfig
+from halfmoon.engine.model_source import resolve_model
+from halfmoon.engine.worker_info import WorkerInfo
+from halfmoon.kvstore.config import StoreConfig
+from halfmoon.kvstore.layout import KvLayout
+from halfmoon.kvstore.redis_server import start_redis_server
+from halfmoon.kvstore.store_node import start_store_node, store_node_name
+from halfmoon.prefill_worker.worker import PrefillWorker
+from halfmoon.router.profile import Profile, load_profile
+
+log = logging.getLogger(__name__)
+REDIS_PASSWORD_ENV = "HALFMOON_REDIS_PASSWORD"
+REDIS_HMAC_KEY_ENV = "HALFMOON_REDIS_HMAC_KEY"
+WORKER_CLASSES = {"prefill": PrefillWorker, "decode": DecodeWorker}
+
+
+@dataclass(slots=True)
+class WorkerHandle:
+    name: str
+    kind: str
+    actor: ray.actor.ActorHandle
+
+
+@dataclass
+class Cluster:
+    """A running halfmoon cluster, owned by the process that started it."""
+
+    config: ClusterConfig
+    cluster_id: str = field(default_factory=lambda: uuid.uuid4().hex[:6])
+    workers: dict[str, WorkerHandle] = field(default_factory=dict)
+    stores: dict[str, ray.actor.ActorHandle] = field(default_factory=dict)
+    router: ray.actor.ActorHandle | None = None
+    ports: dict = field(default_factory=dict)
+    info: WorkerInfo | None = None
+    profile: Profile | None = None
+    owns_ray: bool = False
+    redis: subprocess.Popen | None = None
+    _counter: itertools.count = field(default_factory=itertools.count)
+
+    @property
+    def pools(self) -> dict[str, PoolConfig]:
+        if self.config.mode == "colocated":
+            return {"decode": self.config.decode}
+        return {"prefill": self.config.prefill, "decode": self.config.decode}
+
+    def start(self) -> dict:
+        """Start everything; returns the bound ports (`grpc_port`, `metrics_port`, and
+        `http_port`, None when the HTTP API is off)."""
+        model = str(resolve_model(self.config.model))  # a missing model fails before Ray starts
+        self._init_ray()
+        self.engine_config = self._engine_config(model)
+        for kind, pool in self.pools.items():
+            for _ in range(pool.replicas):
+                self._spawn(kind)
+        # On this process's node (the head under `ray up`): its ports are where clients look.
+        # Started now, so its process comes up while the workers load the model.
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        router = (
+            ray.remote(RouterActor)
+            .options(
+                name=f"halfmoon-router-{self.cluster_id}",
+                num_cpus=0,
+                max_concurrency=10_000,
+                scheduling_strategy=here,
+            )
+            .remote(self.config)
+        )
+        try:
+            first = next(iter(self.workers.values()))
+            self.info = ray.get(first.actor.info.remote())
+            self.store_config = self._store_config()
+            self.ensure_stores()
+            self.profile = self._profile()
+            ray.get(router.setup.remote(self.info, self.profile))
+        except BaseException:
+            ray.kill(router, no_restart=True)
+            raise
+        self.router = router
+        self.ports = ray.get(self.router.start.remote())
+        for node_id, store in self.stores.items():  # started before the router existed
+            ray.get(self.router.add_store.remote(store_node_name(node_id), store))
+        for worker in list(self.workers.values()):
+            self._register(worker)
+        if self.config.router.profile is None and self.config.mode == "disaggregated":
+            ray.get(self.router.calibrate.remote())
+        return self.ports
+
+    def _profile(self) -> Profile | None:
+        """The router's profile: the configured file, or measured now from one worker per pool."""
+        if self.config.router.profile is not None:
+            return load_profile(self.config.router.profile)
+        by_kind = {w.kind: w for w in self.workers.values()}
+        decode = ray.get(by_kind["decode"].actor.profile.remote())
+        prefill = (
+            ray.get(by_kind["prefill"].actor.profile.remote()) if "prefill" in by_kind else decode
+        )
+        return measured_profile(self.info, prefill, decode, self.config.store.host_capacity_bytes)
+
+    def add_worker(self, kind: str, wait: bool = True) -> WorkerHandle:
+        """Start one more worker of `kind`. With `wait`, route to it once it answers (which
+        blocks while Ray places it, e.g. while the autoscaler boots a node); without, the
+        caller passes it to `register_worker` once its `ping` answers."""
+        worker = self._spawn(kind)
+        if wait:
+            self._register(worker)
+        return worker
+
+    def register_worker(self, worker: WorkerHandle) -> None:
+        """Route to a worker started with `add_worker(kind, wait=False)` that now answers."""
+        self._register(worker)
+
+    def forget_worker(self, name: str) -> None:
+        """Drop a started worker that died before it was ever routed to."""
+        worker = self.workers.pop(name)
+        ray.kill(worker.actor, no_restart=True)
+
+    def remove_worker(self, name: str) -> None:
+        """Stop routing to `name` and kill it (drain first with the controller)."""
+        worker = self.workers.pop(name)
+        ray.get(self.router.remove_worker.remote(name))
+        ray.kill(worker.actor, no_restart=True)
+
+    def ensure_stores(self) -> None:
+        """A store node on every live Ray node (new nodes join as the autoscaler adds them)."""
+        layout = KvLayout(
+            self.info.num_layers,
+            self.info.block_size,
+            self.info.num_kv_heads,
+            self.info.head_dim,
+            getattr(torch, self.info.dtype),
+        )
+        for node in ray.nodes():
+            if not node["Alive"] and node["NodeID"] in self.stores:
+                self._forget_store(node["NodeID"])
+            if not node["Alive"] or node["NodeID"] in self.stores:
+                continue
+            name = store_node_name(node["NodeID"])
+            config = self._node_store_config(node)
+            store = start_store_node(layout, config, node["NodeID"])
+            self.stores[node["NodeID"]] = store
+            if self.router is not None:
+                ray.get(self.router.add_store.remote(name, store))
+
+    def _forget_store(self, node_id: str) -> None:
+        """The store node of a Ray node that died: stop reading from it."""
+        self.stores.pop(node_id)
+        if self.router is not None:
+            ray.get(self.router.remove_store.remote(store_node_name(node_id)))
+
+    def stop(self) -> None:
+        """Stop serving and release every actor and process this cluster started."""
+        if self.router is not None:
+            try:
+                drain_s = self.config.server.drain_timeout_s
+                in_flight, cut = ray.get(self.router.stop.remote(), timeout=drain_s + 20)
+                log.info("drained %d requests in flight (%d cut at the timeout)", in_flight, cut)
+            except Exception:  # noqa: BLE001 - shutting down regardless
+                log.warning("router did not stop cleanly")
+            ray.kill(self.router, no_restart=True)
+            self.router = None
+        for worker in self.workers.values():
+            ray.kill(worker.actor, no_restart=True)
+        self.workers.clear()
+        for store in self.stores.values():
+            ray.kill(store, no_restart=True)
+        self.stores.clear()
+        if self.redis is not None:
+            self.redis.terminate()
+            self.redis.wait(timeout=10)
+            self.redis = None
+        if self.owns_ray:
+            ray.shutdown()
+
+    def _init_ray(self) -> None:
+        if ray.is_initialized():
+            return
+        # None starts a Ray here ("local"), never joins one found on the machine.
+        address = self.config.ray.address or os.environ.get("RAY_ADDRESS") or "local"
+        local = address == "local"
+        if local and self.config.ray.auth_mode == "disabled":
+            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        # Otherwise Ray's own default for a Ray it starts: token auth, with the token it makes
+        # in ~/.ray/auth_token ($RAY_AUTH_MODE and $RAY_AUTH_TOKEN win). Setting RAY_AUTH_MODE
+        # here would not do: Ray has read it at import.
+        ray.init(
+            address=address,
+            namespace=self.config.ray.namespace,
+            include_dashboard=False,
+            log_to_driver=False,
+            # One node: its address is loopback, where Ray binds what it can.
+            _node_ip_address="127.0.0.1" if local else None,
+        )
+        self.owns_ray = True
+
+    def _engine_config(self, model: str) -> EngineConfig:
+        engine = self.config.engine
+        return EngineConfig(
+            model=model,
+            block_size=engine.block_size,
+            num_pages=engine.num_pages,
+            max_num_batched_tokens=engine.max_num_batched_tokens,
+            max_num_seqs=engine.max_num_seqs,
+            prefill_chunk_size=engine.prefill_chunk_size,
+            dtype=engine.dtype,
+            max_model_len=engine.max_model_len,
+            kv_cache_memory_bytes=engine.kv_cache_memory_bytes,
+            gpu_memory_utilization=engine.gpu_memory_utilization,
+            enforce_eager=engine.enforce_eager,
+        )
+
+    def _pool_engine_config(self, pool: PoolConfig) -> EngineConfig:
+        """Workers sharing a GPU (fractional num_gpus) split its memory by their fraction."""
+        share = min(pool.num_gpus, 1.0) if pool.num_gpus > 0 else 1.0
+        utilization = self.engine_config.gpu_memory_utilization * share
+        return dataclasses.replace(self.engine_config, gpu_memory_utilization=utilization)
+
+    def _worker_engine_config(self, kind: str) -> EngineConfig:
+        """A pool's engine config; prefill workers' KV caches shared with their node when they
+        lend pages to decode workers (`store.lend_pages`)."""
+        config = self._pool_engine_config(self.pools[kind])
+        store = self.config.store
+        lend = self.config.mode == "disaggregated" and store.direct_notices and store.lend_pages
+        if kind == "prefill" and lend:
+            config = dataclasses.replace(config, share_kv=True)
+        return config
+
+    def _store_config(self) -> StoreConfig:
+        store = self.config.store
+        url, password = store.redis_url, secret(store.redis_password, REDIS_PASSWORD_ENV)
+        if url is None and store.use_local_redis and shutil.which("redis-server"):
+            password = secrets.token_urlsafe(32)
+            self.redis, url = start_redis_server(password=password)
+        hmac_key = secret(store.redis_hmac_key, REDIS_HMAC_KEY_ENV) or secrets.token_urlsafe(32)
+        return StoreConfig(
+            host_capacity_bytes=store.host_capacity_bytes,
+            redis_url=url,
+            redis_password=password,
+            redis_hmac_key=hmac_key,
+            redis_max_connections=store.redis_max_connections,
+            redis_pool_timeout_s=store.redis_pool_timeout_s,
+            redis_ttl_s=store.redis_ttl_s,
+            lease_ttl_s=store.lease_ttl_s,
+            get_timeout_s=store.get_timeout_s,
+        )
+
+    def _node_store_config(self, node: dict) -> StoreConfig:
+        """The store config for one Ray node: its host tier sized from its memory when
+        `store.host_memory_fraction` is set."""
+        fraction = self.config.store.host_memory_fraction
+        memory = node["Resources"].get("memory", 0)
+        if fraction is None or memory <= 0:
+            return self.store_config
+        capacity = int(fraction * memory)
+        return self.store_config.model_copy(update={"host_capacity_bytes": capacity})
+
+    def _spawn(self, kind: str) -> WorkerHandle:
+        pool = self.pools[kind]
+        name = f"{kind}-{next(self._counter)}"
+        actor = (
+            ray.remote(WORKER_CLASSES[kind])
+            .options(
+                name=f"halfmoon-{self.cluster_id}-{name}",
+                num_cpus=pool.num_cpus,
+                num_gpus=pool.num_gpus,
+                resources=pool.resources or None,
+                max_concurrency=10_000,
+                max_restarts=0,
+            )
+            .remote(name, self._worker_engine_config(kind), None, self.config.store.get_timeout_s)
+        )
+        worker = self.workers[name] = WorkerHandle(name, kind, actor)
+        return worker
+
+    def _register(self, worker: WorkerHandle) -> None:
+        ray.get(worker.actor.ping.remote())
+        self.ensure_stores()
+        store_name = ray.get(worker.actor.store_name.remote()) if worker.kind == "prefill" else None
+        store = self.config.store
+        notified = self.config.mode == "disaggregated" and store.direct_notices
+        kv_peer = (
+            ray.get(worker.actor.kv_peer.remote()) if worker.kind == "decode" and notified else None
+        )
+        ray.get(
+            self.router.add_worker.remote(
+                worker.name, worker.kind, worker.actor, store_name, kv_peer
+            )
+        )
+
+
+def secret(configured: SecretStr | None, env: str) -> str | None:
+    """A secret from the config, else from the environment variable `env`, else None."""
+    if configured is not None:
+        return configured.get_secret_value()
+    return os.environ.get(env) or None

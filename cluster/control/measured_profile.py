@@ -1,0 +1,77 @@
+"""A router profile measured from live workers: the cost model fitted from their start-up
+profile, sizes from the model's KV layout, transfer figures from the store's loopback path."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+from pathlib import Path
+
+from halfmoon.engine.profiling import ProfileSamples
+from halfmoon.engine.worker_info import WorkerInfo
+from halfmoon.router.cost_model import CostModel
+from halfmoon.router.profile import PROFILE_DIR, Profile, save_profile
+
+# Ray's shared-memory object store between processes on one host, as measured by
+# `halfmoon bench kvstore` (the Ray-actor rows): about 0.3-0.5 GB/s end to end on our CPU machines.
+LOOPBACK_BYTES_PER_S = 4.0e8
+LOOPBACK_LATENCY_S = 0.003
+
+
+def measured_profile(
+    info: WorkerInfo, prefill: ProfileSamples, decode: ProfileSamples, cache_bytes: float
+) -> Profile:
+    """Fit the cost model from a prefill and a decode worker's samples."""
+    dtype_bytes = {"float32": 4, "float16": 2, "bfloat16": 2}[info.dtype]
+    kv_bytes_per_token = 2 * info.num_layers * info.num_kv_heads * info.head_dim * dtype_bytes
+    return Profile(
+        name=f"measured-{info.architecture}-{info.dtype}",
+        cost=dataclasses.replace(
+            CostModel.fit(prefill.prefill, decode.decode), chunk_tokens=prefill.chunk_tokens
+        ),
+        kv_bytes_per_token=kv_bytes_per_token,
+        num_layers=info.num_layers,
+        network_bytes_per_s=LOOPBACK_BYTES_PER_S,
+        host_to_device_bytes_per_s=LOOPBACK_BYTES_PER_S,
+        transfer_latency_s=LOOPBACK_LATENCY_S,
+        decode_kv_capacity_tokens=info.num_pages * info.block_size,
+        cache_bytes_per_instance=max(
+            cache_bytes, info.num_pages * info.block_size * kv_bytes_per_token
+        ),
+        assumptions={
+            "measured": datetime.date.today().isoformat(),
+            "model": Path(info.model).name,
+            "how": "start-up profile of live workers (engine/profiling.py), least-squares fit",
+            "prefill_samples": [list(s) for s in prefill.prefill],
+            "decode_samples": [list(s) for s in decode.decode],
+            "transfer": "loopback Ray object store, LOOPBACK_* in cluster/control/"
+            "measured_profile.py",
+        },
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`halfmoon profile`: measure the profile of a model on this machine and write it."""
+    parser = argparse.ArgumentParser(
+        prog="halfmoon profile",
+        description="Profile the engine on this machine (prefill and decode timings) and write "
+        "a router profile YAML the simulator and the Conductor can load.",
+    )
+    parser.add_argument("--model", help="checkpoint directory (default: the tiny model)")
+    parser.add_argument("--out", default=str(PROFILE_DIR / "cpu-tiny.yaml"), help="YAML to write")
+    args = parser.parse_args(argv)
+    import torch
+
+    from halfmoon.engine import LLM
+    from halfmoon.engine.profiling import profile_engine
+    from halfmoon.engine.worker_info import worker_info
+
+    torch.set_num_threads(1)
+    llm = LLM(args.model, num_pages=512)
+    samples = profile_engine(llm.engine)
+    info = worker_info("profile", "both", llm.engine)
+    profile = measured_profile(info, samples, samples, 256 << 20)
+    save_profile(profile, args.out)
+    print(f"wrote {args.out}: {profile.cost}")
+    return 0

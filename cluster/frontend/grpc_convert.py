@@ -1,0 +1,210 @@
+"""Proto messages to and from the backend's value types; every field that arrives is checked."""
+
+from __future__ import annotations
+
+import math
+import uuid
+
+from halfmoon.cluster.api import halfmoon_pb2 as pb
+from halfmoon.cluster.frontend.request_limits import (
+    RequestLimits,
+    check_messages,
+    check_request_id,
+    check_stops,
+    check_text,
+    check_token_ids,
+)
+from halfmoon.cluster.serving.backend import GenerateInput, ModelInfo, TokenDelta, Usage
+from halfmoon.engine.errors import InvalidRequestError
+from halfmoon.engine.sampling_params import SamplingParams
+from halfmoon.engine.sequence import TokenLogprobs
+from halfmoon.engine.tokenizer import Prompt
+
+MAX_LOGPROBS = 20
+# Proto3 `optional` fields: only those a client set reach SamplingParams, so its defaults rule.
+OPTIONAL_SAMPLING_FIELDS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "ignore_eos",
+    "logprobs",
+)
+REPEATED_SAMPLING_FIELDS = ("stop", "stop_token_ids")
+
+
+def input_from_proto(
+    request: pb.GenerateRequest, limits: RequestLimits | None = None
+) -> GenerateInput:
+    """The backend's request; raises `InvalidRequestError` naming the first bad field.
+    Sizes are checked against `limits` (default: the config's defaults) before anything else."""
+    check_sizes(request, limits or RequestLimits())
+    return GenerateInput(
+        request_id=_request_id(request.request_id),
+        prompt=_prompt(request),
+        params=_sampling_params(request.sampling),
+        ttft_slo_s=_slo(request, "ttft_slo_s"),
+        tbt_slo_s=_slo(request, "tbt_slo_s"),
+    )
+
+
+def check_sizes(request: pb.GenerateRequest, limits: RequestLimits) -> None:
+    """Every size limit of a `GenerateRequest`; raises `InvalidRequestError` on the first."""
+    check_request_id(request.request_id, limits)
+    kind = request.WhichOneof("input")
+    if kind == "text":
+        check_text(request.text, limits, "text")
+    elif kind == "token_ids":
+        check_token_ids(len(request.token_ids.ids), limits)
+    elif kind == "chat":
+        check_messages([m.content for m in request.chat.messages], limits, "chat.messages")
+    check_stops(request.sampling.stop, len(request.sampling.stop_token_ids), limits)
+
+
+def request_to_proto(
+    request_id: str,
+    prompt: Prompt,
+    sampling: dict,
+    ttft_slo_s: float | None = None,
+    tbt_slo_s: float | None = None,
+) -> pb.GenerateRequest:
+    """A `GenerateRequest`; `sampling` holds SamplingParams fields, None meaning unset."""
+    unknown = set(sampling) - set(OPTIONAL_SAMPLING_FIELDS) - set(REPEATED_SAMPLING_FIELDS)
+    if unknown:
+        raise TypeError(
+            f"unknown sampling parameters {sorted(unknown)}; known: "
+            f"{', '.join(OPTIONAL_SAMPLING_FIELDS + REPEATED_SAMPLING_FIELDS)}"
+        )
+    set_fields = {name: value for name, value in sampling.items() if value is not None}
+    request = pb.GenerateRequest(
+        request_id=request_id,
+        sampling=pb.SamplingParams(**set_fields),
+        ttft_slo_s=ttft_slo_s,
+        tbt_slo_s=tbt_slo_s,
+    )
+    if isinstance(prompt, str):
+        request.text = prompt
+    elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+        request.chat.messages.extend(pb.ChatMessage(**m) for m in prompt)
+    elif isinstance(prompt, list):
+        request.token_ids.ids.extend(prompt)
+    else:
+        raise TypeError(f"prompt is a {type(prompt).__name__}; pass text, token ids or messages")
+    return request
+
+
+def delta_to_proto(request_id: str, delta: TokenDelta) -> pb.GenerateResponse:
+    response = pb.GenerateResponse(
+        request_id=request_id,
+        token_ids=delta.token_ids,
+        text=delta.text,
+        logprobs=[_logprob_to_proto(lp) for lp in delta.logprobs],
+        finish_reason=delta.finish_reason,
+    )
+    if delta.usage is not None:
+        response.usage.CopyFrom(
+            pb.Usage(
+                prompt_tokens=delta.usage.prompt_tokens,
+                completion_tokens=delta.usage.completion_tokens,
+                cached_tokens=delta.usage.cached_tokens,
+            )
+        )
+    return response
+
+
+def delta_from_proto(response: pb.GenerateResponse) -> TokenDelta:
+    usage = response.usage if response.HasField("usage") else None
+    return TokenDelta(
+        token_ids=list(response.token_ids),
+        text=response.text,
+        finish_reason=response.finish_reason if response.HasField("finish_reason") else None,
+        usage=Usage(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
+        if usage
+        else None,
+        logprobs=[
+            TokenLogprobs(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top])
+            for lp in response.logprobs
+        ],
+    )
+
+
+def model_info_to_proto(info: ModelInfo) -> pb.ModelInfo:
+    return pb.ModelInfo(
+        model=info.model,
+        architecture=info.architecture,
+        vocab_size=info.vocab_size,
+        max_model_len=info.max_model_len,
+        block_size=info.block_size,
+    )
+
+
+def model_info_from_proto(info: pb.ModelInfo) -> ModelInfo:
+    return ModelInfo(
+        info.model, info.architecture, info.vocab_size, info.max_model_len, info.block_size
+    )
+
+
+def _request_id(request_id: str) -> str:
+    return request_id or uuid.uuid4().hex
+
+
+def _prompt(request: pb.GenerateRequest) -> Prompt:
+    kind = request.WhichOneof("input")
+    if kind == "text":
+        if not request.text:
+            raise InvalidRequestError("text", "", "must be a non-empty string")
+        return request.text
+    if kind == "token_ids":
+        return _token_ids(list(request.token_ids.ids))
+    if kind == "chat":
+        return _messages(request.chat)
+    raise InvalidRequestError("input", None, "set one of text, token_ids or chat")
+
+
+def _token_ids(ids: list[int]) -> list[int]:
+    if not ids:
+        raise InvalidRequestError("token_ids", "<0 ids>", "must hold at least one token id")
+    negative = [t for t in ids if t < 0]
+    if negative:
+        raise InvalidRequestError("token_ids", negative[:5], "token ids must be >= 0")
+    return ids
+
+
+def _messages(chat: pb.ChatMessages) -> list[dict]:
+    if not chat.messages:
+        raise InvalidRequestError("chat.messages", [], "must hold at least one message")
+    for i, message in enumerate(chat.messages):
+        if not message.role:
+            raise InvalidRequestError(
+                f"chat.messages[{i}].role", "", "must be a non-empty string such as 'user'"
+            )
+    return [{"role": m.role, "content": m.content} for m in chat.messages]
+
+
+def _sampling_params(proto: pb.SamplingParams) -> SamplingParams:
+    kwargs = {n: getattr(proto, n) for n in OPTIONAL_SAMPLING_FIELDS if proto.HasField(n)}
+    kwargs |= {n: list(v) for n in REPEATED_SAMPLING_FIELDS if (v := getattr(proto, n))}
+    if kwargs.get("seed", 0) < 0:
+        raise InvalidRequestError("seed", kwargs["seed"], "must be an integer >= 0")
+    if kwargs.get("logprobs", 0) > MAX_LOGPROBS:
+        raise InvalidRequestError("logprobs", kwargs["logprobs"], f"must be at most {MAX_LOGPROBS}")
+    return SamplingParams(**kwargs)
+
+
+def _slo(request: pb.GenerateRequest, name: str) -> float | None:
+    if not request.HasField(name):
+        return None
+    value = getattr(request, name)
+    if not math.isfinite(value) or value <= 0:
+        raise InvalidRequestError(name, value, "must be a finite number of seconds > 0")
+    return value
+
+
+def _logprob_to_proto(logprobs: TokenLogprobs) -> pb.TokenLogprob:
+    return pb.TokenLogprob(
+        token_id=logprobs.token_id,
+        logprob=logprobs.logprob,
+        top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in logprobs.top],
+    )

@@ -1,0 +1,119 @@
+"""OpenAI response bodies and stream chunks, built from the backend's deltas."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from halfmoon.cluster.serving.backend import TokenDelta, Usage
+from halfmoon.engine.sequence import TokenLogprobs
+
+CHAT, COMPLETION = "chat", "completion"
+OBJECTS = {
+    CHAT: ("chat.completion", "chat.completion.chunk", "chatcmpl-"),
+    COMPLETION: ("text_completion", "text_completion", "cmpl-"),
+}
+
+
+def usage_json(usage: Usage) -> dict:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
+
+
+@dataclass
+class ResponseShape:
+    """Shapes one request's deltas as a chat or a text completion (whole, or as chunks)."""
+
+    kind: str
+    request_id: str
+    model: str
+    tokenizer: object
+    include_usage: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+    text_offset: int = 0  # completions logprobs: characters of the tokens so far
+
+    def response(self, deltas: list[TokenDelta]) -> dict:
+        """The whole (non-streamed) response."""
+        text = "".join(d.text for d in deltas)
+        logprobs = [lp for d in deltas for lp in d.logprobs]
+        choice = {"index": 0, "logprobs": self._logprobs(logprobs, bool(logprobs))}
+        if self.kind == CHAT:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        choice["finish_reason"] = deltas[-1].finish_reason if deltas else None
+        usage = next((d.usage for d in reversed(deltas) if d.usage), None)
+        body = self._envelope(0, [choice])
+        body["usage"] = usage_json(usage) if usage else None
+        return body
+
+    def first_chunk(self) -> dict | None:
+        """The chunk before any token: a chat stream opens with the assistant's role."""
+        if self.kind != CHAT:
+            return None
+        return self._chunk({"role": "assistant", "content": ""}, None, None)
+
+    def chunk(self, delta: TokenDelta) -> dict | None:
+        """The stream chunk for `delta`; None when it carries nothing a client would see."""
+        if not (delta.text or delta.logprobs or delta.finish_reason):
+            return None
+        logprobs = self._logprobs(delta.logprobs, bool(delta.logprobs))
+        body = {"content": delta.text} if self.kind == CHAT else delta.text
+        return self._chunk(body, logprobs, delta.finish_reason)
+
+    def usage_chunk(self, usage: Usage) -> dict:
+        """The last chunk of a stream with `include_usage`: no choices, the usage."""
+        body = self._envelope(1, [])
+        body["usage"] = usage_json(usage)
+        return body
+
+    def _chunk(self, body, logprobs: dict | None, finish_reason: str | None) -> dict:
+        choice = {"index": 0, "logprobs": logprobs, "finish_reason": finish_reason}
+        choice["delta" if self.kind == CHAT else "text"] = body
+        chunk = self._envelope(1, [choice])
+        if self.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def _envelope(self, streamed: int, choices: list[dict]) -> dict:
+        object_name, prefix = OBJECTS[self.kind][streamed], OBJECTS[self.kind][2]
+        return {
+            "id": prefix + self.request_id,
+            "object": object_name,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def _logprobs(self, logprobs: list[TokenLogprobs], wanted: bool) -> dict | None:
+        if not wanted:
+            return None
+        if self.kind == CHAT:
+            return {"content": [self._chat_logprob(lp) for lp in logprobs]}
+        tokens = [self._token(lp.token_id) for lp in logprobs]
+        offsets = []
+        for token in tokens:
+            offsets.append(self.text_offset)
+            self.text_offset += len(token)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.logprob for lp in logprobs],
+            "top_logprobs": [{self._token(t): v for t, v in lp.top} for lp in logprobs],
+            "text_offset": offsets,
+        }
+
+    def _chat_logprob(self, logprobs: TokenLogprobs) -> dict:
+        entry = self._chat_token(logprobs.token_id, logprobs.logprob)
+        entry["top_logprobs"] = [self._chat_token(t, v) for t, v in logprobs.top]
+        return entry
+
+    def _chat_token(self, token_id: int, logprob: float) -> dict:
+        token = self._token(token_id)
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+    def _token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])

@@ -1,0 +1,48 @@
+"""What the router sends a prefill worker (`PrefillTask`) and what it answers (`PrefillResult`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from halfmoon.engine.sampling_params import SamplingParams
+from halfmoon.engine.sequence import TokenLogprobs
+from halfmoon.kvstore.kv_notices import KvPeer
+
+
+@dataclass(slots=True)
+class PrefillTask:
+    """One attempt's prefill: the prompt, its full-block keys (hashed once, by the router) and
+    where its KV goes.
+
+    `ticket` names the attempt for `abort`; `kv_peer` is the decode worker that reserved it,
+    told of each layer directly when it is on this node. `layerwise=False` sends the KV only
+    after the whole prompt (the transfer benchmark's baseline); `lend=False` never lends this
+    worker's pages; `arena_loads=False` reads a stored prefix as Ray objects even from this
+    node's store (the prefix-load benchmark's baseline)."""
+
+    request_id: str
+    token_ids: list[int]
+    params: SamplingParams
+    block_keys: list[bytes]
+    ticket: str | None = None
+    kv_peer: KvPeer | None = None
+    layerwise: bool = True
+    lend: bool = True
+    arena_loads: bool = True
+
+
+@dataclass(slots=True)
+class PrefillResult:
+    """The first token and where the prefill's time went (wall-clock seconds since epoch)."""
+
+    request_id: str
+    first_token_id: int
+    logprobs: TokenLogprobs | None
+    num_prompt_tokens: int
+    num_local_cached_tokens: int
+    num_loaded_tokens: int
+    arrived_at: float
+    started_at: float
+    computed_at: float  # the engine produced the first token
+    finished_at: float  # the call returned (its last layers may still be on their way)
+    last_layer_published_at: float
