@@ -44,17 +44,29 @@ class AsyncEngine:
         with self._lock:
             return fn(self.engine)
 
-    def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str) -> None:
+    def add_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        request_id: str,
+        block_keys: list[bytes] | None = None,
+    ) -> None:
         """Queue a request; its outputs go to `stream(request_id)`."""
         with self._work:
-            self.engine.add_request(prompt, params, request_id)
+            self.engine.add_request(prompt, params, request_id, block_keys)
             self._open_stream(request_id)
             self._work.notify()
 
-    def reserve(self, prompt: Prompt, params: SamplingParams, request_id: str) -> list[int]:
+    def reserve(
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        request_id: str,
+        block_keys: list[bytes] | None = None,
+    ) -> list[int]:
         """Hold pages for a prompt whose KV arrives from outside; see `LLMEngine.reserve`."""
         with self._lock:
-            pages = self.engine.reserve(prompt, params, request_id)
+            pages = self.engine.reserve(prompt, params, request_id, block_keys)
             self._open_stream(request_id)
             return pages
 
@@ -99,10 +111,14 @@ class AsyncEngine:
                 self.abort(request_id)
 
     async def generate(
-        self, prompt: Prompt, params: SamplingParams, request_id: str
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        request_id: str,
+        block_keys: list[bytes] | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Add a request and stream its outputs."""
-        self.add_request(prompt, params, request_id)
+        """Add a request and stream its outputs (`block_keys`: the prompt's, when hashed)."""
+        self.add_request(prompt, params, request_id, block_keys)
         async with contextlib.aclosing(self.stream(request_id)) as outputs:
             async for out in outputs:
                 yield out

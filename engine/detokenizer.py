@@ -145,3 +145,20 @@ def flush_text(decode: TextDecoder, seq: Sequence) -> str:
     seq.read_offset = len(tokens) - start
     seq.text += delta
     return delta
+
+
+def emit_text(seq: Sequence, finished: bool) -> str:
+    """Text ready to stream; a tail that could still grow into a stop string is held back."""
+    hold = 0 if finished or not seq.params.stop else max(len(s) for s in seq.params.stop) - 1
+    end = max(seq.num_emitted_chars, len(seq.text) - hold)
+    text = seq.text[seq.num_emitted_chars : end]
+    seq.num_emitted_chars = end
+    return text
+
+
+def find_stop(text: str, new_text: str, stops: list[str]) -> int | None:
+    """Index in `text` where the earliest stop string that the new text completed starts."""
+    window = len(new_text) + max(len(s) for s in stops) - 1
+    start = max(0, len(text) - window)
+    hits = [i for s in stops if (i := text.find(s, start)) != -1]
+    return min(hits) if hits else None

@@ -3,12 +3,19 @@ device's memory (CUDA) after the weights and the step's activations; on CPU a fi
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from halfmoon.engine.errors import ModelLoadError
 from halfmoon.engine.model_config import ModelConfig
+
+if TYPE_CHECKING:
+    from halfmoon.engine.config import EngineConfig
+
+log = logging.getLogger(__name__)
 
 GiB = 1 << 30
 # RAM the KV cache may take on CPU when no budget is given (vLLM's CPU backend defaults to 4 GiB).
@@ -84,3 +91,42 @@ def cuda_memory(device: torch.device, weights_bytes: int) -> DeviceMemory | None
         return None
     free, total = torch.cuda.mem_get_info(device)
     return DeviceMemory(total, free, weights_bytes)
+
+
+def size_kv(
+    config: EngineConfig,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    weights_bytes: int,
+) -> tuple[int, int]:
+    """(num_pages, max_model_len): the pages the budget allows and the context they can hold."""
+    if config.max_model_len is not None and config.max_model_len > cfg.max_model_len:
+        raise ModelLoadError(
+            f"max_model_len={config.max_model_len} exceeds the model's context of "
+            f"{cfg.max_model_len} tokens (max_position_embeddings / sliding window); lower it"
+        )
+    max_len = config.max_model_len or cfg.max_model_len
+    pages_per_seq = -(-max_len // config.block_size)
+    num_pages = config.num_pages
+    if num_pages is None:
+        activations = activation_bytes(cfg, config.max_num_batched_tokens, config.max_num_seqs)
+        memory = cuda_memory(device, weights_bytes)
+        budget = kv_budget_bytes(
+            config.kv_cache_memory_bytes, config.gpu_memory_utilization, memory, activations
+        )
+        capped = memory is None and config.kv_cache_memory_bytes is None
+        bytes_per_page = page_bytes(cfg, config.block_size, dtype)
+        num_pages = plan_num_pages(
+            budget, bytes_per_page, pages_per_seq, config.max_num_seqs, capped
+        )
+    capacity = num_pages * config.block_size
+    if config.max_model_len is not None and capacity < config.max_model_len:
+        raise ModelLoadError(
+            f"the KV cache holds {capacity} tokens ({num_pages} pages), fewer than "
+            f"max_model_len={config.max_model_len}; give it more memory (--kv-cache-memory, "
+            "--gpu-memory-utilization) or lower --max-model-len"
+        )
+    if capacity < max_len:
+        log.info("context limited to %d tokens by the KV cache (%d pages)", capacity, num_pages)
+    return num_pages, min(max_len, capacity)

@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 
 from halfmoon.engine.config import EngineConfig
-from halfmoon.engine.detokenizer import TextDecoder, append_text, flush_text
+from halfmoon.engine.detokenizer import TextDecoder, append_text, emit_text, find_stop, flush_text
 from halfmoon.engine.errors import (
     InvalidRequestError,
     ModelLoadError,
@@ -23,75 +20,23 @@ from halfmoon.engine.errors import (
 )
 from halfmoon.engine.hooks import KVHooks
 from halfmoon.engine.kv_cache import PagedKvCache
-from halfmoon.engine.kv_sizing import (
-    activation_bytes,
-    cuda_memory,
-    kv_budget_bytes,
-    page_bytes,
-    plan_num_pages,
-)
-from halfmoon.engine.loader import checkpoint_files
-from halfmoon.engine.model_config import ModelConfig, load_model_config
+from halfmoon.engine.kv_sizing import size_kv
+from halfmoon.engine.loader import model_identity, pick_device, pick_dtype
+from halfmoon.engine.model_config import load_model_config
+from halfmoon.engine.model_facts import ModelFacts
 from halfmoon.engine.model_runner import ModelRunner
+from halfmoon.engine.outputs import EngineStats, RequestOutput, StepTiming
 from halfmoon.engine.page_pool import PagePool
 from halfmoon.engine.sampler import sample
 from halfmoon.engine.sampling_params import SamplingParams
 from halfmoon.engine.scheduler import Scheduler
 from halfmoon.engine.sequence import Sequence, SequenceStatus, TokenLogprobs
 from halfmoon.engine.tokenizer import Prompt, load_tokenizer, tokenize_prompt
-from halfmoon.kernels import ops, reference
 from halfmoon.kvstore.keys import model_root_key
+from halfmoon.kvstore.layout import LayerKV
 
 log = logging.getLogger(__name__)
 STEP_LOG = 512
-
-
-class StepTiming(NamedTuple):
-    """One engine step: its prefill chunks as (new tokens, tokens before them), its decode
-    sequences and the KV tokens they read, and its wall time (`started` is perf_counter).
-
-    `waited_s` is how long the step started after the previous one ended while work was
-    pending (lock and interpreter contention between steps); 0 after an idle engine.
-    """
-
-    prefill_chunks: tuple[tuple[int, int], ...]
-    decode_seqs: int
-    decode_kv_tokens: int
-    seconds: float
-    started: float
-    waited_s: float = 0.0
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    """What one step added to one request; the last one has `finished=True`."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
-    # (stage, wall clock) pairs for the router's per-request trace: the engine step that made
-    # this output (`AsyncEngine`), and on a stream's first output the worker's own stages.
-    timeline: tuple[tuple[str, float], ...] = ()
-
-
-@dataclass(slots=True)
-class EngineStats:
-    """Counters and gauges for metrics and load reports."""
-
-    num_running: int
-    num_waiting: int
-    num_pages: int
-    num_used_pages: int
-    num_preemptions: int
-    num_prompt_tokens_computed: int
-    num_cached_prompt_tokens: int
-    num_generated_tokens: int
-    num_steps: int
 
 
 class LLMEngine:
@@ -107,17 +52,19 @@ class LLMEngine:
                 "directory, or run `halfmoon init-model DIR` to create the default tiny model"
             )
         self.model_config = cfg = load_model_config(model_dir)
-        self.device = _pick_device(config.device)
-        self.dtype = _pick_dtype(config.dtype, model_dir, self.device)
+        self.device = pick_device(config.device)
+        self.dtype = pick_dtype(config.dtype, model_dir, self.device)
         self.tokenizer = load_tokenizer(model_dir)
         self.decode_text = TextDecoder(self.tokenizer)
         self.runner = ModelRunner(model_dir, cfg, config.block_size, self.dtype, self.device)
-        self.num_pages, self.max_model_len = _size_kv(config, cfg, self.dtype, self.runner)
+        self.num_pages, self.max_model_len = size_kv(
+            config, cfg, self.dtype, self.device, self.runner.weights_bytes
+        )
         cfg.max_model_len = self.max_model_len
         shared_path = self.runner.allocate_kv(self.num_pages, self.max_model_len, config.share_kv)
         self.kv = PagedKvCache(self.runner.kv_caches, shared_path)
         self.root_key = model_root_key(
-            _model_identity(model_dir),
+            model_identity(model_dir),
             str(self.dtype),
             cfg.num_layers,
             cfg.num_kv_heads,
@@ -126,6 +73,15 @@ class LLMEngine:
         )
         self.pool = PagePool(
             self.num_pages, config.block_size, self.root_key, config.enable_prefix_caching
+        )
+        self.facts = ModelFacts(
+            config.model,
+            cfg.architecture,
+            cfg.vocab_size,
+            cfg.num_layers,
+            config.block_size,
+            self.root_key,
+            config.enable_prefix_caching,
         )
         self.scheduler = Scheduler(
             self.pool,
@@ -147,38 +103,49 @@ class LLMEngine:
         self.step_log: deque[StepTiming] = deque(maxlen=STEP_LOG)
         self._busy_since: float | None = None  # end of the last step if it left work pending
         if self.device.type == "cuda":
-            self._warm_up(hooks is None)
+            from halfmoon.engine.warmup import warm_up_cuda
 
-    def _warm_up(self, graphs: bool) -> None:
-        """Compile every kernel specialisation now, then capture the decode graphs (decode
-        engines only, unless `enforce_eager`), so no request waits for a compiler."""
-        from halfmoon.engine.warmup import warm_up
+            warm_up_cuda(self, graphs=hooks is None)
 
-        warm_up(self)
-        # The torch references sync with the host (`.tolist()`), which a graph cannot capture.
-        if graphs and ops.backend_for(self.runner.kv_caches[0][0]) is reference:
-            log.info("HALFMOON_KERNELS=torch: decode steps run eagerly (no CUDA graphs)")
-            graphs = False
-        if graphs and not self.config.enforce_eager:
-            self.runner.enable_decode_graphs(
-                self.config.max_num_seqs, self.max_model_len, capture=True
-            )
+    def use_decode_buffers(self, capture: bool) -> None:
+        """Run decode-only steps from static buffers, replayed as CUDA graphs when `capture`
+        (on CPU, or eager on CUDA, the same path without capture)."""
+        self.runner.enable_decode_graphs(self.config.max_num_seqs, self.max_model_len, capture)
+
+    @property
+    def decode_buffers_in_use(self) -> bool:
+        return self.runner.decode_graphs is not None
+
+    @property
+    def weights_bytes(self) -> int:
+        return self.runner.weights_bytes
 
     def add_request(
-        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        block_keys: list[bytes] | None = None,
     ) -> str:
-        """Validate and queue a request; returns its id. Raises `InvalidRequestError`."""
-        seq = self._new_sequence(prompt, params, request_id)
+        """Validate and queue a request; returns its id. Raises `InvalidRequestError`.
+        `block_keys`: the prompt's full-block keys when already hashed (else hashed here)."""
+        seq = self._new_sequence(prompt, params, request_id, block_keys)
         self.requests[seq.request_id] = seq
         self.scheduler.add(seq)
         return seq.request_id
 
-    def reserve(self, prompt: Prompt, params: SamplingParams, request_id: str) -> list[int]:
+    def reserve(
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        request_id: str,
+        block_keys: list[bytes] | None = None,
+    ) -> list[int]:
         """Hold pages for a prompt whose KV will be written from outside (disaggregated decode).
 
         Returns the pages, in block order. Raises `OutOfPagesError` when they are not free.
         """
-        seq = self._new_sequence(prompt, params, request_id)
+        seq = self._new_sequence(prompt, params, request_id, block_keys)
         if not self.pool.can_grow(seq, len(seq)):
             raise OutOfPagesError(self.pool.pages_needed(seq, len(seq)), self.pool.num_free_pages)
         self.pool.grow(seq, len(seq))
@@ -198,7 +165,11 @@ class LLMEngine:
         return self._append_token(seq, first_token_id, None)
 
     def _new_sequence(
-        self, prompt: Prompt, params: SamplingParams | None, request_id: str | None
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None,
+        request_id: str | None,
+        block_keys: list[bytes] | None,
     ) -> Sequence:
         params = params or SamplingParams()
         params.validate()
@@ -215,6 +186,7 @@ class LLMEngine:
                 f"must be shorter than the context length of {self.max_model_len} tokens",
             )
         seq = Sequence(request_id, token_ids, len(token_ids), params, time.monotonic())
+        seq.block_keys = _checked_keys(block_keys, len(token_ids), self.facts.block_size)
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         return seq
@@ -230,6 +202,33 @@ class LLMEngine:
         if self.pool.events is not None:
             self.pool.events = []
         return events
+
+    def hold_pages(self, pages: list[int]) -> None:
+        """Keep `pages` (in use by a sequence) from reuse until `unhold_pages_later(pages)`."""
+        self.pool.hold(pages)
+
+    def unhold_pages_later(self, pages: list[int]) -> None:
+        """Give back a `hold_pages` (any thread; takes effect at the next step)."""
+        self.pool.unhold_later(pages)
+
+    @property
+    def num_held_pages(self) -> int:
+        return self.pool.num_held_pages
+
+    def uncached(self, keys: list[bytes]) -> list[bytes]:
+        """The keys of `keys` without a cached page here (see `PagePool.uncached`)."""
+        return self.pool.uncached(keys)
+
+    def adopt_blocks(self, keys: list[bytes], layers: list[LayerKV]) -> int:
+        """Copy the blocks of `keys` (K/V of every layer in `layers`) into pages cached as
+        prefix pages (publishing `stored` events); returns how many were adopted. Blocks
+        cached meanwhile are skipped, and no more are taken than there are free pages."""
+        adopted = self.pool.adopt(keys)
+        rows = [row for row, _ in adopted]
+        pages = [page for _, page in adopted]
+        for layer, kv in enumerate(layers if adopted else []):
+            self.kv.write_layer(layer, pages, LayerKV(kv.k[rows], kv.v[rows]))
+        return len(adopted)
 
     def abort(self, request_id: str) -> None:
         """Stop a request now and free its pages."""
@@ -295,6 +294,7 @@ class LLMEngine:
             num_cached_prompt_tokens=self.scheduler.num_cached_prompt_tokens,
             num_generated_tokens=self.num_generated_tokens,
             num_steps=self.num_steps,
+            forward_s=self.runner.forward_s,
         )
 
     def _append_token(
@@ -311,7 +311,7 @@ class LLMEngine:
         reason = "stop" if stop_token else None
         if not stop_token:
             added = append_text(self.decode_text, seq)
-            if params.stop and (cut := _find_stop(seq.text, added, params.stop)) is not None:
+            if params.stop and (cut := find_stop(seq.text, added, params.stop)) is not None:
                 seq.text = seq.text[:cut]
                 reason = "stop"
         if reason is None and (
@@ -319,7 +319,7 @@ class LLMEngine:
         ):
             reason = "length"
             flush_text(self.decode_text, seq)
-        new_text = _emit_text(seq, finished=reason is not None)
+        new_text = emit_text(seq, finished=reason is not None)
         if reason is not None:
             self.scheduler.finish(seq, reason)
             del self.requests[seq.request_id]
@@ -335,80 +335,12 @@ class LLMEngine:
         )
 
 
-def _emit_text(seq: Sequence, finished: bool) -> str:
-    """Text ready to stream; a tail that could still grow into a stop string is held back."""
-    hold = 0 if finished or not seq.params.stop else max(len(s) for s in seq.params.stop) - 1
-    end = max(seq.num_emitted_chars, len(seq.text) - hold)
-    text = seq.text[seq.num_emitted_chars : end]
-    seq.num_emitted_chars = end
-    return text
-
-
-def _find_stop(text: str, new_text: str, stops: list[str]) -> int | None:
-    """Index in `text` where the earliest stop string that the new text completed starts."""
-    window = len(new_text) + max(len(s) for s in stops) - 1
-    start = max(0, len(text) - window)
-    hits = [i for s in stops if (i := text.find(s, start)) != -1]
-    return min(hits) if hits else None
-
-
-def _model_identity(model_dir: Path) -> str:
-    """Name plus a hash of the config and the first weight bytes: equal across nodes that
-    hold the same checkpoint, different for checkpoints that differ."""
-    digest = hashlib.sha256((model_dir / "config.json").read_bytes())
-    with checkpoint_files(model_dir)[0].open("rb") as weights:
-        digest.update(weights.read(1 << 16))
-    return f"{model_dir.resolve().name}@{digest.hexdigest()[:16]}"
-
-
-def _size_kv(
-    config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype, runner: ModelRunner
-) -> tuple[int, int]:
-    """(num_pages, max_model_len): the pages the budget allows and the context they can hold."""
-    if config.max_model_len is not None and config.max_model_len > cfg.max_model_len:
-        raise ModelLoadError(
-            f"max_model_len={config.max_model_len} exceeds the model's context of "
-            f"{cfg.max_model_len} tokens (max_position_embeddings / sliding window); lower it"
+def _checked_keys(keys: list[bytes] | None, num_tokens: int, block_size: int) -> list[bytes]:
+    """A copy of the prompt's given keys (the engine appends to it), one per full block at most."""
+    if keys is not None and len(keys) > num_tokens // block_size:
+        raise InvalidRequestError(
+            "block_keys",
+            f"<{len(keys)} keys>",
+            f"must be at most one per full block of {block_size}",
         )
-    max_len = config.max_model_len or cfg.max_model_len
-    pages_per_seq = -(-max_len // config.block_size)
-    num_pages = config.num_pages
-    if num_pages is None:
-        activations = activation_bytes(cfg, config.max_num_batched_tokens, config.max_num_seqs)
-        memory = cuda_memory(runner.device, runner.weights_bytes)
-        budget = kv_budget_bytes(
-            config.kv_cache_memory_bytes, config.gpu_memory_utilization, memory, activations
-        )
-        capped = memory is None and config.kv_cache_memory_bytes is None
-        bytes_per_page = page_bytes(cfg, config.block_size, dtype)
-        num_pages = plan_num_pages(
-            budget, bytes_per_page, pages_per_seq, config.max_num_seqs, capped
-        )
-    capacity = num_pages * config.block_size
-    if config.max_model_len is not None and capacity < config.max_model_len:
-        raise ModelLoadError(
-            f"the KV cache holds {capacity} tokens ({num_pages} pages), fewer than "
-            f"max_model_len={config.max_model_len}; give it more memory (--kv-cache-memory, "
-            "--gpu-memory-utilization) or lower --max-model-len"
-        )
-    if capacity < max_len:
-        log.info("context limited to %d tokens by the KV cache (%d pages)", capacity, num_pages)
-    return num_pages, min(max_len, capacity)
-
-
-def _pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def _pick_dtype(name: str, model_dir: Path, device: torch.device) -> torch.dtype:
-    if name != "auto":
-        return getattr(torch, name)
-    if device.type == "cpu":
-        return torch.float32
-    import json
-
-    stored = json.loads((model_dir / "config.json").read_text())
-    stored_name = stored.get("dtype") or stored.get("torch_dtype") or "bfloat16"
-    return getattr(torch, stored_name) if stored_name != "float32" else torch.bfloat16
+    return list(keys or [])

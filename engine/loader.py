@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from pathlib import Path
@@ -77,3 +78,28 @@ def _shard_of(model: CausalLM, param: torch.Tensor, fused: str, shard: int) -> t
         sizes = [cfg.num_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2
     start = sum(sizes[:shard])
     return param.data[start : start + sizes[shard]]
+
+
+def model_identity(model_dir: Path) -> str:
+    """Name plus a hash of the config and the first weight bytes: equal across nodes that
+    hold the same checkpoint, different for checkpoints that differ."""
+    digest = hashlib.sha256((model_dir / "config.json").read_bytes())
+    with checkpoint_files(model_dir)[0].open("rb") as weights:
+        digest.update(weights.read(1 << 16))
+    return f"{model_dir.resolve().name}@{digest.hexdigest()[:16]}"
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def pick_dtype(name: str, model_dir: Path, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type == "cpu":
+        return torch.float32
+    stored = json.loads((model_dir / "config.json").read_text())
+    stored_name = stored.get("dtype") or stored.get("torch_dtype") or "bfloat16"
+    return getattr(torch, stored_name) if stored_name != "float32" else torch.bfloat16

@@ -10,7 +10,7 @@ import threading
 from collections import OrderedDict, deque
 
 from halfmoon.engine.sequence import Sequence
-from halfmoon.kvstore.keys import block_key, block_keys
+from halfmoon.kvstore.keys import block_key
 
 
 class PagePool:
@@ -64,9 +64,9 @@ class PagePool:
         if not self.enable_caching:
             seq.num_computed_tokens = 0
             return 0
-        keys = block_keys(self.root_key, seq.token_ids, self.block_size)
+        keys = self._keys(seq, (len(seq) - 1) // self.block_size)
         pages: list[int] = []
-        for key in keys[: (len(seq) - 1) // self.block_size]:
+        for key in keys:
             page = self.key_to_page.get(key)
             if page is None:
                 break
@@ -74,7 +74,7 @@ class PagePool:
         for page in pages:
             self._acquire(page)
         seq.block_table = pages
-        seq.block_keys = keys[: len(pages)]
+        seq.num_cached_blocks = len(pages)
         seq.num_computed_tokens = len(pages) * self.block_size
         return seq.num_computed_tokens
 
@@ -82,17 +82,24 @@ class PagePool:
         """Register every block of `seq` that became full and computed since the last call."""
         if not self.enable_caching:
             return
-        bs = self.block_size
-        parent = seq.block_keys[-1] if seq.block_keys else self.root_key
-        for index in range(len(seq.block_keys), seq.num_computed_tokens // bs):
-            parent = block_key(parent, seq.token_ids[index * bs : (index + 1) * bs])
-            seq.block_keys.append(parent)
-            page = seq.block_table[index]
-            if parent not in self.key_to_page and page not in self.page_to_key:
-                self.key_to_page[parent] = page
-                self.page_to_key[page] = parent
+        num_full = seq.num_computed_tokens // self.block_size
+        keys = self._keys(seq, num_full)
+        for index in range(seq.num_cached_blocks, num_full):
+            key, page = keys[index], seq.block_table[index]
+            if key not in self.key_to_page and page not in self.page_to_key:
+                self.key_to_page[key] = page
+                self.page_to_key[page] = key
                 if self.events is not None:
-                    self.events.append(("stored", parent))
+                    self.events.append(("stored", key))
+        seq.num_cached_blocks = max(seq.num_cached_blocks, num_full)
+
+    def _keys(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        """Keys of `seq`'s first `num_blocks` blocks; only blocks without a known key are hashed."""
+        keys, size = seq.block_keys, self.block_size
+        for index in range(len(keys), num_blocks):
+            parent = keys[-1] if keys else self.root_key
+            keys.append(block_key(parent, seq.token_ids[index * size : (index + 1) * size]))
+        return keys[:num_blocks]
 
     def uncached(self, keys: list[bytes]) -> list[bytes]:
         """The keys of `keys` without a cached page; the cached ones become most recently
@@ -139,7 +146,7 @@ class PagePool:
         for page in reversed(seq.block_table):
             self._drop(page)
         seq.block_table = []
-        seq.block_keys = []
+        seq.num_cached_blocks = 0
 
     def hold(self, pages: list[int]) -> None:
         """One more reference on each of `pages` (in use by a sequence), so they are neither

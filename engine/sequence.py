@@ -41,7 +41,10 @@ class Sequence:
     # Pages holding the KV, in order. Only ever appended to, or replaced by a new list (the
     # decode graphs copy to the GPU only the pages added since the last step).
     block_table: list[int] = field(default_factory=list)
+    # Keys of the full blocks known so far: the prompt's as given (hashed once, by the router),
+    # then each block the engine completes; the first `num_cached_blocks` are in the cache.
     block_keys: list[bytes] = field(default_factory=list)
+    num_cached_blocks: int = 0
     finish_reason: str | None = None
     generator: torch.Generator | None = None
     text: str = ""
@@ -55,13 +58,5 @@ class Sequence:
         return len(self.token_ids)
 
     @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
-
-    @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED

@@ -21,9 +21,22 @@ import time
 
 from halfmoon.engine.llm_engine import LLMEngine
 from halfmoon.engine.sampling_params import SamplingParams
+from halfmoon.kernels import ops, reference
 
 log = logging.getLogger(__name__)
 SPLIT_TOKENS = 256  # the decode kernel's tokens per split; contexts double from here
+
+
+def warm_up_cuda(engine: LLMEngine, graphs: bool) -> None:
+    """Compile every kernel specialisation now, then capture the decode graphs (decode
+    engines only, unless `enforce_eager`), so no request waits for a compiler."""
+    warm_up(engine)
+    # The torch references sync with the host (`.tolist()`), which a graph cannot capture.
+    if graphs and ops.backend_for(engine.runner.kv_caches[0][0]) is reference:
+        log.info("HALFMOON_KERNELS=torch: decode steps run eagerly (no CUDA graphs)")
+        graphs = False
+    if graphs and not engine.config.enforce_eager:
+        engine.use_decode_buffers(capture=True)
 
 
 def warm_up(engine: LLMEngine, seed: int = 0) -> float:

@@ -16,6 +16,7 @@ from halfmoon.engine.worker_info import WorkerInfo, WorkerLoad, worker_info, wor
 from halfmoon.engine.worker_metrics import WorkerMetrics
 from halfmoon.kvstore.metrics_endpoint import serve_actor_metrics
 from halfmoon.kvstore.process_gc import freeze_startup_heap
+from halfmoon.kvstore.transfer import TransferUnit, plan_transfer
 
 # Tickets of aborted calls kept so that a call arriving after its abort is refused at once.
 ABORTED_TICKETS = 4096
@@ -29,6 +30,8 @@ class EngineWorker:
     def __init__(self, name: str, engine: LLMEngine) -> None:
         self.name = name
         self.engine = engine
+        config = engine.config  # the prefill chunk is the transfer unit on both sides
+        self.chunk_tokens = config.prefill_chunk_size or config.max_num_batched_tokens
         self.async_engine: AsyncEngine | None = None
         self.aborted_tickets: OrderedDict[str, None] = OrderedDict()
         self.metrics = WorkerMetrics()
@@ -80,6 +83,16 @@ class EngineWorker:
 
     def _extra_counters(self) -> dict:
         return {}
+
+    def _plan_transfer(
+        self, request_id: str, token_ids: list[int], block_keys: list[bytes]
+    ) -> list[TransferUnit]:
+        """How the prompt's KV travels between the workers (kvstore/transfer.py)."""
+        facts = self.engine.facts
+        chunk = self.chunk_tokens
+        return plan_transfer(
+            facts.root_key, block_keys, token_ids, facts.block_size, chunk, request_id
+        )
 
     def _remember_abort(self, ticket: str | None) -> None:
         """An abort may overtake the call it ends (Ray does not order an async actor's calls):

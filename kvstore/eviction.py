@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable
 
 
 class LruEviction:
@@ -25,33 +25,17 @@ class LruEviction:
     def __contains__(self, key: object) -> bool:
         return key in self._order or key in self._leases
 
-    def __iter__(self) -> Iterator[Hashable]:
-        """Unleased keys, least recent first."""
-        return iter(self._order)
-
     @property
     def num_leased(self) -> int:
         """Number of tracked keys holding at least one lease."""
         return len(self._leases)
 
     def add(self, key: Hashable) -> None:
-        """Track `key` as the most recently used (same as `touch` if already tracked)."""
+        """Track `key` as the most recently used (moving it there if already tracked)."""
         if key in self._leases:
             return
         self._order[key] = None
         self._order.move_to_end(key)
-
-    def touch(self, key: Hashable) -> None:
-        """Mark a tracked `key` as the most recently used."""
-        if key in self._order:
-            self._order.move_to_end(key)
-        elif key not in self._leases:
-            raise KeyError(f"cannot touch untracked key {key!r}; add it first")
-
-    def discard(self, key: Hashable) -> None:
-        """Stop tracking `key` and drop its leases; unknown keys are ignored."""
-        self._order.pop(key, None)
-        self._leases.pop(key, None)
 
     def lease(self, key: Hashable) -> None:
         """Take one lease on a tracked `key`: it is not a victim until every lease is released."""
@@ -73,19 +57,6 @@ class LruEviction:
             return
         del self._leases[key]
         self._order[key] = None
-
-    def lease_count(self, key: Hashable) -> int:
-        """Number of leases `key` holds (0 when unleased or untracked)."""
-        return self._leases.get(key, 0)
-
-    def victims(self, n: int) -> list[Hashable]:
-        """Up to `n` unleased keys, least recent first; nothing is removed."""
-        found: list[Hashable] = []
-        for key in self._order:
-            if len(found) >= n:
-                break
-            found.append(key)
-        return found
 
     def pop_victim(self) -> Hashable | None:
         """Remove and return the least recent unleased key, or None when all are leased."""

@@ -188,15 +188,6 @@ class HostTier:
         """Release a lease; False when it had already expired or been released."""
         return self._leases.release(lease_id)
 
-    def expire_leases(self) -> int:
-        """Release every lease past its deadline; return how many expired."""
-        return self._leases.expire()
-
-    def evict(self, num_blocks: int) -> list[EvictedBlock]:
-        """Evict up to `num_blocks` unleased blocks, least recently used first."""
-        self._leases.expire()
-        return self._evict(num_blocks, 0)
-
     def usage(self) -> HostUsage:
         complete = int(np.count_nonzero(self._num_present == self.layout.num_layers))
         return HostUsage(

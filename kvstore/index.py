@@ -108,14 +108,3 @@ class PrefixIndex:
         for location in alive:
             result[location] = depth
         return result
-
-    def longest_prefix_on(self, instance: str, tier: str, keys: Sequence[Hashable]) -> int:
-        """How many leading blocks of `keys` `tier` of `instance` holds."""
-        location = (instance, tier)
-        depth = 0
-        for key in keys:
-            holders = self._locations.get(key)
-            if holders is None or location not in holders:
-                break
-            depth += 1
-        return depth

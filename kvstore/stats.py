@@ -37,10 +37,6 @@ class LatencyStats:
         self.total_s += elapsed_s
         self.max_s = max(self.max_s, elapsed_s)
 
-    @property
-    def mean_s(self) -> float:
-        return self.total_s / self.count if self.count else 0.0
-
 
 @dataclass(slots=True)
 class StoreStats:

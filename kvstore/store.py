@@ -9,7 +9,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from halfmoon.kvstore.config import StoreConfig
 from halfmoon.kvstore.errors import LayerTimeout
@@ -25,18 +25,6 @@ HOST = "host"
 # `stream_slots` streams whose leases are tracked at once (the oldest are ended beyond it).
 MAX_OPEN_STREAMS = 65536
 REDIS = "redis"
-
-
-@dataclass(slots=True)
-class PrefixHit:
-    """Leading blocks of a request found in the host tier, then further ones in Redis."""
-
-    host_blocks: int
-    redis_blocks: int
-
-    @property
-    def num_blocks(self) -> int:
-        return self.host_blocks + self.redis_blocks
 
 
 class KvStore:
@@ -209,18 +197,6 @@ class KvStore:
     def cached_prefix(self, keys: Sequence[bytes]) -> int:
         """How many leading blocks of `keys` the host tier holds with every layer."""
         return self.host.leading_complete(keys)
-
-    async def lookup(self, keys: Sequence[bytes]) -> PrefixHit:
-        """Leading blocks in the host tier, then how many of the next ones Redis holds."""
-        host_blocks = self.host.leading_complete(keys)
-        rest = list(keys[host_blocks:])
-        if not rest or self.redis is None:
-            return PrefixHit(host_blocks, 0)
-        first = await self.redis.exists(rest, 0)
-        last = await self.redis.exists(rest, self.layout.num_layers - 1)
-        both = [a and b for a, b in zip(first, last, strict=True)]
-        redis_blocks = both.index(False) if False in both else len(both)
-        return PrefixHit(host_blocks, redis_blocks)
 
     def lease(self, keys: Sequence[bytes], ttl_s: float | None = None) -> int:
         """Protect the host blocks of `keys` from eviction until released or `ttl_s` passes."""

@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+import functools
+import inspect
+from collections.abc import Callable, Sequence
 
 import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from halfmoon.kvstore.config import StoreConfig
-from halfmoon.kvstore.index import BlockEvent
-from halfmoon.kvstore.layout import KvLayout, LayerKV
+from halfmoon.kvstore.layout import KvLayout
 from halfmoon.kvstore.metrics_endpoint import actor_registry, serve_actor_metrics
 from halfmoon.kvstore.process_gc import freeze_startup_heap
 from halfmoon.kvstore.shared_arena import ArenaInfo
-from halfmoon.kvstore.stats import StoreStats
-from halfmoon.kvstore.store import KvStore, PrefixHit
+from halfmoon.kvstore.store import KvStore
 
 # A read waits inside the actor until its layer is put, holding one of the actor's call slots;
 # a put that finds every slot taken would wait for a read to time out, and the reads wait for
@@ -25,8 +25,31 @@ from halfmoon.kvstore.store import KvStore, PrefixHit
 MAX_CONCURRENT_CALLS = 100_000
 
 
+def _forward(method: Callable) -> Callable:
+    """An async actor method that calls KvStore `method` on `self.store` (same signature)."""
+    name = method.__name__
+    if inspect.isasyncgenfunction(method):
+
+        async def call(self, *args, **kwargs):
+            async for item in getattr(self.store, name)(*args, **kwargs):
+                yield item
+
+    elif inspect.iscoroutinefunction(method):
+
+        async def call(self, *args, **kwargs):
+            return await getattr(self.store, name)(*args, **kwargs)
+
+    else:
+
+        async def call(self, *args, **kwargs):
+            return getattr(self.store, name)(*args, **kwargs)
+
+    return functools.wraps(method)(call)
+
+
 class StoreNode:
-    """Every method mirrors KvStore; run it with `start_store_node` (one per Ray node)."""
+    """KvStore as an actor, every method async; run it with `start_store_node` (one per node).
+    Call `stream_layers` and `stream_slots` with `.options(num_returns="streaming")`."""
 
     def __init__(self, layout: KvLayout, config: StoreConfig, instance: str) -> None:
         # Copies are memory-bound; extra intra-op threads only contend with the workers.
@@ -35,8 +58,20 @@ class StoreNode:
         self.metrics_address: str | None = None
         freeze_startup_heap(f"store node {instance}")
 
-    async def put_layer(self, keys: Sequence[bytes], layer: int, kv: LayerKV) -> None:
-        await self.store.put_layer(keys, layer, kv)
+    put_layer = _forward(KvStore.put_layer)
+    claim = _forward(KvStore.claim)
+    layer_written = _forward(KvStore.layer_written)
+    get_layer = _forward(KvStore.get_layer)
+    stream_layers = _forward(KvStore.stream_layers)
+    stream_slots = _forward(KvStore.stream_slots)
+    end_stream = _forward(KvStore.end_stream)
+    lease_slots = _forward(KvStore.lease_slots)
+    cached_prefix = _forward(KvStore.cached_prefix)
+    lease = _forward(KvStore.lease)
+    release = _forward(KvStore.release)
+    drain_events = _forward(KvStore.drain_events)
+    stats = _forward(KvStore.stats)
+    close = _forward(KvStore.close)
 
     async def arena_info(self) -> ArenaInfo | None:
         """Where producers on this node map the host tier's arena (None: not shared)."""
@@ -46,75 +81,9 @@ class StoreNode:
         node_id = ray.get_runtime_context().get_node_id()
         return ArenaInfo(path, node_id, self.store.host.num_slots, self.store.layout)
 
-    async def claim(self, keys: Sequence[bytes]) -> tuple[list[int], int]:
-        return self.store.claim(keys)
-
-    async def lease_slots(self, keys: Sequence[bytes]) -> tuple[list[int], int] | None:
-        return self.store.lease_slots(keys)
-
-    async def layer_written(
-        self,
-        keys: Sequence[bytes],
-        layer: int | Sequence[int],
-        slots: Sequence[int],
-        release_lease: int | None = None,
-    ) -> None:
-        await self.store.layer_written(keys, layer, slots, release_lease)
-
-    async def get_layer(
-        self, keys: Sequence[bytes], layer: int, timeout_s: float | None = None
-    ) -> LayerKV:
-        return await self.store.get_layer(keys, layer, timeout_s)
-
-    async def stream_layers(
-        self, units: Sequence[Sequence[bytes]], num_layers: int, timeout_s: float | None = None
-    ) -> AsyncIterator[LayerKV]:
-        """Call with `.options(num_returns="streaming")`; `ray.cancel` it to stop early."""
-        async for kv in self.store.stream_layers(units, num_layers, timeout_s):
-            yield kv
-
-    async def stream_slots(
-        self,
-        units: Sequence[Sequence[bytes]],
-        num_layers: int,
-        timeout_s: float | None = None,
-        stream_id: str = "",
-    ) -> AsyncIterator[tuple[list[int], int]]:
-        """`stream_layers` for readers that map the arena (`arena_info`): (slots, lease) per
-        unit and layer; call `end_stream(stream_id)` once the reader copies no more."""
-        async for item in self.store.stream_slots(units, num_layers, timeout_s, stream_id):
-            yield item
-
-    async def end_stream(self, stream_id: str) -> None:
-        self.store.end_stream(stream_id)
-
-    async def lookup(self, keys: Sequence[bytes]) -> PrefixHit:
-        return await self.store.lookup(keys)
-
-    async def cached_prefix(self, keys: Sequence[bytes]) -> int:
-        return self.store.cached_prefix(keys)
-
-    async def lease(self, keys: Sequence[bytes], ttl_s: float | None = None) -> int:
-        return self.store.lease(keys, ttl_s)
-
-    async def release(self, lease_id: int) -> bool:
-        return self.store.release(lease_id)
-
     async def release_many(self, lease_ids: Sequence[int]) -> int:
         """Release several leases in one call; returns how many were still held."""
         return sum(self.store.release(lease_id) for lease_id in lease_ids)
-
-    async def drain_events(self) -> list[BlockEvent]:
-        return self.store.drain_events()
-
-    async def stats(self) -> StoreStats:
-        return self.store.stats()
-
-    async def flush(self) -> None:
-        await self.store.flush()
-
-    async def close(self) -> None:
-        await self.store.close()
 
     async def serve_metrics(self, host: str) -> str:
         """Serve this process's /metrics (CPU, memory: the host tier lives here) on a free port

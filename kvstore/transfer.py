@@ -1,11 +1,11 @@
 """How a prompt's KV travels from prefill to decode: fixed units of whole blocks.
 
-Both workers derive the same plan from the prompt alone, so the decode worker can wait for
-unit u, layer l before the prefill worker has computed it. A unit is `chunk_tokens` of the
-prompt (the prefill chunk); it is put as one `put_layer` per layer, never per block, and the
-decode worker reads every unit's layers back through one `stream_layers` per request. Full
-blocks carry their prefix-chain keys, so what is sent also serves as cache; a partial last
-block gets a key private to the request.
+Both workers derive the same plan from the prompt and its full-block keys (hashed once, by the
+router), so the decode worker can wait for unit u, layer l before the prefill worker has
+computed it. A unit is `chunk_tokens` of the prompt (the prefill chunk); it is put as one
+`put_layer` per layer, never per block, and the decode worker reads every unit's layers back
+through one `stream_layers` per request. Full blocks carry their prefix-chain keys, so what is
+sent also serves as cache; a partial last block gets a key private to the request.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from halfmoon.kvstore.keys import KEY_BYTES, block_keys
+from halfmoon.kvstore.keys import KEY_BYTES
 
 
 @dataclass(slots=True)
@@ -35,13 +35,15 @@ def tail_key(parent: bytes, token_ids: Sequence[int], request_id: str) -> bytes:
 
 def plan_transfer(
     root_key: bytes,
+    block_keys: Sequence[bytes],
     token_ids: Sequence[int],
     block_size: int,
     chunk_tokens: int,
     request_id: str,
 ) -> list[TransferUnit]:
-    """The units of a prompt, in order; every block of the prompt is in exactly one."""
-    keys = block_keys(root_key, token_ids, block_size)
+    """The units of a prompt, in order; every block of the prompt is in exactly one. Only a
+    partial last block's (private) key is computed here."""
+    keys = list(block_keys)
     full_tokens = len(keys) * block_size
     if full_tokens < len(token_ids):
         keys.append(tail_key(keys[-1] if keys else root_key, token_ids[full_tokens:], request_id))

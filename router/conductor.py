@@ -3,35 +3,27 @@
 from __future__ import annotations
 
 import dataclasses
-from collections import OrderedDict, deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 
-from halfmoon.kvstore.index import PrefixIndex
+from halfmoon.kvstore.index import BlockEvent, PrefixIndex
 from halfmoon.router.admission import admission_reason
 from halfmoon.router.bypass import bypass_placement
 from halfmoon.router.config import RouterConfig, check_slo
 from halfmoon.router.cost_model import step_sample
 from halfmoon.router.decision import Decision
 from halfmoon.router.errors import InvalidRequestError, RouterConfigError
-from halfmoon.router.online_fit import OnlineRefit
+from halfmoon.router.online_fit import OnlineRefit, RecentMean
+from halfmoon.router.placed import Hold, PlacedRequests
 from halfmoon.router.placement import Placement, PlacementContext
-from halfmoon.router.policies import make_policy
+from halfmoon.router.policies import Policy, make_policy
 from halfmoon.router.prediction_error import PredictionErrorLog, PredictionErrorStats
 from halfmoon.router.predictor import Predictor, summarize_hits
-from halfmoon.router.profile import Profile
+from halfmoon.router.profile import Profile, profile_to_dict
 from halfmoon.router.replication import Replication, Replicator
 from halfmoon.router.request import RouteRequest
 from halfmoon.router.views import Admitted, DecodeView, PrefillView
 
 HANDOFF_WINDOW = 256  # recent disaggregated requests whose hand-off time `handoff_s` averages
-
-
-@dataclasses.dataclass(slots=True)
-class _InFlight:
-    decision: Decision
-    num_prompt_tokens: int
-    reserve_tokens: int
-    expected_output_tokens: int
 
 
 class Conductor:
@@ -51,22 +43,11 @@ class Conductor:
         self.prefill: dict[Hashable, PrefillView] = {}
         self.decode: dict[Hashable, DecodeView] = {}
         self.errors = PredictionErrorLog()
-        self._decisions: OrderedDict[str, Decision] = OrderedDict()
-        self._inflight: dict[str, _InFlight] = {}
+        self.placed = PlacedRequests(config.explain_capacity)
         self._output_tokens_sum = 0
         self._output_tokens_count = 0
-        self._handoffs: deque[float] = deque(maxlen=HANDOFF_WINDOW)
-        self._handoff_sum = 0.0
-        self.replicator: Replicator | None = None
-        if config.replicate:
-            self.replicator = Replicator(
-                config.block_size,
-                config.replicate_min_hits,
-                config.replicate_max_copies,
-                config.replicate_margin_s,
-                config.replicate_cooldown_s,
-                config.replicate_window_requests,
-            )
+        self._handoffs = RecentMean(HANDOFF_WINDOW)
+        self.replicator = _replicator(config)
 
     def add_prefill(self, instance: Hashable) -> PrefillView:
         """Register a prefill instance."""
@@ -94,8 +75,8 @@ class Conductor:
 
     def route(self, request: RouteRequest, now: float) -> Decision:
         """Place `request` arriving at `now`, or reject it with the predicted figure and SLO."""
-        ttft_slo_s = self._slo("ttft_slo_s", request.ttft_slo_s, self.config.ttft_slo_s)
-        tbt_slo_s = self._slo("tbt_slo_s", request.tbt_slo_s, self.config.tbt_slo_s)
+        ttft_slo_s = _slo("ttft_slo_s", request.ttft_slo_s, self.config.ttft_slo_s)
+        tbt_slo_s = _slo("tbt_slo_s", request.tbt_slo_s, self.config.tbt_slo_s)
         expected_output = request.expected_output_tokens or self.mean_output_tokens
         decode_tokens = request.num_prompt_tokens + expected_output // 2
         reserve = request.num_prompt_tokens + request.max_output_tokens
@@ -103,7 +84,7 @@ class Conductor:
         decode_views = [v for v in self.decode.values() if v.free_kv_tokens >= reserve]
         if not self.prefill or not decode_views:
             decision.rejected = True
-            decision.reason = self._no_room_reason(reserve)
+            decision.reason = _no_room_reason(bool(self.prefill), self.decode.values(), reserve)
             return self._remember(decision)
         locations = self.index.longest_prefix(request.block_keys)
         ctx = PlacementContext(
@@ -114,35 +95,42 @@ class Conductor:
             decode_views,
             self.predictor,
             decode_tokens,
-            self._tbt_predictor(now, decode_tokens),
+            _tbt_predictor(self.predictor, self.config.admission, now, decode_tokens),
         )
-        placement = self.policy.place(ctx)
-        if self.policy.name == "conductor" and self.config.bypass_max_tokens > 0:
-            stall_s = tbt_slo_s if tbt_slo_s is not None else self.config.bypass_max_stall_s
-            placement = (
-                bypass_placement(ctx, placement, self.config.bypass_max_tokens, stall_s)
-                or placement
-            )
-        self._fill(decision, placement)
+        placement = _place(self.policy, self.config, ctx, tbt_slo_s)
+        handoff_s = 0.0 if placement.bypass else self.profile.handoff_s
+        _fill_decision(decision, placement, self.profile.request_overhead_s + handoff_s)
         decision.reason = admission_reason(
             self.config.admission, placement, self.predictor, decode_tokens, ttft_slo_s,
             tbt_slo_s, decision.predicted_ttft_s - placement.ttft_s,
         )  # fmt: skip
         decision.rejected = bool(decision.reason)
-        if not decision.rejected:
-            self._commit(decision, request, now, placement, decode_tokens, reserve, expected_output)
-            if self.replicator is not None:
-                self._plan_replication(decision, request, ctx, placement, locations)
-        return self._remember(decision)
+        if decision.rejected:
+            return self._remember(decision)
+        admitted = Admitted(decode_tokens, now + placement.ttft_s, expected_output)
+        hold = self._commit(request, now, placement, admitted, reserve)
+        if self.replicator is not None:
+            self._plan_replication(decision, request, ctx, placement, locations)
+        return self._remember(decision, hold)
 
     def on_replicated(self, replication: Replication) -> None:
         """A copy planned by `route` landed (or failed); the index learns of it from events."""
         if self.replicator is not None:
             self.replicator.on_replicated(replication)
 
+    def apply_block_events(self, events: Iterable[BlockEvent]) -> None:
+        """Blocks that tiers stored or evicted, as the prefix index learns of them."""
+        for event in events:
+            self.index.apply(event)
+
+    @property
+    def num_indexed_blocks(self) -> int:
+        """Blocks the prefix index holds, over every instance and tier."""
+        return len(self.index)
+
     def explain(self, request_id: str) -> str:
         """The candidates, their predictions and why one won, for a recent request."""
-        decision = self._decisions.get(request_id)
+        decision = self.placed.decision(request_id)
         if decision is None:
             raise KeyError(
                 f"no decision for request {request_id!r}; only the last "
@@ -152,25 +140,67 @@ class Conductor:
 
     def decision(self, request_id: str) -> Decision | None:
         """The remembered decision for `request_id`, if still kept."""
-        return self._decisions.get(request_id)
+        return self.placed.decision(request_id)
 
     def on_prefill_start(self, request_id: str, now: float) -> None:
         """The prefill instance began the request's prefill."""
-        inflight = self._inflight.get(request_id)
-        if inflight is not None and not inflight.decision.bypass:
-            view = self.prefill.get(inflight.decision.prefill_instance)
-            if view is not None:
-                view.start(request_id, now)
+        placed = self.placed.holding(request_id)
+        if placed is None or placed.decision.bypass:
+            return
+        view = self.prefill.get(placed.decision.prefill_instance)
+        if view is None:
+            return
+        hold = placed.hold
+        if hold.queue is view:  # counted in this very queue (not one re-added since)
+            view.start(hold.work_s, hold.num_new_tokens, now)
+            hold.queue = None
+        else:
+            view.start(0.0, 0, now)
 
     def on_prefill_done(self, request_id: str, now: float) -> None:
         """The prefill finished (its first token is out)."""
-        inflight = self._inflight.get(request_id)
-        if inflight is None:
+        placed = self.placed.holding(request_id)
+        if placed is None:
             return
-        decision = inflight.decision
-        view = self.prefill.get(decision.prefill_instance)
-        if view is not None and not decision.bypass:
+        view = self.prefill.get(placed.decision.prefill_instance)
+        if view is not None and not placed.decision.bypass:
             view.finish(now)
+
+    def on_decode_join(self, request_id: str, now: float) -> None:
+        """The request's KV landed and it joined the decode batch."""
+        placed = self.placed.holding(request_id)
+        if placed is None:
+            return
+        view = self.decode.get(placed.decision.decode_instance)
+        if view is not None:
+            view.join(request_id, now)
+
+    def report_decode(self, instance: Hashable, batch_size: int, kv_tokens: int) -> None:
+        """A decode worker's report of its running batch (ignored once it was removed)."""
+        view = self.decode.get(instance)
+        if view is not None:
+            view.report(batch_size, kv_tokens)
+
+    def on_finish(self, request_id: str, now: float, output_tokens: int) -> None:
+        """The request finished, was cancelled or hit its deadline: release its reservation."""
+        if self.on_abandon(request_id):
+            self._output_tokens_sum += output_tokens
+            self._output_tokens_count += 1
+
+    def on_abandon(self, request_id: str) -> bool:
+        """Release the request's reservation and queue slot without counting it (its worker
+        died and it is routed again); False if it held none."""
+        placed = self.placed.release(request_id)
+        if placed is None:
+            return False
+        decision, hold = placed.decision, placed.hold
+        view = self.decode.get(decision.decode_instance)
+        if view is not None:
+            view.leave(request_id, hold.reserve_tokens)
+        queue = self.prefill.get(decision.prefill_instance)
+        if queue is not None and queue is hold.queue:
+            queue.drop(hold.work_s, hold.num_new_tokens)
+        return True
 
     def observe_prefill(self, num_prompt_tokens: int, cached_tokens: int, seconds: float) -> None:
         """A measured prefill (compute seconds, cached tokens really reused), for the refit."""
@@ -202,112 +232,74 @@ class Conductor:
         self.profile.request_overhead_s = max(seconds, 0.0)
         self.profile.handoff_s = 0.0
         self._handoffs.clear()
-        self._handoff_sum = 0.0
 
     def observe_handoff(self, seconds: float) -> None:
         """A disaggregated request's TTFT minus its prefill compute and the base overhead:
         the profile's `handoff_s` follows the mean of the recent ones."""
-        window, seconds = self._handoffs, max(seconds, 0.0)
-        if len(window) == window.maxlen:
-            self._handoff_sum -= window[0]
-        window.append(seconds)
-        self._handoff_sum += seconds
-        self.profile.handoff_s = max(self._handoff_sum / len(window), 0.0)
+        self.profile.handoff_s = max(self._handoffs.add(max(seconds, 0.0)), 0.0)
 
     def observe_ttft(self, request_id: str, actual_s: float) -> None:
         """The measured TTFT of a routed request, recorded next to its prediction."""
-        inflight = self._inflight.get(request_id)
-        if inflight is not None:
-            self.errors.record(inflight.decision.predicted_ttft_s, actual_s)
+        placed = self.placed.holding(request_id)
+        if placed is not None:
+            self.errors.record(placed.decision.predicted_ttft_s, actual_s)
 
-    def on_decode_join(self, request_id: str, now: float) -> None:
-        """The request's KV landed and it joined the decode batch."""
-        inflight = self._inflight.get(request_id)
-        if inflight is None:
-            return
-        view = self.decode.get(inflight.decision.decode_instance)
-        if view is not None:
-            view.join(request_id, now)
-
-    def report_decode(self, instance: Hashable, batch_size: int, kv_tokens: int) -> None:
-        """A decode worker's report of its running batch."""
-        self.decode[instance].report(batch_size, kv_tokens)
-
-    def report_prefill(
-        self, instance: Hashable, queued_ids: list[str], running_remaining_s: float, now: float
+    def observe_first_token(
+        self, request_id: str, ttft_s: float, prefill_compute_s: float | None
     ) -> None:
-        """A prefill worker's report of its queue and the time left on its running prefill."""
-        self.prefill[instance].apply_report(queued_ids, running_remaining_s, now)
+        """A live request's first token: its TTFT, and (disaggregated, where the prefill's
+        compute is known) what it paid beyond compute and the base overhead."""
+        self.observe_ttft(request_id, ttft_s)
+        if prefill_compute_s is not None:
+            self.observe_handoff(ttft_s - prefill_compute_s - self.profile.request_overhead_s)
 
-    def on_finish(self, request_id: str, now: float, output_tokens: int) -> None:
-        """The request finished, was cancelled or hit its deadline: release its reservation."""
-        if self.on_abandon(request_id):
-            self._output_tokens_sum += output_tokens
-            self._output_tokens_count += 1
+    def prefill_time_s(self, num_tokens: int) -> float:
+        """The cost model's prefill time of `num_tokens` uncached tokens."""
+        return self.profile.cost.prefill_time(num_tokens, 0)
 
-    def on_abandon(self, request_id: str) -> bool:
-        """Release the request's reservation and queue slot without counting it (its worker
-        died and it is routed again); False if it held none."""
-        inflight = self._inflight.pop(request_id, None)
-        if inflight is None:
-            return False
-        decision = inflight.decision
-        view = self.decode.get(decision.decode_instance)
-        if view is not None:
-            view.leave(request_id, inflight.reserve_tokens)
-        queue = self.prefill.get(decision.prefill_instance)
-        if queue is not None and not decision.bypass:
-            queue.drop(request_id)
-        return True
+    def current_profile(self) -> Profile:
+        """The profile as it stands: measured at start, calibrated, refit online."""
+        return self.profile
+
+    def reserved_kv_tokens(self, instance: Hashable) -> int | None:
+        """KV tokens held back for requests placed on decode `instance` (None if unknown)."""
+        view = self.decode.get(instance)
+        return None if view is None else view.reserved_tokens
+
+    def pool_load(self, now: float) -> tuple[float, float]:
+        """(summed predicted prefill queue seconds, worst predicted decode TBT now)."""
+        queue_s = sum(view.wait_s(now) for view in self.prefill.values())
+        tbt_s = max((self.predictor.tbt_now(v, 0) for v in self.decode.values()), default=0.0)
+        return queue_s, tbt_s
 
     def prediction_error(self) -> PredictionErrorStats:
         """How far predicted TTFT was from the observed TTFT."""
         return self.errors.stats()
 
-    def _tbt_predictor(self, now: float, decode_tokens: int):
-        predictor = self.predictor
-        if self.config.admission == "prediction_early_rejection":
-            return lambda view, when_s: predictor.tbt_at(view, now, when_s, decode_tokens)
-        return lambda view, when_s: predictor.tbt_with_pending(view, decode_tokens)
-
-    def _fill(self, decision: Decision, placement: Placement) -> None:
-        plan = placement.plan
-        decision.prefill_instance = placement.prefill_instance
-        decision.decode_instance = placement.decode.instance
-        overhead_s = self.profile.request_overhead_s
-        if not placement.bypass:
-            overhead_s += self.profile.handoff_s
-        decision.predicted_ttft_s = placement.ttft_s + overhead_s
-        decision.predicted_queue_s = placement.queue_s
-        decision.predicted_tbt_s = placement.tbt_s
-        decision.cached_tokens = plan.cached_tokens
-        decision.local_cached_tokens = plan.local_cached_tokens
-        decision.fetch_from = plan.fetch_from
-        decision.fetch_tokens = plan.fetch_tokens
-        decision.bypass = placement.bypass
-        decision.candidates = placement.candidates
+    def snapshot(self) -> dict:
+        """The settings, the profile as it stands and the TTFT prediction error, as plain data."""
+        return {
+            "policy": self.config.policy,
+            "router": dataclasses.asdict(self.config),
+            "profile": profile_to_dict(self.profile),
+            "ttft_prediction_error": dataclasses.asdict(self.prediction_error()),
+        }
 
     def _commit(
-        self,
-        decision: Decision,
-        request: RouteRequest,
-        now: float,
-        placement: Placement,
-        decode_tokens: int,
+        self, request: RouteRequest, now: float, placement: Placement, admitted: Admitted,
         reserve: int,
-        expected_output: int,
-    ) -> None:
+    ) -> Hold:  # fmt: skip
         rid = request.request_id
+        hold = Hold(reserve)
         if placement.bypass:
             placement.decode.bypass_until_s = now + placement.ttft_s
         else:
-            new_tokens = request.num_prompt_tokens - placement.plan.cached_tokens
-            self.prefill[placement.prefill_instance].enqueue(rid, placement.plan.work_s, new_tokens)
-        entry = Admitted(decode_tokens, now + placement.ttft_s, expected_output)
-        placement.decode.admit(rid, entry, reserve)
-        self._inflight[rid] = _InFlight(
-            decision, request.num_prompt_tokens, reserve, expected_output
-        )
+            hold.queue = self.prefill[placement.prefill_instance]
+            hold.work_s = placement.plan.work_s
+            hold.num_new_tokens = request.num_prompt_tokens - placement.plan.cached_tokens
+            hold.queue.enqueue(hold.work_s, hold.num_new_tokens)
+        placement.decode.admit(rid, admitted, reserve)
+        return hold
 
     def _plan_replication(
         self,
@@ -326,29 +318,73 @@ class Conductor:
         if copy is not None:
             decision.replications.append(copy)
 
-    def _remember(self, decision: Decision) -> Decision:
-        if self.config.explain_capacity > 0:
-            self._decisions[decision.request_id] = decision
-            self._decisions.move_to_end(decision.request_id)
-            while len(self._decisions) > self.config.explain_capacity:
-                self._decisions.popitem(last=False)
+    def _remember(self, decision: Decision, hold: Hold | None = None) -> Decision:
+        self.placed.remember(decision, hold)
         return decision
 
-    def _no_room_reason(self, reserve: int) -> str:
-        if not self.prefill:
-            return "no prefill instance is registered; add one with add_prefill()"
-        most = max((v.free_kv_tokens for v in self.decode.values()), default=0)
-        return (
-            f"no decode instance has {reserve} tokens of KV free (most free: {most}); "
-            "retry later or add decode instances"
-        )
 
-    @staticmethod
-    def _slo(name: str, override: float | None, default: float | None) -> float | None:
-        if override is None:
-            return default
-        try:
-            check_slo(name, override)
-        except RouterConfigError as exc:
-            raise InvalidRequestError(str(exc)) from exc
-        return override
+def _fill_decision(decision: Decision, placement: Placement, overhead_s: float) -> None:
+    """Copy a placement's choice and predictions into `decision`."""
+    plan = placement.plan
+    decision.prefill_instance = placement.prefill_instance
+    decision.decode_instance = placement.decode.instance
+    decision.predicted_ttft_s = placement.ttft_s + overhead_s
+    decision.predicted_queue_s = placement.queue_s
+    decision.predicted_tbt_s = placement.tbt_s
+    decision.cached_tokens = plan.cached_tokens
+    decision.local_cached_tokens = plan.local_cached_tokens
+    decision.fetch_from = plan.fetch_from
+    decision.fetch_tokens = plan.fetch_tokens
+    decision.bypass = placement.bypass
+    decision.candidates = placement.candidates
+
+
+def _place(
+    policy: Policy, config: RouterConfig, ctx: PlacementContext, tbt_slo_s: float | None
+) -> Placement:
+    """The policy's placement, or the short-prompt bypass where the Conductor finds it better."""
+    placement = policy.place(ctx)
+    if policy.name != "conductor" or config.bypass_max_tokens <= 0:
+        return placement
+    stall_s = tbt_slo_s if tbt_slo_s is not None else config.bypass_max_stall_s
+    return bypass_placement(ctx, placement, config.bypass_max_tokens, stall_s) or placement
+
+
+def _slo(name: str, override: float | None, default: float | None) -> float | None:
+    if override is None:
+        return default
+    try:
+        check_slo(name, override)
+    except RouterConfigError as exc:
+        raise InvalidRequestError(str(exc)) from exc
+    return override
+
+
+def _tbt_predictor(predictor: Predictor, admission: str, now: float, decode_tokens: int):
+    if admission == "prediction_early_rejection":
+        return lambda view, when_s: predictor.tbt_at(view, now, when_s, decode_tokens)
+    return lambda view, when_s: predictor.tbt_with_pending(view, decode_tokens)
+
+
+def _no_room_reason(has_prefill: bool, decode: Iterable[DecodeView], reserve: int) -> str:
+    if not has_prefill:
+        return "no prefill instance is registered; add one with add_prefill()"
+    most = max((v.free_kv_tokens for v in decode), default=0)
+    return (
+        f"no decode instance has {reserve} tokens of KV free (most free: {most}); "
+        "retry later or add decode instances"
+    )
+
+
+def _replicator(config: RouterConfig) -> Replicator | None:
+    """The hot-prefix replicator, when `config.replicate` asks for one."""
+    if not config.replicate:
+        return None
+    return Replicator(
+        config.block_size,
+        config.replicate_min_hits,
+        config.replicate_max_copies,
+        config.replicate_margin_s,
+        config.replicate_cooldown_s,
+        config.replicate_window_requests,
+    )

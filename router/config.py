@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from halfmoon.kvstore.config import BLOCK_SIZE
 from halfmoon.router.errors import RouterConfigError
 
 POLICY_NAMES = ("random", "round_robin", "least_loaded", "cache_aware_local", "conductor")
@@ -32,7 +33,7 @@ class RouterConfig:
     admission: str = "none"
     ttft_slo_s: float | None = None
     tbt_slo_s: float | None = None
-    block_size: int = 16
+    block_size: int = BLOCK_SIZE
     # Fetch a remote prefix only when it saves at least this much more than it costs to move.
     fetch_margin_s: float = 0.01
     # Prefill on the decode instance when at most this many tokens are uncached (0 turns it off).

@@ -67,3 +67,23 @@ class OnlineRefit:
     def _weights(self, count: int) -> list[float]:
         # Newest sample weighs 1, one half-life older weighs 0.5.
         return [self._decay ** (count - 1 - i) for i in range(count)]
+
+
+class RecentMean:
+    """The mean of the last `capacity` values added, kept in constant time per value."""
+
+    def __init__(self, capacity: int) -> None:
+        self._values: deque[float] = deque(maxlen=capacity)
+        self._sum = 0.0
+
+    def add(self, value: float) -> float:
+        """Add `value`; returns the mean of the window with it."""
+        if len(self._values) == self._values.maxlen:
+            self._sum -= self._values[0]
+        self._values.append(value)
+        self._sum += value
+        return self._sum / len(self._values)
+
+    def clear(self) -> None:
+        self._values.clear()
+        self._sum = 0.0

@@ -14,33 +14,25 @@ class PrefillView:
     queued_work_s: float = 0.0
     queued_tokens: int = 0
     busy_until_s: float = 0.0
-    jobs: dict[str, tuple[float, int]] = field(default_factory=dict)
 
     def wait_s(self, now: float) -> float:
         """Predicted seconds before a request sent now would start prefilling."""
         running = self.busy_until_s - now
         return self.queued_work_s + (running if running > 0.0 else 0.0)
 
-    def enqueue(self, request_id: str, work_s: float, num_tokens: int) -> None:
+    def enqueue(self, work_s: float, num_tokens: int) -> None:
         """Count a request the router just sent here."""
-        self.jobs[request_id] = (work_s, num_tokens)
         self.num_queued += 1
         self.queued_work_s += work_s
         self.queued_tokens += num_tokens
 
-    def start(self, request_id: str, now: float) -> None:
-        """The request left the queue and began prefilling at `now`."""
-        work_s, num_tokens = self.jobs.pop(request_id, (0.0, 0))
-        self.num_queued = max(self.num_queued - 1, 0)
-        self.queued_work_s = max(self.queued_work_s - work_s, 0.0)
-        self.queued_tokens = max(self.queued_tokens - num_tokens, 0)
+    def start(self, work_s: float, num_tokens: int, now: float) -> None:
+        """A request of `work_s` left the queue and began prefilling at `now`."""
+        self.drop(work_s, num_tokens)
         self.busy_until_s = now + work_s
 
-    def drop(self, request_id: str) -> None:
-        """The request left before its prefill started (cancelled, or retried elsewhere)."""
-        if request_id not in self.jobs:
-            return
-        work_s, num_tokens = self.jobs.pop(request_id)
+    def drop(self, work_s: float, num_tokens: int) -> None:
+        """A queued request left (began, was cancelled, or was retried elsewhere)."""
         self.num_queued = max(self.num_queued - 1, 0)
         self.queued_work_s = max(self.queued_work_s - work_s, 0.0)
         self.queued_tokens = max(self.queued_tokens - num_tokens, 0)
@@ -48,17 +40,6 @@ class PrefillView:
     def finish(self, now: float) -> None:
         """The running prefill completed at `now`."""
         self.busy_until_s = now
-
-    def apply_report(self, queued_ids: list[str], running_remaining_s: float, now: float) -> None:
-        """Reconcile with a worker report: forget jobs it no longer holds, trust its clock."""
-        still_queued = set(queued_ids)
-        for request_id in [rid for rid in self.jobs if rid not in still_queued]:
-            work_s, num_tokens = self.jobs.pop(request_id)
-            self.queued_work_s -= work_s
-            self.queued_tokens -= num_tokens
-        self.num_queued = len(self.jobs)
-        self.queued_work_s = max(self.queued_work_s, 0.0)
-        self.busy_until_s = now + running_remaining_s
 
 
 @dataclass(slots=True)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from halfmoon.cluster.bench.options import bench_parser
 from halfmoon.router.errors import ProfileError, RouterConfigError, TraceFormatError
 from halfmoon.router.profile import DEFAULT_PROFILE, load_profile
 from halfmoon.router.sim.capacity import (
@@ -62,9 +63,10 @@ def parse_floats(text: str) -> tuple[float, ...]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The capacity bench's flags."""
-    parser = argparse.ArgumentParser(
-        prog="halfmoon bench capacity",
-        description=DESCRIPTION,
+    parser = bench_parser(
+        "capacity",
+        DESCRIPTION,
+        json=False,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--trace", required=True, help="JSONL trace (Mooncake format)")

@@ -88,12 +88,12 @@ def run_ours(
         SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in work.output_lens
     ]
     llm.generate([work.prompts[0][:8]], SamplingParams(max_tokens=2))  # warm up
-    llm.engine.runner.forward_s = 0.0
+    forward_before_s = llm.engine.stats().forward_s
     started = time.perf_counter()
     outputs = llm.generate(work.prompts, params)
     wall = time.perf_counter() - started
     assert sum(len(o.token_ids) for o in outputs) == work.num_output_tokens
-    forward_s = llm.engine.runner.forward_s
+    forward_s = llm.engine.stats().forward_s - forward_before_s
     del llm
     if device == "cuda":
         # Freed memory stays reserved by torch's allocator until emptied, and the next engine

@@ -12,6 +12,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from halfmoon.cluster.bench.options import bench_parser
 from halfmoon.kernels import ops, reference
 
 NO_CUDA = (
@@ -289,15 +290,12 @@ def format_table(device_name: str, peaks: DevicePeaks, results: list[KernelResul
 def build_parser() -> argparse.ArgumentParser:
     """The command line of `halfmoon bench kernels`."""
     defaults = BenchConfig()
-    parser = argparse.ArgumentParser(
-        prog="halfmoon bench kernels",
+    parser = bench_parser(
+        "kernels",
         description="Time the Triton kernels on the CUDA device (fp16) and report achieved GB/s or "
         "TFLOP/s, the fraction of the device's peak, and the speedup over the torch baseline "
         "(scaled_dot_product_attention over already-gathered dense KV for attention, the "
         "reference kernels otherwise). Without CUDA it prints why and exits 0.",
-    )
-    parser.add_argument(
-        "--json", action="store_true", help="print one JSON object instead of a table"
     )
     for field, help_ in (
         ("decode_batch", "sequences in the decode workload"),

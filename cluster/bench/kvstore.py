@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from halfmoon.cluster.bench.options import bench_parser
 from halfmoon.kvstore.config import StoreConfig
 from halfmoon.kvstore.layout import KvLayout, LayerKV, tensor_bytes
 from halfmoon.kvstore.redis_server import RedisServerError, start_redis_server
@@ -185,8 +186,8 @@ def start_redis() -> tuple[subprocess.Popen, str]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="halfmoon bench kvstore",
+    parser = bench_parser(
+        "kvstore",
         description="Put+get bandwidth of the KV store's host tier, Redis tier and Ray store "
         "actor against a plain torch copy, raw redis-py SET/GET and a plain Ray actor, at the "
         "page sizes of a ~50M-parameter model and of Llama-3-8B (fp16, 16-token blocks).",
@@ -195,7 +196,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--blocks", type=int, default=64, help="blocks per put/get batch")
     parser.add_argument("--repeats", type=int, default=5, help="runs per measurement (best kept)")
     parser.add_argument("--no-ray", action="store_true", help="skip the Ray actor measurement")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
     return parser.parse_args(argv)
 
 

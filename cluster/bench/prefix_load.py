@@ -24,6 +24,8 @@ from halfmoon.cluster.config import load_config
 from halfmoon.cluster.control.launcher import Cluster
 from halfmoon.engine.sampling_params import SamplingParams
 from halfmoon.engine.worker_errors import WorkerCallError, unwrap
+from halfmoon.kvstore.keys import block_keys
+from halfmoon.prefill_worker.task import PrefillTask
 
 PATHS = ("arena", "objects")
 TAIL_TOKENS = 16  # computed after the loaded prefix: the prefill needs a token to sample from
@@ -41,10 +43,11 @@ def measure(cluster: Cluster, prefix_tokens: int, repeats: int, seed: int) -> di
             ids = [rng.randrange(6, cluster.info.vocab_size) for _ in range(prefix_tokens)]
             ids += [rng.randrange(6, cluster.info.vocab_size) for _ in range(TAIL_TOKENS)]
             rid = f"p{prefix_tokens}-{path}-{r}"
-            unwrap(ray.get(producer.prefill.remote(rid + "-store", ids, params)))
+            keys = block_keys(cluster.info.root_key, ids, cluster.info.block_size)
+            unwrap(ray.get(producer.prefill.remote(PrefillTask(rid + "-store", ids, params, keys))))
             unwrap(ray.get(producer.stored.remote(rid + "-store")))
-            call = loader.prefill.remote(rid, ids, params, True, None, None, True, path == "arena")
-            result = unwrap(ray.get(call))
+            task = PrefillTask(rid, ids, params, keys, arena_loads=path == "arena")
+            result = unwrap(ray.get(loader.prefill.remote(task)))
             if result.num_loaded_tokens != prefix_tokens:
                 raise RuntimeError(
                     f"loaded {result.num_loaded_tokens} of the {prefix_tokens} stored tokens"

@@ -16,6 +16,7 @@ import ray
 import torch
 from tqdm import tqdm
 
+from halfmoon.cluster.bench.options import bench_parser
 from halfmoon.kvstore.config import StoreConfig
 from halfmoon.kvstore.layout import KvLayout, LayerKV
 from halfmoon.kvstore.shared_arena import map_arena
@@ -310,8 +311,8 @@ def rows(times: dict, layout: KvLayout, intact: dict[str, bool]) -> list[Row]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="halfmoon bench rdt",
+    parser = bench_parser(
+        "rdt",
         description="Moves one request's KV, layer by layer, from a sender actor (as the "
         "prefill worker) to a receiver actor (as the decode worker) and prints per-request "
         "transfer time p50/p99 and GB/s for: store = put_layer through a real store node, read "
@@ -335,7 +336,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--block-size", type=int, default=16, help="tokens per block (16)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="where both actors hold the KV (cpu)")  # fmt: skip
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda needs a CUDA GPU; this host has none")

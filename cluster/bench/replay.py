@@ -3,7 +3,6 @@ simulator on the same scaled trace with the live workers' measured profile, side
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
 import json
@@ -15,6 +14,7 @@ from dataclasses import asdict, dataclass
 
 import ray
 
+from halfmoon.cluster.bench.options import add_slo_options, bench_parser
 from halfmoon.cluster.bench.workload import TRACE_BLOCK_TOKENS, prompt_tokens, scale_records
 from halfmoon.cluster.client.grpc_client import AsyncClient, ServerError
 from halfmoon.cluster.config import load_config, router_config
@@ -109,8 +109,8 @@ def simulate(cluster: Cluster, profile, records, block_tokens: int, router_profi
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="halfmoon bench replay",
+    parser = bench_parser(
+        "replay",
         description="Replay the first N requests of a Mooncake trace on a live local cluster "
         "(hash ids -> seeded token blocks, lengths and times scaled) and simulate the same "
         "scaled trace step by step with the live workers' profile as observed during the "
@@ -140,9 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         choices=("none", "early_rejection", "prediction_early_rejection"),
         help="SLO admission of the live router and the simulated one (none)",
     )
-    parser.add_argument("--ttft-slo", type=float, help="TTFT SLO in seconds (none)")
-    parser.add_argument("--tbt-slo", type=float, help="TBT SLO in seconds (none)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_slo_options(parser, "TTFT SLO in seconds (none)", "TBT SLO in seconds (none)")
     args = parser.parse_args(argv)
     raw, _ = read_trace(args.trace)
     records = scale_records(raw[: args.requests], args.block_tokens, args.time_scale)

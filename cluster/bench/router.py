@@ -9,6 +9,8 @@ import random
 import sys
 import time
 
+from halfmoon.cluster.bench.options import bench_parser
+from halfmoon.kvstore.index import BlockEvent
 from halfmoon.router.conductor import Conductor
 from halfmoon.router.config import POLICY_NAMES, RouterConfig
 from halfmoon.router.profile import DEFAULT_PROFILE, load_profile
@@ -34,9 +36,12 @@ def build_conductor(args: argparse.Namespace) -> tuple[Conductor, list[list[int]
         next_key += args.blocks_per_prompt
         chains.append(chain)
         owner, *replicas = rng.sample(prefill, k=rng.randint(1, 3))
-        conductor.index.stored(owner, "host", chain)
+        events = [BlockEvent("stored", owner, "host", chain)]
         for holder in replicas:
-            conductor.index.stored(holder, "device", chain[: rng.randint(1, len(chain))])
+            events.append(
+                BlockEvent("stored", holder, "device", chain[: rng.randint(1, len(chain))])
+            )
+        conductor.apply_block_events(events)
     return conductor, chains
 
 
@@ -69,7 +74,7 @@ def run(args: argparse.Namespace) -> dict:
     return {
         "policy": args.policy,
         "instances": args.instances,
-        "indexed_blocks": len(conductor.index),
+        "indexed_blocks": conductor.num_indexed_blocks,
         "blocks_per_prompt": args.blocks_per_prompt,
         "decisions": len(latencies),
         "decisions_per_s": len(latencies) / total,
@@ -81,7 +86,7 @@ def run(args: argparse.Namespace) -> dict:
 
 def build_parser() -> argparse.ArgumentParser:
     """The bench's flags; the defaults are the issue's setting."""
-    parser = argparse.ArgumentParser(prog="halfmoon bench router", description=__doc__)
+    parser = bench_parser("router", __doc__)
     parser.add_argument("--policy", default="conductor", choices=POLICY_NAMES)
     parser.add_argument("--instances", type=int, default=64, help="prefill + decode instances")
     parser.add_argument("--blocks", type=int, default=100_000, help="blocks in the index")
@@ -90,7 +95,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--decisions", type=int, default=20_000)
     parser.add_argument("--warmup", type=int, default=1_000)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
 
 

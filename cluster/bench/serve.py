@@ -7,7 +7,6 @@ import argparse
 import asyncio
 import json
 import math
-import os
 import sys
 import time
 
@@ -21,22 +20,19 @@ from halfmoon.cluster.bench.metrics import (
     ratios,
     summarize,
 )
+from halfmoon.cluster.bench.options import add_server_options, add_workload_options, bench_parser
 from halfmoon.cluster.bench.targets import BACKENDS, TargetUnreachableError, make_target
 from halfmoon.cluster.bench.workload import (
     ARRIVALS,
-    TRACE_BLOCK_TOKENS,
     BenchRequest,
     WorkloadError,
-    add_random_length_options,
     arrival_times,
     prompt_vocabulary,
     random_requests,
     rescale_to_rate,
     trace_requests,
 )
-from halfmoon.cluster.frontend.auth import API_KEY_ENV
 
-DEFAULT_GRPC = "127.0.0.1:50051"
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 RATIO_KEYS = (
     "request_throughput",
@@ -56,8 +52,9 @@ RATIO_KEYS = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="halfmoon bench serve",
+    parser = bench_parser(
+        "serve",
+        progress=True,
         description="Send a workload to a running server and report TTFT, TPOT, ITL and "
         "end-to-end latency (mean, median, std, percentiles, in ms), request and token "
         "throughput, goodput under SLOs and errors by code, named as `vllm bench serve` names "
@@ -75,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
         "chunks. Exit status 2 when a server cannot be reached.",
     )
     where = parser.add_argument_group("server")
+    add_server_options(where, "seconds per request (HTTP: per read) (%(default)s)")
     where.add_argument(
         "--backend",
         choices=BACKENDS,
@@ -82,7 +80,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="grpc (default): halfmoon's Generate stream (prompts as token ids); openai: POST "
         "/v1/completions with stream=true; openai-chat: POST /v1/chat/completions (text)",
     )
-    where.add_argument("--server", default=DEFAULT_GRPC, help="gRPC server HOST:PORT (%(default)s)")
     where.add_argument(
         "--base-url", default=DEFAULT_BASE_URL, help="HTTP server for openai* (%(default)s)"
     )
@@ -94,48 +91,24 @@ def build_parser() -> argparse.ArgumentParser:
         "--model", help="the model field of HTTP requests (default: the first of /v1/models)"
     )
     where.add_argument(
-        "--api-key",
-        default=os.environ.get(API_KEY_ENV) or os.environ.get("OPENAI_API_KEY"),
-        help=f"the server's API key, sent as a Bearer token on HTTP and gRPC (default: "
-        f"${API_KEY_ENV}, else $OPENAI_API_KEY)",
-    )
-    where.add_argument(
         "--compare",
         nargs=2,
         metavar=("A", "B"),
         help="run the same requests against A, then B ([grpc://]HOST:PORT or http://...), and "
         "print both and the ratios B/A; replaces --server / --base-url",
     )
-    where.add_argument(
-        "--request-timeout",
-        type=float,
-        default=600.0,
-        help="seconds per request (HTTP: per read) (%(default)s)",
-    )
     work = parser.add_argument_group("workload")
-    work.add_argument("--num-prompts", type=int, default=100, help="requests to send (%(default)s)")
-    work.add_argument(
-        "--trace",
-        help="Mooncake-format JSONL trace (e.g. ../shared/traces/conversation_trace.jsonl): its "
-        "first --num-prompts requests, each hash id a fixed block of token ids so shared "
-        "prefixes stay shared; without it, random lengths",
-    )
-    work.add_argument(
-        "--block-tokens",
-        type=int,
-        default=TRACE_BLOCK_TOKENS,
-        help="tokens per trace hash id (%(default)s, the traces' own); fewer scales input and "
-        "output lengths down alike (e.g. 16 for the tiny CPU model)",
+    add_workload_options(
+        work,
+        100,
+        "requests to send (%(default)s)",
+        "seed of random prompts and arrivals (%(default)s)",
     )
     work.add_argument(
         "--time-scale",
         type=float,
         default=1.0,
         help="trace arrivals speed-up: send time = trace time / X (%(default)s)",
-    )
-    add_random_length_options(work)
-    work.add_argument(
-        "--seed", type=int, default=0, help="seed of random prompts and arrivals (%(default)s)"
     )
     work.add_argument(
         "--tokenizer",
@@ -193,11 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
         default="50,90,99",
         help="percentiles reported per latency (%(default)s)",
     )
-    out.add_argument("--json", action="store_true", help="print one JSON object instead")
     out.add_argument(
         "--plot", metavar="FILE.png", help="write latency CDFs and TTFT over time to a PNG"
     )
-    out.add_argument("--disable-tqdm", action="store_true", help="no progress bar on stderr")
     return parser
 
 

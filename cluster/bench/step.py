@@ -24,6 +24,7 @@ import torch
 
 from halfmoon.cluster.bench.engine import SETUPS, sync_device
 from halfmoon.engine.init_model import default_model_dir, ensure_model
+from halfmoon.engine.step_probe import host_step_time
 
 
 def copy_bandwidth_bytes_s(device: str, num_bytes: int = 1 << 30) -> float:
@@ -45,7 +46,7 @@ def decode_step_times(llm, batch_size: int, context: int, steps: int) -> tuple[f
 
     engine = llm.engine
     params = SamplingParams(max_tokens=10 * steps + 8, temperature=0.0, ignore_eos=True)
-    vocab = engine.model_config.vocab_size
+    vocab = engine.facts.vocab_size
     ids = [
         engine.add_request([(7 * i + j) % (vocab - 6) + 6 for j in range(context)], params)
         for i in range(batch_size)
@@ -74,38 +75,6 @@ def decode_step_times(llm, batch_size: int, context: int, steps: int) -> tuple[f
     for rid in ids:
         engine.abort(rid)
     return wall_s, device_s, host_s
-
-
-def host_step_time(engine, batch_size: int, steps: int) -> float:
-    """Seconds per decode step with the model's forward and logits replaced by fixed tensors."""
-    runner, model = engine.runner, engine.runner.model
-    device = engine.device
-    hidden = torch.zeros(batch_size, model.config.hidden_size, device=device, dtype=engine.dtype)
-    logits = torch.randn(batch_size, engine.model_config.vocab_size, device=device)
-    graphs = runner.decode_graphs
-
-    def graph_run(batch):
-        graphs._load(batch, graphs.bucket_for(len(batch)))  # the input copies stay
-        return hidden[: len(batch)]
-
-    if graphs is not None:
-        graphs.run = graph_run
-    model.forward = lambda token_ids, *args, **kwargs: hidden[:1].expand(len(token_ids), -1)
-    model.logits = lambda rows: logits[: len(rows)]
-    try:
-        for _ in range(3):
-            engine.step()
-        sync_device(device.type)
-        started = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        sync_device(device.type)
-        return (time.perf_counter() - started) / steps
-    finally:
-        for name in ("forward", "logits"):
-            delattr(model, name)
-        if graphs is not None:
-            del graphs.run
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,13 +110,11 @@ def main(argv: list[str] | None = None) -> int:
         enforce_eager=args.eager,
     )
     if args.device == "cpu" and not args.eager:
-        llm.engine.runner.enable_decode_graphs(
-            max(args.batch_sizes), llm.engine.max_model_len, False
-        )
-    weights_s = llm.engine.runner.weights_bytes / copy_bandwidth_bytes_s(args.device)
+        llm.engine.use_decode_buffers(capture=False)
+    weights_s = llm.engine.weights_bytes / copy_bandwidth_bytes_s(args.device)
     result = {
         "device": args.device,
-        "graphs": llm.engine.runner.decode_graphs is not None,
+        "graphs": llm.engine.decode_buffers_in_use,
         "weights_stream_ms": weights_s * 1e3,
         "steps": {},
     }

@@ -25,8 +25,11 @@ from halfmoon.cluster.bench.device import (
 )
 from halfmoon.cluster.config import load_config
 from halfmoon.cluster.control.launcher import Cluster
+from halfmoon.decode_worker.task import DecodeTask
 from halfmoon.engine.sampling_params import SamplingParams
 from halfmoon.engine.worker_errors import WorkerCallError, unwrap
+from halfmoon.kvstore.keys import block_keys
+from halfmoon.prefill_worker.task import PrefillTask
 
 
 @dataclass(slots=True)
@@ -74,9 +77,12 @@ async def measure(cluster: Cluster, token_ids: list[int], path: str, rid: str) -
     params = SamplingParams(max_tokens=1, temperature=0.0)
     before = (await prefill.counters.remote())["forward_s"]
     copies_before = (await decode.counters.remote())["num_page_copies"]
+    keys = block_keys(cluster.info.root_key, token_ids, cluster.info.block_size)
+    reserve = DecodeTask(rid, token_ids, params, keys, store_name, direct=direct)
+    task = PrefillTask(rid, token_ids, params, keys, kv_peer=peer, layerwise=layerwise, lend=lend)
     started = time.time()
-    reserved = decode.reserve.remote(rid, token_ids, params, store_name, None, direct)
-    prefilled = prefill.prefill.remote(rid, token_ids, params, layerwise, None, peer, lend)
+    reserved = decode.reserve.remote(reserve)
+    prefilled = prefill.prefill.remote(task)
     unwrap(await reserved)
     result = unwrap(await prefilled)
     async for ref in decode.generate.options(num_returns="streaming").remote(

@@ -150,25 +150,3 @@ def rescale_to_rate(requests: list[BenchRequest], request_rate: float) -> None:
     factor = (len(requests) - 1) / request_rate / span
     for request in requests:
         request.arrival_s *= factor
-
-
-def add_random_length_options(group) -> None:
-    """The random-lengths workload's options (`bench serve`, `bench live-capacity`)."""
-    group.add_argument(
-        "--random-input-len", type=int, default=1024, help="mean prompt tokens (%(default)s)"
-    )
-    group.add_argument(
-        "--random-output-len", type=int, default=128, help="mean output tokens (%(default)s)"
-    )
-    group.add_argument(
-        "--random-range-ratio",
-        type=float,
-        default=0.0,
-        help="lengths uniform in [len*(1-r), len*(1+r)], 0 <= r < 1 (%(default)s)",
-    )
-    group.add_argument(
-        "--random-output-range-ratio",
-        type=float,
-        help="the same for output lengths alone, e.g. 0 for fixed outputs under varied prompts "
-        "(default: --random-range-ratio)",
-    )

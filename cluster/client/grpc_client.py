@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import types
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 import grpc
 
@@ -54,12 +56,19 @@ class ServerInfo:
     details: dict
 
 
-class Stream:
-    """A request's deltas as they arrive; `cancel()` aborts the request on the server."""
+class _Stream:
+    """A started Generate call and its request id."""
 
     def __init__(self, call, request_id: str) -> None:
         self._call = call
         self.request_id = request_id
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
+class Stream(_Stream):
+    """A request's deltas as they arrive; `cancel()` aborts the request on the server."""
 
     def __iter__(self) -> Iterator[TokenDelta]:
         return self
@@ -70,9 +79,6 @@ class Stream:
         except grpc.RpcError as error:
             raise ServerError.from_rpc(error) from None
 
-    def cancel(self) -> None:
-        self._call.cancel()
-
     def __enter__(self) -> Stream:
         return self
 
@@ -80,12 +86,8 @@ class Stream:
         self.cancel()
 
 
-class AsyncStream:
+class AsyncStream(_Stream):
     """A request's deltas as they arrive (asyncio); `cancel()` aborts it on the server."""
-
-    def __init__(self, call, request_id: str) -> None:
-        self._call = call
-        self.request_id = request_id
 
     def __aiter__(self) -> AsyncIterator[TokenDelta]:
         return self
@@ -103,9 +105,6 @@ class AsyncStream:
             raise StopAsyncIteration
         return delta_from_proto(response)
 
-    def cancel(self) -> None:
-        self._call.cancel()
-
     async def __aenter__(self) -> AsyncStream:
         return self
 
@@ -121,10 +120,18 @@ def channel_credentials(tls_ca: str | None) -> grpc.ChannelCredentials | None:
         return grpc.ssl_channel_credentials(root_certificates=file.read())
 
 
-class Client:
-    """Blocking client: `generate` streams deltas, `complete` returns the whole result.
-    `tls_ca`: connect over TLS, trusting the server certificate's CA (a PEM file); `api_key` is
-    sent with every call when the server requires one."""
+def _server_info(info: pb.ServerInfo) -> ServerInfo:
+    return ServerInfo(info.version, info.mode, info.model, json.loads(info.json or "{}"))
+
+
+StreamT = TypeVar("StreamT", Stream, AsyncStream)
+
+
+class _ClientBase(Generic[StreamT]):
+    """The channel, stub and credentials both clients share, and how a request is started."""
+
+    _stream: type[StreamT]
+    _channels: types.ModuleType  # grpc or grpc.aio
 
     def __init__(
         self, address: str = DEFAULT_ADDRESS, tls_ca: str | None = None, api_key: str | None = None
@@ -132,9 +139,9 @@ class Client:
         self.address = address
         credentials = channel_credentials(tls_ca)
         self._channel = (
-            grpc.insecure_channel(address)
+            self._channels.insecure_channel(address)
             if credentials is None
-            else grpc.secure_channel(address, credentials)
+            else self._channels.secure_channel(address, credentials)
         )
         self._stub = pb_grpc.HalfmoonStub(self._channel)
         self._metadata = bearer_metadata(api_key)
@@ -148,12 +155,20 @@ class Client:
         ttft_slo_s: float | None = None,
         tbt_slo_s: float | None = None,
         **sampling,
-    ) -> Stream:
+    ) -> StreamT:
         """Start a request (text, token ids or chat messages); `sampling` as in SamplingParams."""
         request_id = request_id or uuid.uuid4().hex
         request = request_to_proto(request_id, prompt, sampling, ttft_slo_s, tbt_slo_s)
         call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
-        return Stream(call, request_id)
+        return self._stream(call, request_id)
+
+
+class Client(_ClientBase[Stream]):
+    """Blocking client: `generate` streams deltas, `complete` returns the whole result.
+    `tls_ca`: connect over TLS, trusting the server certificate's CA (a PEM file); `api_key` is
+    sent with every call when the server requires one."""
+
+    _stream, _channels = Stream, grpc
 
     def complete(self, prompt: Prompt, **kwargs) -> Completion:
         """Run a request to the end; takes `generate`'s arguments."""
@@ -165,8 +180,8 @@ class Client:
 
     def abort(self, request_id: str, timeout: float | None = None) -> bool:
         """Abort a request in flight; False if the server knows no such request."""
-        request = pb.AbortRequest(request_id=request_id)
-        return self._unary(self._stub.Abort, request, timeout).aborted
+        reply = self._unary(self._stub.Abort, pb.AbortRequest(request_id=request_id), timeout)
+        return reply.aborted
 
     def model_info(self, timeout: float | None = None) -> ModelInfo:
         info = self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout)
@@ -197,37 +212,10 @@ class Client:
             raise ServerError.from_rpc(error) from None
 
 
-class AsyncClient:
+class AsyncClient(_ClientBase[AsyncStream]):
     """asyncio client with the same methods as `Client`, as coroutines and async streams."""
 
-    def __init__(
-        self, address: str = DEFAULT_ADDRESS, tls_ca: str | None = None, api_key: str | None = None
-    ) -> None:
-        self.address = address
-        credentials = channel_credentials(tls_ca)
-        self._channel = (
-            grpc.aio.insecure_channel(address)
-            if credentials is None
-            else grpc.aio.secure_channel(address, credentials)
-        )
-        self._stub = pb_grpc.HalfmoonStub(self._channel)
-        self._metadata = bearer_metadata(api_key)
-
-    def generate(
-        self,
-        prompt: Prompt,
-        *,
-        request_id: str | None = None,
-        timeout: float | None = None,
-        ttft_slo_s: float | None = None,
-        tbt_slo_s: float | None = None,
-        **sampling,
-    ) -> AsyncStream:
-        """Start a request (text, token ids or chat messages); `sampling` as in SamplingParams."""
-        request_id = request_id or uuid.uuid4().hex
-        request = request_to_proto(request_id, prompt, sampling, ttft_slo_s, tbt_slo_s)
-        call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
-        return AsyncStream(call, request_id)
+    _stream, _channels = AsyncStream, grpc.aio
 
     async def complete(self, prompt: Prompt, **kwargs) -> Completion:
         """Run a request to the end; takes `generate`'s arguments."""
@@ -238,8 +226,9 @@ class AsyncClient:
             return result
 
     async def abort(self, request_id: str, timeout: float | None = None) -> bool:
-        request = pb.AbortRequest(request_id=request_id)
-        return (await self._unary(self._stub.Abort, request, timeout)).aborted
+        """Abort a request in flight; False if the server knows no such request."""
+        reply = await self._unary(self._stub.Abort, pb.AbortRequest(request_id=request_id), timeout)
+        return reply.aborted
 
     async def model_info(self, timeout: float | None = None) -> ModelInfo:
         info = await self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout)
@@ -248,6 +237,11 @@ class AsyncClient:
     async def server_info(self, timeout: float | None = None) -> ServerInfo:
         info = await self._unary(self._stub.GetServerInfo, pb.GetServerInfoRequest(), timeout)
         return _server_info(info)
+
+    async def explain(self, request_id: str, timeout: float | None = None) -> str:
+        """The router's account of where a recent request went and why."""
+        request = pb.ExplainRequest(request_id=request_id)
+        return (await self._unary(self._stub.ExplainDecision, request, timeout)).text
 
     async def close(self) -> None:
         await self._channel.close()
@@ -263,7 +257,3 @@ class AsyncClient:
             return await method(request, timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as error:
             raise ServerError.from_rpc(error) from None
-
-
-def _server_info(info: pb.ServerInfo) -> ServerInfo:
-    return ServerInfo(info.version, info.mode, info.model, json.loads(info.json or "{}"))

@@ -7,8 +7,6 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 from pydantic_core import PydanticCustomError
 
-PREFILL_SIGNALS = ("queue_s", "waiting_tokens")
-DECODE_SIGNALS = ("pages_used_ratio", "running_requests", "predicted_tbt_s")
 # Tags mark which policy kind a validation error came from; the error formatter drops them.
 TAG_PREFIX = "kind="
 POLICY_KINDS = ("target", "slo_planner")

@@ -3,7 +3,6 @@ router actor. The controller (cluster/control/controller.py) keeps it healthy an
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import os
@@ -72,7 +71,7 @@ class Cluster:
         `http_port`, None when the HTTP API is off)."""
         model = str(resolve_model(self.config.model))  # a missing model fails before Ray starts
         self._init_ray()
-        self.engine_config = self._engine_config(model)
+        self.engine_config = self.config.engine.engine_config(model)
         for kind, pool in self.pools.items():
             for _ in range(pool.replicas):
                 self._spawn(kind)
@@ -216,27 +215,11 @@ class Cluster:
         )
         self.owns_ray = True
 
-    def _engine_config(self, model: str) -> EngineConfig:
-        engine = self.config.engine
-        return EngineConfig(
-            model=model,
-            block_size=engine.block_size,
-            num_pages=engine.num_pages,
-            max_num_batched_tokens=engine.max_num_batched_tokens,
-            max_num_seqs=engine.max_num_seqs,
-            prefill_chunk_size=engine.prefill_chunk_size,
-            dtype=engine.dtype,
-            max_model_len=engine.max_model_len,
-            kv_cache_memory_bytes=engine.kv_cache_memory_bytes,
-            gpu_memory_utilization=engine.gpu_memory_utilization,
-            enforce_eager=engine.enforce_eager,
-        )
-
     def _pool_engine_config(self, pool: PoolConfig) -> EngineConfig:
         """Workers sharing a GPU (fractional num_gpus) split its memory by their fraction."""
         share = min(pool.num_gpus, 1.0) if pool.num_gpus > 0 else 1.0
         utilization = self.engine_config.gpu_memory_utilization * share
-        return dataclasses.replace(self.engine_config, gpu_memory_utilization=utilization)
+        return self.engine_config.model_copy(update={"gpu_memory_utilization": utilization})
 
     def _worker_engine_config(self, kind: str) -> EngineConfig:
         """A pool's engine config; prefill workers' KV caches shared with their node when they
@@ -245,7 +228,7 @@ class Cluster:
         store = self.config.store
         lend = self.config.mode == "disaggregated" and store.direct_notices and store.lend_pages
         if kind == "prefill" and lend:
-            config = dataclasses.replace(config, share_kv=True)
+            config = config.model_copy(update={"share_kv": True})
         return config
 
     def _store_config(self) -> StoreConfig:
@@ -255,17 +238,7 @@ class Cluster:
             password = secrets.token_urlsafe(32)
             self.redis, url = start_redis_server(password=password)
         hmac_key = secret(store.redis_hmac_key, REDIS_HMAC_KEY_ENV) or secrets.token_urlsafe(32)
-        return StoreConfig(
-            host_capacity_bytes=store.host_capacity_bytes,
-            redis_url=url,
-            redis_password=password,
-            redis_hmac_key=hmac_key,
-            redis_max_connections=store.redis_max_connections,
-            redis_pool_timeout_s=store.redis_pool_timeout_s,
-            redis_ttl_s=store.redis_ttl_s,
-            lease_ttl_s=store.lease_ttl_s,
-            get_timeout_s=store.get_timeout_s,
-        )
+        return store.store_config(redis_url=url, redis_password=password, redis_hmac_key=hmac_key)
 
     def _node_store_config(self, node: dict) -> StoreConfig:
         """The store config for one Ray node: its host tier sized from its memory when

@@ -46,137 +46,69 @@ RATIO_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0,
 disable_created_metrics()
 
 
+WORKER_LABELS = ("worker", "kind")
+# (attribute, kind, name, help, labels, buckets): every metric `Metrics` records into.
+METRICS: tuple[tuple[str, type, str, str, tuple[str, ...], tuple[float, ...]], ...] = (
+    ("requests", Counter, "halfmoon_requests",
+     "Requests by outcome (finished, rejected, invalid, cancelled, deadline, error); "
+     "reason says why a request was rejected", ("outcome", "reason"), ()),
+    ("ttft_seconds", Histogram, "halfmoon_time_to_first_token_seconds",
+     "Arrival at the router to the first token sent", (), LATENCY_BUCKETS),
+    ("inter_token_seconds", Histogram, "halfmoon_inter_token_latency_seconds",
+     "Time between consecutive tokens of one request", (), TOKEN_BUCKETS),
+    ("e2e_seconds", Histogram, "halfmoon_e2e_request_latency_seconds",
+     "Arrival at the router to the last token of a finished request", (), LATENCY_BUCKETS),
+    ("queue_seconds", Histogram, "halfmoon_queue_time_seconds",
+     "Arrival at the router to the start of the request's prefill", (), LATENCY_BUCKETS),
+    ("prompt_tokens", Counter, "halfmoon_prompt_tokens",
+     "Prompt tokens of admitted requests", (), ()),
+    ("generated_tokens", Counter, "halfmoon_generated_tokens",
+     "Tokens generated and sent to clients", (), ()),
+    ("cached_tokens", Counter, "halfmoon_cached_prompt_tokens",
+     "Prompt tokens served from the KV cache (any tier) instead of prefilled", (), ()),
+    ("slo_requests", Counter, "halfmoon_slo_requests",
+     "Finished requests judged against an SLO (slo: ttft or tbt; attained: true or false)",
+     ("slo", "attained"), ()),
+    ("worker_running", Gauge, "halfmoon_worker_running_requests",
+     "Requests in a worker's running batch", WORKER_LABELS, ()),
+    ("worker_waiting", Gauge, "halfmoon_worker_waiting_requests",
+     "Requests queued on a worker", WORKER_LABELS, ()),
+    ("worker_waiting_tokens", Gauge, "halfmoon_worker_waiting_tokens",
+     "Prompt tokens a worker has yet to prefill", WORKER_LABELS, ()),
+    ("worker_pages_used_ratio", Gauge, "halfmoon_worker_kv_pages_used_ratio",
+     "Fraction of a worker's KV pages in use (the device tier)", WORKER_LABELS, ()),
+    ("prefix_cache_queried_tokens", Counter, "halfmoon_prefix_cache_queried_tokens",
+     "Prompt tokens looked up in a cache tier (device, host, redis)", ("tier",), ()),
+    ("prefix_cache_hit_tokens", Counter, "halfmoon_prefix_cache_hit_tokens",
+     "Prompt tokens found in a cache tier (device, host, redis)", ("tier",), ()),
+    ("kv_transfer_bytes", Counter, "halfmoon_kv_transfer_bytes",
+     "KV bytes moved from prefill to decode (path: shm, object_store, nccl)", ("path",), ()),
+    ("kv_transfer_seconds", Histogram, "halfmoon_kv_transfer_seconds",
+     "Time to move one (request, layer, chunk) of KV", ("path",), TRANSFER_BUCKETS),
+    ("ttft_prediction_error_seconds", Histogram, "halfmoon_router_ttft_prediction_error_seconds",
+     "Absolute difference between the router's predicted and the actual TTFT", (),
+     TRANSFER_BUCKETS),
+    ("ttft_prediction_relative_error", Histogram, "halfmoon_router_ttft_prediction_relative_error",
+     "Absolute TTFT prediction error divided by the actual TTFT", (), RATIO_BUCKETS),
+    ("desired_replicas", Gauge, "halfmoon_autoscaler_desired_replicas",
+     "Replicas the autoscaler wants in a pool", ("pool",), ()),
+    ("actual_replicas", Gauge, "halfmoon_autoscaler_actual_replicas",
+     "Replicas a pool has (serving, not draining)", ("pool",), ()),
+)  # fmt: skip
+
+
 class Metrics:
-    """Every halfmoon metric. The router records requests and scrapes workers and stores into
-    these; `registry` is what /metrics serves."""
+    """Every halfmoon metric: one attribute per row of METRICS. The router records requests and
+    scrapes workers and stores into these; `registry` is what /metrics serves."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        r = self.registry
-        r.register(gc_pause_histogram())  # the router process's own collections
-        self.requests = Counter(
-            "halfmoon_requests",
-            "Requests by outcome (finished, rejected, invalid, cancelled, deadline, error); "
-            "reason says why a request was rejected",
-            ["outcome", "reason"],
-            registry=r,
-        )
-        self.ttft_seconds = Histogram(
-            "halfmoon_time_to_first_token_seconds",
-            "Arrival at the router to the first token sent",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.inter_token_seconds = Histogram(
-            "halfmoon_inter_token_latency_seconds",
-            "Time between consecutive tokens of one request",
-            buckets=TOKEN_BUCKETS,
-            registry=r,
-        )
-        self.e2e_seconds = Histogram(
-            "halfmoon_e2e_request_latency_seconds",
-            "Arrival at the router to the last token of a finished request",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.queue_seconds = Histogram(
-            "halfmoon_queue_time_seconds",
-            "Arrival at the router to the start of the request's prefill",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.prompt_tokens = Counter(
-            "halfmoon_prompt_tokens", "Prompt tokens of admitted requests", registry=r
-        )
-        self.generated_tokens = Counter(
-            "halfmoon_generated_tokens", "Tokens generated and sent to clients", registry=r
-        )
-        self.cached_tokens = Counter(
-            "halfmoon_cached_prompt_tokens",
-            "Prompt tokens served from the KV cache (any tier) instead of prefilled",
-            registry=r,
-        )
-        self.slo_requests = Counter(
-            "halfmoon_slo_requests",
-            "Finished requests judged against an SLO (slo: ttft or tbt; attained: true or false)",
-            ["slo", "attained"],
-            registry=r,
-        )
-        self.worker_running = Gauge(
-            "halfmoon_worker_running_requests",
-            "Requests in a worker's running batch",
-            ["worker", "kind"],
-            registry=r,
-        )
-        self.worker_waiting = Gauge(
-            "halfmoon_worker_waiting_requests",
-            "Requests queued on a worker",
-            ["worker", "kind"],
-            registry=r,
-        )
-        self.worker_waiting_tokens = Gauge(
-            "halfmoon_worker_waiting_tokens",
-            "Prompt tokens a worker has yet to prefill",
-            ["worker", "kind"],
-            registry=r,
-        )
-        self.worker_pages_used_ratio = Gauge(
-            "halfmoon_worker_kv_pages_used_ratio",
-            "Fraction of a worker's KV pages in use (the device tier)",
-            ["worker", "kind"],
-            registry=r,
-        )
-        self.prefix_cache_queried_tokens = Counter(
-            "halfmoon_prefix_cache_queried_tokens",
-            "Prompt tokens looked up in a cache tier (device, host, redis)",
-            ["tier"],
-            registry=r,
-        )
-        self.prefix_cache_hit_tokens = Counter(
-            "halfmoon_prefix_cache_hit_tokens",
-            "Prompt tokens found in a cache tier (device, host, redis)",
-            ["tier"],
-            registry=r,
-        )
-        self.kv_transfer_bytes = Counter(
-            "halfmoon_kv_transfer_bytes",
-            "KV bytes moved from prefill to decode (path: shm, object_store, nccl)",
-            ["path"],
-            registry=r,
-        )
-        self.kv_transfer_seconds = Histogram(
-            "halfmoon_kv_transfer_seconds",
-            "Time to move one (request, layer, chunk) of KV",
-            ["path"],
-            buckets=TRANSFER_BUCKETS,
-            registry=r,
-        )
-        self.ttft_prediction_error_seconds = Histogram(
-            "halfmoon_router_ttft_prediction_error_seconds",
-            "Absolute difference between the router's predicted and the actual TTFT",
-            buckets=TRANSFER_BUCKETS,
-            registry=r,
-        )
-        self.ttft_prediction_relative_error = Histogram(
-            "halfmoon_router_ttft_prediction_relative_error",
-            "Absolute TTFT prediction error divided by the actual TTFT",
-            buckets=RATIO_BUCKETS,
-            registry=r,
-        )
-        self.desired_replicas = Gauge(
-            "halfmoon_autoscaler_desired_replicas",
-            "Replicas the autoscaler wants in a pool",
-            ["pool"],
-            registry=r,
-        )
-        self.actual_replicas = Gauge(
-            "halfmoon_autoscaler_actual_replicas",
-            "Replicas a pool has (serving, not draining)",
-            ["pool"],
-            registry=r,
-        )
+        self.registry.register(gc_pause_histogram())  # the router process's own collections
+        for attribute, kind, name, doc, labels, buckets in METRICS:
+            extra = {"buckets": buckets} if buckets else {}
+            setattr(self, attribute, kind(name, doc, labels, registry=self.registry, **extra))
         self.store = StoreCollector()
-        r.register(self.store)
+        self.registry.register(self.store)
 
     def record_outcome(self, outcome: str, reason: str = "") -> None:
         """Count one request that ended with `outcome` (one of OUTCOMES)."""
@@ -286,20 +218,15 @@ class StoreCollector(Collector):
         """One family per figure, one sample per (store_node, tier)."""
         snapshots = sorted(self._snapshots.items())
         tiers = [(i, t, s) for i, stats in snapshots for t, s in _tiers(stats)]
-        for field, suffix, doc in TIER_GAUGES:
-            family = GaugeMetricFamily(
-                f"halfmoon_store_{suffix}", doc, labels=["store_node", "tier"]
-            )
-            for store_node, tier, stats in tiers:
-                family.add_metric([store_node, tier], stats.get(field, 0))
-            yield family
-        for field, suffix, doc in TIER_COUNTERS:
-            family = CounterMetricFamily(
-                f"halfmoon_store_{suffix}", doc, labels=["store_node", "tier"]
-            )
-            for store_node, tier, stats in tiers:
-                family.add_metric([store_node, tier], stats.get(field, 0))
-            yield family
+        for kind, figures in (
+            (GaugeMetricFamily, TIER_GAUGES),
+            (CounterMetricFamily, TIER_COUNTERS),
+        ):
+            for field, suffix, doc in figures:
+                family = kind(f"halfmoon_store_{suffix}", doc, labels=["store_node", "tier"])
+                for store_node, tier, stats in tiers:
+                    family.add_metric([store_node, tier], stats.get(field, 0))
+                yield family
         yield from _moves(snapshots)
         yield from _latencies(snapshots)
 

@@ -37,18 +37,18 @@ class LocalBackend:
         return self.engine.abort(request_id)
 
     async def model_info(self) -> ModelInfo:
-        engine = self.engine.engine
+        facts, max_model_len = self.engine.call(lambda engine: (engine.facts, engine.max_model_len))
         return ModelInfo(
-            model=engine.config.model,
-            architecture=engine.model_config.architecture,
-            vocab_size=engine.model_config.vocab_size,
-            max_model_len=engine.max_model_len,
-            block_size=engine.config.block_size,
+            model=facts.model,
+            architecture=facts.architecture,
+            vocab_size=facts.vocab_size,
+            max_model_len=max_model_len,
+            block_size=facts.block_size,
         )
 
     async def server_info(self) -> dict:
-        stats = self.engine.call(lambda engine: engine.stats())
-        return {"mode": "local", "model": self.engine.engine.config.model, "engine": asdict(stats)}
+        stats, facts = self.engine.call(lambda engine: (engine.stats(), engine.facts))
+        return {"mode": "local", "model": facts.model, "engine": asdict(stats)}
 
     async def health(self) -> tuple[bool, str]:
         if not self.engine.running:

@@ -4,28 +4,23 @@ Conductor, and keeps the Conductor's views and prefix index fed from worker and 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
-import random
-import statistics
 import time
 from collections import deque
 from pathlib import Path
 
 import ray
-from ray.exceptions import RayActorError, RayTaskError
 
 from halfmoon.cluster.config import ClusterConfig, router_config, served_name
 from halfmoon.cluster.control.metrics_targets import MetricsTargets
-from halfmoon.cluster.serving.backend import GenerateInput
-from halfmoon.cluster.serving.cluster_backend import ClusterBackend, RequestTrace, Worker
+from halfmoon.cluster.serving.cluster_backend import ClusterBackend
+from halfmoon.cluster.serving.trace import RequestTrace
+from halfmoon.cluster.serving.workers import PollReport, Worker
 from halfmoon.engine.llm_engine import StepTiming
-from halfmoon.engine.sampling_params import SamplingParams
 from halfmoon.engine.tokenizer import load_tokenizer
-from halfmoon.engine.worker_info import WorkerInfo, WorkerLoad
+from halfmoon.engine.worker_info import WorkerInfo
 from halfmoon.kvstore.kv_notices import KvPeer
 from halfmoon.kvstore.process_gc import freeze_startup_heap
-from halfmoon.router.conductor import Conductor
 from halfmoon.router.profile import Profile
 
 log = logging.getLogger(__name__)
@@ -34,6 +29,7 @@ POLL_INTERVAL_S = 0.25
 OBSERVED_STEPS = 50_000
 TRAFFIC_WINDOW_S = 60.0
 RELEASE_AT_STOP_S = 5.0
+POOLS = ("prefill", "decode")
 
 
 class RouterActor:
@@ -47,7 +43,7 @@ class RouterActor:
         self.config = config
         self.metrics = Metrics()
         self.backend: ClusterBackend | None = None
-        self.loads: dict[str, WorkerLoad] = {}
+        self.tokenizer = None
         self.finished: deque[tuple[float, int, int, int]] = deque()  # (time, in, out, cached)
         self.steps_observed: deque[StepTiming] = deque(maxlen=OBSERVED_STEPS)
         self.grpc_server = None
@@ -60,13 +56,13 @@ class RouterActor:
     async def setup(self, info: WorkerInfo, profile: Profile) -> None:
         """The model's facts (from a worker) and the cost profile: the Conductor and the backend."""
         config = self.config
-        conductor = Conductor(router_config(config, info.block_size), profile)
-        tokenizer = load_tokenizer(Path(info.model))
+        self.tokenizer = load_tokenizer(Path(info.model))
         bound = None if config.router.admission == "none" else config.router.max_queued_per_worker
         self.backend = ClusterBackend(
-            tokenizer, info, conductor, config.mode, self._observe, served_name(config), bound,
-            pool_wait_s=config.router.pool_wait_s,
+            self.tokenizer, info, router_config(config, info.block_size), profile, config.mode,
+            served_name(config), bound, pool_wait_s=config.router.pool_wait_s,
         )  # fmt: skip
+        self.backend.set_observer(self._observe)
 
     async def start(self) -> dict:
         """Start the gRPC API, the OpenAI HTTP API and /metrics; returns the bound ports
@@ -106,7 +102,7 @@ class RouterActor:
         model = await self.backend.model_info()
         api = OpenAIServer(
             self.backend,
-            self.backend.tokenizer,
+            self.tokenizer,
             model,
             self.metrics.registry,
             api_key,
@@ -124,10 +120,8 @@ class RouterActor:
         self.targets.add(name, address, {"role": kind, "worker": name})
 
     async def remove_worker(self, name: str) -> None:
-        worker = self.backend.workers.get(name)
-        self.backend.remove_worker(name)
+        worker = self.backend.remove_worker(name)
         self.targets.remove(name)
-        self.loads.pop(name, None)
         if worker is not None:
             self.metrics.remove_worker(name, worker.kind)
 
@@ -135,13 +129,13 @@ class RouterActor:
         self.backend.set_draining(name, draining)
 
     async def add_store(self, name: str, handle) -> None:
-        self.backend.stores[name] = handle
+        self.backend.add_store(name, handle)
         address = await handle.serve_metrics.remote(self.config.server.host)
         self.targets.add(name, address, {"role": "store", "store_node": name})
 
     async def remove_store(self, name: str) -> None:
         """Forget a store node whose Ray node is gone."""
-        self.backend.stores.pop(name, None)
+        self.backend.remove_store(name)
         self.metrics.remove_store(name)
         self.targets.remove(name)
 
@@ -151,21 +145,11 @@ class RouterActor:
 
     async def in_flight(self, name: str) -> int:
         """Requests the router has in flight on worker `name` (to drain before removal)."""
-        return sum(
-            1
-            for lease in self.backend.leases.values()
-            if name in (w.name for w in lease.attempt.workers())
-        )
+        return self.backend.in_flight_on(name)
 
     async def node_id(self) -> str:
         """The Ray node the router runs on (the node `halfmoon serve` ran on)."""
         return ray.get_runtime_context().get_node_id()
-
-    async def status(self) -> dict:
-        return await self.backend.server_info()
-
-    async def explain(self, request_id: str) -> str:
-        return await self.backend.explain(request_id)
 
     async def timeline(self, request_id: str) -> list[tuple[str, float]]:
         """(stage, seconds since arrival) of a recent request, as `explain` shows them."""
@@ -201,33 +185,11 @@ class RouterActor:
             "mean_output_tokens": sum(f[2] for f in self.finished) / n if n else 0.0,
             "mean_cached_tokens": sum(f[3] for f in self.finished) / n if n else 0.0,
         }
-        conductor = self.backend.conductor
-        signals = {}
-        for kind in ("prefill", "decode"):
-            names = [
-                w.name for w in self.backend.workers.values() if w.kind == kind and not w.draining
-            ]
-            loads = [self.loads[name] for name in names if name in self.loads]
-            waiting = sum(load.num_waiting_tokens for load in loads)
-            running = sum(load.num_running for load in loads)
-            pages = sum(load.pages_used_ratio for load in loads)
-            per = max(len(names), 1)
-            signals[kind] = {
-                **traffic,
-                "waiting_tokens": waiting / per,
-                "running_requests": running / per,
-                "pages_used_ratio": pages / per,
-                "queue_s": sum(v.wait_s(now) for v in conductor.prefill.values()) / per,
-                "predicted_tbt_s": max(
-                    (conductor.predictor.tbt_now(v, 0) for v in conductor.decode.values()),
-                    default=0.0,
-                ),
-            }
-        return signals
+        return {kind: {**traffic, **self.backend.pool_signals(kind, now)} for kind in POOLS}
 
     async def profile(self) -> Profile:
         """The Conductor's profile as refitted online from the live workers' timings."""
-        return self.backend.conductor.profile
+        return self.backend.profile()
 
     async def observed_steps(self) -> list[StepTiming]:
         """Every worker engine step polled since start (the last OBSERVED_STEPS of them)."""
@@ -236,28 +198,7 @@ class RouterActor:
     async def calibrate(self, num_requests: int = 5, num_tokens: int = 48) -> float:
         """Measure the per-request overhead outside prefill compute by sending short requests
         through the whole pipeline; it goes into the Conductor's profile. Returns it."""
-        conductor = self.backend.conductor
-        rng = random.Random(0)
-        overheads = []
-        traces: list[RequestTrace] = []
-        observer, self.backend.observer = self.backend.observer, traces.append  # not client traffic
-        try:
-            for i in range(num_requests):
-                vocab = self.backend.info.vocab_size
-                prompt = [rng.randrange(6, vocab) for _ in range(num_tokens)]
-                request = GenerateInput(f"calibrate-{i}", prompt, SamplingParams(max_tokens=1))
-                async for _ in self.backend.generate(request):
-                    pass
-                trace = traces[-1]
-                compute_s = trace.prefill_compute_s
-                if compute_s is None:  # prefilled on the decode worker: no split, use the model
-                    compute_s = conductor.profile.cost.prefill_time(num_tokens, 0)
-                overheads.append(trace.first_token_s - trace.arrived_s - compute_s)
-        finally:
-            self.backend.observer = observer
-        overhead_s = max(0.0, statistics.median(overheads))
-        conductor.set_request_overhead(overhead_s)
-        return overhead_s
+        return await self.backend.calibrate(num_requests, num_tokens)
 
     async def update_pool(self, pool: str, desired: int, actual: int) -> None:
         self.metrics.update_pool(pool, desired, actual)
@@ -305,32 +246,11 @@ class RouterActor:
             await asyncio.sleep(POLL_INTERVAL_S)
 
     async def _poll_once(self) -> None:
-        conductor = self.backend.conductor
-        for worker in list(self.backend.workers.values()):
-            try:
-                load = await worker.handle.load.remote()
-                for step in await worker.handle.drain_steps.remote():
-                    conductor.observe_step(step)
-                    self.steps_observed.append(step)
-                if worker.kind == "prefill":
-                    for event in await worker.handle.drain_events.remote():
-                        conductor.index.apply(event)
-                else:
-                    for num_bytes, seconds in await worker.handle.drain_transfers.remote():
-                        self.metrics.record_transfer("store", num_bytes, seconds)
-            except RayActorError as error:
-                if not isinstance(error, RayTaskError):
-                    self.backend.mark_dead(worker.name)
-                continue
-            self.backend.mark_alive(worker.name)
-            self.loads[worker.name] = load
+        report: PollReport = await self.backend.poll()
+        self.steps_observed.extend(report.steps)
+        for num_bytes, seconds in report.transfers:
+            self.metrics.record_transfer("store", num_bytes, seconds)
+        for load in report.loads:
             self.metrics.update_worker(load)
-            if worker.kind == "decode" and worker.name in conductor.decode:
-                conductor.report_decode(worker.name, load.num_running, load.num_kv_tokens)
-        for name, store in self.backend.stores.items():
-            try:
-                for event in await store.drain_events.remote():
-                    conductor.index.apply(event)
-                self.metrics.update_store(name, dataclasses.asdict(await store.stats.remote()))
-            except RayActorError:
-                continue
+        for name, stats in report.store_stats.items():
+            self.metrics.update_store(name, stats)

@@ -73,11 +73,9 @@ class SimPrefill:
         cache = self.cache
         stored = []
         for key in keys:
-            if key in cache:
-                cache.touch(key)
-            else:
-                cache.add(key)
+            if key not in cache:
                 stored.append(key)
+            cache.add(key)  # a known block becomes the most recently used
         evicted = []
         while len(cache) > self.capacity_blocks:
             victim = cache.pop_victim()

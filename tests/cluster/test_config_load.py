@@ -6,8 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from halfmoon.cluster.config import ClusterConfig, ConfigError, load_config
+from halfmoon.cluster.config import ClusterConfig, ConfigError, load_config, router_config
 from halfmoon.cluster.control.autoscaling_policy import DecodeTargetPolicy, PrefillTargetPolicy
+from halfmoon.engine.config import EngineConfig
+from halfmoon.kvstore.config import StoreConfig
+from halfmoon.router.config import RouterConfig
 
 CONFIGS = Path(__file__).resolve().parents[2] / "deploy" / "configs"
 
@@ -86,3 +89,36 @@ def test_a_file_that_is_not_a_mapping_is_an_error(tmp_path):
 def test_a_missing_file_is_an_error(tmp_path):
     with pytest.raises(ConfigError, match="is not a file"):
         load_config(tmp_path / "absent.yaml")
+
+
+def test_engine_section_gives_the_engine_its_own_defaults():
+    engine = ClusterConfig().engine.engine_config("/models/m")
+    # Chunked prefill is the one value the cluster sets otherwise: it publishes KV per chunk.
+    assert engine == EngineConfig(model="/models/m", prefill_chunk_size=64)
+
+
+def test_store_section_gives_the_store_its_own_defaults():
+    assert ClusterConfig().store.store_config() == StoreConfig()
+
+
+def test_router_section_gives_the_conductor_its_defaults_but_the_cluster_policy():
+    router = router_config(ClusterConfig(), block_size=16)
+    assert router == RouterConfig(policy="least_loaded")
+
+
+def test_the_host_tier_default_is_one_value():
+    assert ClusterConfig().store.host_capacity_bytes == StoreConfig().host_capacity_bytes
+    assert StoreConfig().host_capacity_bytes == 256 << 20
+
+
+def test_block_size_default_is_shared_by_engine_router_and_cluster():
+    sizes = {ClusterConfig().engine.block_size, RouterConfig().block_size}
+    assert sizes == {EngineConfig(model="m").block_size}
+
+
+def test_section_values_reach_the_part_configs():
+    config = load_config(CONFIGS / "gpu-cluster.yaml", {"store.redis_url": "redis://h:6380/0"})
+    engine = config.engine.engine_config("/models/qwen")
+    assert (engine.max_num_seqs, engine.prefill_chunk_size, engine.dtype) == (256, 2048, "bfloat16")
+    assert config.store.store_config().redis_ttl_s == 86400
+    assert router_config(config, 16).bypass_max_tokens == 256

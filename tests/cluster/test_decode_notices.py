@@ -15,19 +15,16 @@ import pytest
 import ray
 import torch
 
+from halfmoon.decode_worker.task import DecodeTask
 from halfmoon.decode_worker.worker import DecodeWorker
 from halfmoon.engine.config import EngineConfig
 from halfmoon.engine.llm_engine import LLMEngine
 from halfmoon.engine.sampling_params import SamplingParams
 from halfmoon.engine.worker_errors import WorkerError
-from halfmoon.kvstore.kv_notices import (
-    LayerNotice,
-    NoticeSender,
-    PagesNotice,
-    ReleaseNotice,
-    TokenNotice,
-)
+from halfmoon.kvstore.keys import block_keys
+from halfmoon.kvstore.kv_notices import NoticeSender
 from halfmoon.kvstore.layout import KvLayout, LayerKV
+from halfmoon.kvstore.notice_format import LayerNotice, PagesNotice, ReleaseNotice, TokenNotice
 from halfmoon.kvstore.shared_arena import map_arena
 from halfmoon.kvstore.store_node import start_store_node
 from halfmoon.kvstore.transfer import plan_transfer
@@ -52,7 +49,7 @@ def parts(tiny_model_dir, ray_session):
     arena = map_arena(ray.get(store.arena_info.remote()), ray.get_runtime_context().get_node_id())
     assert arena is not None
     sender = NoticeSender()
-    yield local.root_key, layout, store, decode, peer, arena, sender
+    yield local.facts, layout, store, decode, peer, arena, sender
     sender.close()
     ray.kill(decode)
     ray.kill(store)
@@ -62,9 +59,10 @@ class Prefill:
     """What the prefill worker does for one request, a unit and a layer at a time."""
 
     def __init__(self, parts, key: str, request_id: str):
-        root_key, self.layout, self.store, _, self.peer, self.arena, self.sender = parts
+        facts, self.layout, self.store, _, self.peer, self.arena, self.sender = parts
         self.key = key
-        self.units = plan_transfer(root_key, PROMPT, self.layout.block_size, 32, request_id)
+        keys = prompt_keys(facts)
+        self.units = plan_transfer(facts.root_key, keys, PROMPT, facts.block_size, 32, request_id)
         self.claims = {}
 
     def publish(self, unit_index: int, layers=None, slots_of=None) -> None:
@@ -84,6 +82,19 @@ class Prefill:
 
     def first_token(self, token_id: int) -> None:
         self.sender.send(self.peer, TokenNotice(self.key, token_id))
+
+
+def prompt_keys(facts) -> list[bytes]:
+    """The prompt's full-block keys, as the router hashes them once."""
+    return block_keys(facts.root_key, PROMPT, facts.block_size)
+
+
+def reserve(parts, request_id: str, ticket: str, first_token_id: int | None = None):
+    """The router's reserve of PROMPT, told directly by the prefill worker."""
+    facts, decode = parts[0], parts[3]
+    keys = prompt_keys(facts)
+    task = DecodeTask(request_id, PROMPT, PARAMS, keys, None, ticket, True, first_token_id)
+    return decode.reserve.remote(task)
 
 
 def counters(decode) -> dict:
@@ -117,7 +128,7 @@ PARAMS = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 def test_a_notified_request_joins_before_the_hand_off_and_returns_every_claim(parts):
     _, _, store, decode, *_ = parts
     before = counters(decode)
-    assert ray.get(decode.reserve.remote("n1", PROMPT, PARAMS, None, "t1", True)) == 4
+    assert ray.get(reserve(parts, "n1", "t1")) == 4
     prefill = Prefill(parts, "t1", "n1")
     prefill.publish(0)
     prefill.publish(1)
@@ -143,7 +154,7 @@ def test_notices_that_overtake_the_reserve_wait_for_it(parts):
     prefill.publish(1)
     prefill.first_token(11)
     time.sleep(0.2)
-    ray.get(decode.reserve.remote("n2", PROMPT, PARAMS, None, "t2", True))
+    ray.get(reserve(parts, "n2", "t2"))
     got = outputs(decode, "n2", 11)
     assert [t for out in got for t in out.new_token_ids][0] == 11 and got[-1].finished
 
@@ -152,7 +163,7 @@ def test_notices_that_overtake_the_reserve_wait_for_it(parts):
 def test_a_retry_with_its_first_token_known_joins_once_the_kv_is_in(parts):
     decode = parts[3]
     joins = counters(decode)["num_early_joins"]
-    ray.get(decode.reserve.remote("n3", PROMPT, PARAMS, None, "t3", True, 13))
+    ray.get(reserve(parts, "n3", "t3", 13))
     prefill = Prefill(parts, "t3", "n3")
     prefill.publish(0)
     prefill.publish(1)
@@ -165,7 +176,7 @@ def test_a_retry_with_its_first_token_known_joins_once_the_kv_is_in(parts):
 @pytest.mark.timeout(120)
 def test_an_abort_mid_transfer_gives_back_the_claims_of_notices_before_and_after_it(parts):
     _, _, store, decode, *_ = parts
-    ray.get(decode.reserve.remote("n4", PROMPT, PARAMS, None, "t4", True))
+    ray.get(reserve(parts, "n4", "t4"))
     prefill = Prefill(parts, "t4", "n4")
     prefill.publish(0)
     prefill.publish(1, layers=[0])  # the receive waits for unit 1's other layers
@@ -179,7 +190,7 @@ def test_an_abort_mid_transfer_gives_back_the_claims_of_notices_before_and_after
 @pytest.mark.timeout(120)
 def test_a_notice_naming_the_wrong_slots_fails_the_receive_retryably(parts):
     _, _, store, decode, *_ = parts
-    ray.get(decode.reserve.remote("n5", PROMPT, PARAMS, None, "t5", True))
+    ray.get(reserve(parts, "n5", "t5"))
     prefill = Prefill(parts, "t5", "n5")
     prefill.publish(0, slots_of=lambda slots: tuple(slots[:1]))  # one slot for two blocks
     (error,) = outputs(decode, "n5", 1)
@@ -285,7 +296,7 @@ class Lending:
 
 def decoded(parts, key: str, arena_seed: int, lending=None, seed: int = 0) -> list[int]:
     decode = parts[3]
-    ray.get(decode.reserve.remote(key, PROMPT, PARAMS, None, key, True))
+    ray.get(reserve(parts, key, key))
     prefill = SeededPrefill(parts, key, arena_seed, lending, seed)
     prefill.publish(0)
     prefill.publish(1)
@@ -356,7 +367,7 @@ def test_a_lender_that_goes_away_mid_transfer_fails_the_receive_retryably(parts,
     lending = Lending(tiny_model_dir)
     try:
         lending.connect(decode, peer)
-        ray.get(decode.reserve.remote("g1", PROMPT, PARAMS, None, "g1", True))
+        ray.get(reserve(parts, "g1", "g1"))
         prefill = SeededPrefill(parts, "g1", 2, lending, 1)
         prefill.publish(0)  # unit 1 never comes: the lender's connection ends
         wait_for(lambda: counters(decode)["num_page_copies"] > 0)

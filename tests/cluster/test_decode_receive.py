@@ -11,11 +11,13 @@ import pytest
 import ray
 import torch
 
+from halfmoon.decode_worker.task import DecodeTask
 from halfmoon.decode_worker.worker import DecodeWorker
 from halfmoon.engine.config import EngineConfig
 from halfmoon.engine.llm_engine import LLMEngine
 from halfmoon.engine.sampling_params import SamplingParams
 from halfmoon.engine.worker_errors import WorkerError
+from halfmoon.kvstore.keys import block_keys
 from halfmoon.kvstore.layout import KvLayout, LayerKV
 from halfmoon.kvstore.store_node import start_store_node
 from halfmoon.kvstore.transfer import plan_transfer
@@ -37,7 +39,7 @@ def parts(tiny_model_dir, ray_session):
         .options(max_concurrency=100)
         .remote("decode-0", config, store, GET_TIMEOUT_S, HANDOFF_TIMEOUT_S)
     )
-    yield local.root_key, layout, store, decode
+    yield local.facts, layout, store, decode
     ray.kill(decode)
     ray.kill(store)
 
@@ -61,10 +63,11 @@ def outputs(decode, request_id: str) -> list:
 
 @pytest.mark.timeout(120)
 def test_reads_wait_for_a_prefill_that_starts_after_the_read_timeout(parts):
-    root_key, layout, store, decode = parts
-    units = plan_transfer(root_key, PROMPT, layout.block_size, 32, "late")
+    facts, layout, store, decode = parts
+    keys = block_keys(facts.root_key, PROMPT, facts.block_size)
+    units = plan_transfer(facts.root_key, keys, PROMPT, facts.block_size, 32, "late")
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
-    assert ray.get(decode.reserve.remote("late", PROMPT, params)) == 4
+    assert ray.get(decode.reserve.remote(DecodeTask("late", PROMPT, params, keys))) == 4
     asyncio.run(asyncio.sleep(4 * GET_TIMEOUT_S))  # the prefill queues behind others
     put_layers(store, units, layout)
     got = outputs(decode, "late")
@@ -75,10 +78,11 @@ def test_reads_wait_for_a_prefill_that_starts_after_the_read_timeout(parts):
 
 @pytest.mark.timeout(120)
 def test_a_layer_still_missing_after_the_hand_off_fails_within_the_timeout(parts):
-    root_key, layout, store, decode = parts
-    units = plan_transfer(root_key, PROMPT, layout.block_size, 32, "lost")
+    facts, layout, store, decode = parts
+    keys = block_keys(facts.root_key, PROMPT, facts.block_size)
+    units = plan_transfer(facts.root_key, keys, PROMPT, facts.block_size, 32, "lost")
     params = SamplingParams(max_tokens=3, temperature=0.0)
-    ray.get(decode.reserve.remote("lost", PROMPT, params))
+    ray.get(decode.reserve.remote(DecodeTask("lost", PROMPT, params, keys)))
     put_layers(store, units, layout, skip_last=True)
     (error,) = outputs(decode, "lost")
     assert isinstance(error, WorkerError) and error.code == "UNAVAILABLE"
@@ -91,11 +95,12 @@ def test_a_layer_still_missing_after_the_hand_off_fails_within_the_timeout(parts
 @pytest.mark.timeout(120)
 def test_a_reservation_never_handed_over_is_freed(parts):
     """The router died between the reserve and the hand-off: the pages come back."""
-    root_key, layout, store, decode = parts
-    units = plan_transfer(root_key, PROMPT, layout.block_size, 32, "orphan")
+    facts, layout, store, decode = parts
+    keys = block_keys(facts.root_key, PROMPT, facts.block_size)
+    units = plan_transfer(facts.root_key, keys, PROMPT, facts.block_size, 32, "orphan")
     params = SamplingParams(max_tokens=3, temperature=0.0)
     expired = ray.get(decode.counters.remote())["num_expired_reservations"]
-    assert ray.get(decode.reserve.remote("orphan", PROMPT, params)) == 4
+    assert ray.get(decode.reserve.remote(DecodeTask("orphan", PROMPT, params, keys))) == 4
     put_layers(store, units, layout)
     counters = ray.get(decode.counters.remote())
     assert counters["num_used_pages"] == 4  # held while the hand-off may still come

@@ -8,15 +8,17 @@ import dataclasses
 
 import pytest
 
-from halfmoon.cluster.bench.live_capacity import (
+from halfmoon.cluster.bench.live_shape import (
     COLOCATED,
     DISAGGREGATED,
     ClusterShape,
     LiveCapacityError,
-    compare,
     default_slos,
-    rates_from_capacity,
     shape_from_server,
+)
+from halfmoon.cluster.bench.live_sim import (
+    compare,
+    rates_from_capacity,
     simulate,
     simulated_capacity,
     to_records,

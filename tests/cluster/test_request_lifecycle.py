@@ -18,8 +18,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from halfmoon.cluster.client.grpc_client import AsyncClient, ServerError
 from halfmoon.cluster.control.controller import Controller
+from halfmoon.decode_worker.task import DecodeTask
 from halfmoon.engine import SamplingParams
 from halfmoon.engine.worker_errors import WorkerError
+from halfmoon.kvstore.keys import block_keys
+from halfmoon.prefill_worker.task import PrefillTask
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -168,13 +171,18 @@ def test_an_abort_that_overtakes_its_reserve_or_prefill_still_frees_them(tiny_mo
         decode, prefill = worker(cluster, "decode-1"), worker(cluster, "prefill-0")
         store_name = ray.get(prefill.store_name.remote())
         assert ray.get(decode.abort.remote("late", "ticket-1")) is False
-        reserve = decode.reserve.remote("late", token_ids, params, store_name, "ticket-1")
+        info = ray.get(prefill.info.remote())
+        keys = block_keys(info.root_key, token_ids, info.block_size)
+        task = DecodeTask("late", token_ids, params, keys, store_name, "ticket-1")
+        reserve = decode.reserve.remote(task)
         late_reserve = ray.get(reserve)
         assert ray.get(prefill.abort.remote("late", "ticket-1")) is False
-        late_prefill = ray.get(prefill.prefill.remote("late", token_ids, params, True, "ticket-1"))
+        late_task = PrefillTask("late", token_ids, params, keys, "ticket-1")
+        late_prefill = ray.get(prefill.prefill.remote(late_task))
         held = [counters(cluster, name)["num_used_pages"] for name in ("decode-1", "prefill-0")]
         # The same id with a new ticket (a later request reusing it) is served as usual.
-        pages = ray.get(decode.reserve.remote("late", token_ids, params, store_name, "ticket-2"))
+        task = DecodeTask("late", token_ids, params, keys, store_name, "ticket-2")
+        pages = ray.get(decode.reserve.remote(task))
         assert ray.get(decode.abort.remote("late", "ticket-2")) is True
         freed = counters(cluster, "decode-1")["num_used_pages"]
     assert late_reserve == WorkerError("CANCELLED", "request late was aborted")

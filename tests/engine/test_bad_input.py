@@ -67,7 +67,7 @@ def test_abort_frees_pages(tiny_model_dir):
     engine = llm.engine
     rid = engine.add_request("a long enough prompt " * 4, SamplingParams(max_tokens=50))
     engine.step()
-    assert engine.pool.num_used_pages > 0
+    assert engine.stats().num_used_pages > 0
     engine.abort(rid)
-    assert engine.pool.num_used_pages == 0
+    assert engine.stats().num_used_pages == 0
     assert not engine.has_unfinished_requests()

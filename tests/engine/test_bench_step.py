@@ -13,7 +13,7 @@ def test_host_time_is_measured_and_leaves_the_engine_untouched(tiny_model_dir):
     expected = LLM(str(tiny_model_dir)).generate(prompt, PARAMS)[0].token_ids
     llm = LLM(str(tiny_model_dir), max_num_seqs=4)
     engine = llm.engine
-    engine.runner.enable_decode_graphs(4, engine.max_model_len, capture=False)
+    engine.use_decode_buffers(capture=False)
     wall_s, device_s, host_s = decode_step_times(llm, batch_size=3, context=20, steps=4)
     assert host_s > 0 and wall_s > 0 and device_s is None
     assert not engine.requests and not engine.has_unfinished_requests()

@@ -13,6 +13,7 @@ import torch
 
 from halfmoon.engine import LLM, SamplingParams
 from halfmoon.engine.cuda_graphs import DecodeBatch, DecodeGraphs, batch_buckets
+from halfmoon.engine.warmup import warm_up_cuda
 
 ENGINE_ARGS = dict(block_size=16, num_pages=64, max_num_batched_tokens=128, max_num_seqs=6)
 # Different lengths so the decode batch shrinks 5 -> 4 -> 3 and pads into smaller buckets.
@@ -48,7 +49,7 @@ def test_batch_buckets_cover_every_size_up_to_the_maximum():
 def test_padded_decode_buffers_give_the_eager_tokens(checkpoints):
     model_dir = str(checkpoints["llama"])
     eager = LLM(model_dir, **ENGINE_ARGS)
-    prompts = _prompts(eager.engine.model_config.vocab_size)
+    prompts = _prompts(eager.engine.facts.vocab_size)
     expected = [out.token_ids for out in eager.generate(prompts, PARAMS)]
 
     padded = LLM(model_dir, **ENGINE_ARGS)
@@ -99,7 +100,7 @@ def test_decode_graphs_survive_preemption_and_new_arrivals(checkpoints):
     args = dict(ENGINE_ARGS, num_pages=14)
     params = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)] * 5
     eager = LLM(model_dir, **args)
-    prompts = _prompts(eager.engine.model_config.vocab_size)
+    prompts = _prompts(eager.engine.facts.vocab_size)
     expected = [out.token_ids for out in eager.generate(prompts, params)]
     assert eager.engine.scheduler.num_preemptions > 0
 
@@ -115,8 +116,8 @@ def test_the_torch_reference_kernels_never_capture_graphs(checkpoints, monkeypat
     # HALFMOON_KERNELS=torch failed to start. On CPU the references serve by default.
     monkeypatch.setenv("HALFMOON_KERNELS", "torch")
     engine = LLM(str(checkpoints["llama"]), **ENGINE_ARGS).engine
-    engine._warm_up(graphs=True)  # what a CUDA engine runs at start
-    assert engine.runner.decode_graphs is None
+    warm_up_cuda(engine, graphs=True)  # what a CUDA engine runs at start
+    assert not engine.decode_buffers_in_use
 
 
 @pytest.mark.gpu
@@ -126,7 +127,7 @@ def test_cuda_graph_decode_equals_eager_on_cuda(checkpoints, arch):
     args = dict(ENGINE_ARGS, device="cuda", dtype="float32")
     eager = LLM(model_dir, enforce_eager=True, **args)
     assert eager.engine.runner.decode_graphs is None
-    prompts = _prompts(eager.engine.model_config.vocab_size)
+    prompts = _prompts(eager.engine.facts.vocab_size)
     expected = [out.token_ids for out in eager.generate(prompts, PARAMS)]
 
     graphed = LLM(model_dir, **args)

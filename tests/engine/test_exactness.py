@@ -65,7 +65,7 @@ def test_greedy_tokens_and_logits_match_transformers_with_chunking_and_preemptio
     llm = LLM(
         str(model_dir), block_size=16, num_pages=24, max_num_batched_tokens=96, max_num_seqs=8
     )
-    prompts = _prompts(llm.engine.model_config.vocab_size)
+    prompts = _prompts(llm.engine.facts.vocab_size)
     captured = _capture_first_logits(llm)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     outputs = llm.generate(prompts, params)
@@ -89,7 +89,7 @@ def test_greedy_tokens_on_cuda_in_fp32_match_transformers_on_cuda(checkpoints, a
         max_num_batched_tokens=96,
         max_num_seqs=8,
     )
-    prompts = _prompts(llm.engine.model_config.vocab_size)
+    prompts = _prompts(llm.engine.facts.vocab_size)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     outputs = llm.generate(prompts, params)
     expected_tokens, _ = _reference(model_dir, prompts, device="cuda")

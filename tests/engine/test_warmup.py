@@ -32,7 +32,7 @@ def test_warm_up_leaves_the_engine_idle_with_counters_at_zero(checkpoints):
     assert {1, 2, 4, 5} <= {n for n, _ in sizes}, "every batch size up to max_num_seqs ran"
     assert max(context for _, context in sizes) >= 512, "contexts doubled from 256"
     assert not engine.has_unfinished_requests() and not engine.requests
-    assert engine.pool.num_used_pages == 0
+    assert engine.stats().num_used_pages == 0
     stats = engine.stats()
     assert stats.num_steps == stats.num_generated_tokens == stats.num_prompt_tokens_computed == 0
     assert not engine.step_log
@@ -86,7 +86,7 @@ def test_no_kernel_compiles_after_a_cuda_engine_is_ready(checkpoints):
 
     llm = LLM(str(checkpoints["llama"]), device="cuda", dtype="float32", **ENGINE_ARGS)
     before = compiled()
-    vocab = llm.engine.model_config.vocab_size  # 262: ids wrap to stay inside it
+    vocab = llm.engine.facts.vocab_size  # 262: ids wrap to stay inside it
     prompts = [[10 + i % (vocab - 10) for i in range(n)] for n in (3, 40, 17, 300, 90)]
     llm.generate(prompts, PARAMS)
     llm.generate(prompts[:2], PARAMS)

@@ -111,7 +111,7 @@ def _ready_engine(model_dir, keys: LaunchKeys):
 
 
 def _serve_varied(llm, rng: random.Random) -> None:
-    vocab = llm.engine.model_config.vocab_size
+    vocab = llm.engine.facts.vocab_size
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     # Every count of sequences in a step, each prompt sent twice: the second time all of them
     # prefill over a cached prefix in one step (the paged kernel, specialised by the count).

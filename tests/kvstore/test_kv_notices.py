@@ -11,15 +11,13 @@ import time
 
 import pytest
 
-from halfmoon.kvstore.kv_notices import (
+from halfmoon.kvstore.kv_notices import KvPeer, NoticeListener, NoticeSender
+from halfmoon.kvstore.notice_format import (
     MAX_KEY_BYTES,
     MAX_SLOTS,
     Hello,
-    KvPeer,
     LayerNotice,
     NoticeError,
-    NoticeListener,
-    NoticeSender,
     PagesNotice,
     ReleaseNotice,
     TokenNotice,

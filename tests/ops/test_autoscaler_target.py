@@ -32,14 +32,22 @@ def feed(scaler: Autoscaler, start: float, stop: float, value: float, step: floa
         now += step
 
 
-def test_scales_up_only_after_the_signal_stays_high_for_the_delay():
+# Up: 3 s is above the 1 s target. Down: 3 replicas at 0.2 s each would be 1 replica at 0.6 s,
+# so the pool may shrink.
+@pytest.mark.parametrize(
+    ("value", "last_quiet_s", "replicas", "reason"),
+    [(3.0, 20, 1, "scale up 1 -> 2: queue_s = 3 vs target 1"), (0.2, 50, 3, "scale down 3 -> 2")],
+)
+def test_scales_only_after_the_signal_stays_past_the_target_for_its_delay(
+    value: float, last_quiet_s: float, replicas: int, reason: str
+):
     scaler = prefill_scaler()
-    feed(scaler, 0, 20, 3.0)
-    assert scaler.decide("prefill", 20, 1).desired == 1
-    feed(scaler, 30, 30, 3.0)
-    decision = scaler.decide("prefill", 30, 1)
+    feed(scaler, 0, last_quiet_s, value)
+    assert scaler.decide("prefill", last_quiet_s, replicas).desired == replicas
+    feed(scaler, last_quiet_s + 10, last_quiet_s + 10, value)
+    decision = scaler.decide("prefill", last_quiet_s + 10, replicas)
     assert decision.desired == 2
-    assert decision.reason.startswith("scale up 1 -> 2: queue_s = 3 vs target 1")
+    assert decision.reason.startswith(reason)
 
 
 def test_a_dip_below_target_restarts_the_upscale_delay():
@@ -50,17 +58,6 @@ def test_a_dip_below_target_restarts_the_upscale_delay():
     assert scaler.decide("prefill", 60, 1).desired == 1
     feed(scaler, 70, 70, 3.0)
     assert scaler.decide("prefill", 70, 1).desired == 2
-
-
-def test_scales_down_only_after_the_signal_stays_low_for_its_delay():
-    scaler = prefill_scaler()
-    # 3 replicas at 0.2 s each would be 1 replica at 0.6 s: the pool may shrink.
-    feed(scaler, 0, 50, 0.2)
-    assert scaler.decide("prefill", 50, 3).desired == 3
-    feed(scaler, 60, 60, 0.2)
-    decision = scaler.decide("prefill", 60, 3)
-    assert decision.desired == 2
-    assert decision.reason.startswith("scale down 3 -> 2")
 
 
 def test_does_not_scale_down_when_one_fewer_replica_would_exceed_the_target():

@@ -55,8 +55,8 @@ def test_random_policy_is_deterministic_for_a_seed():
 def test_least_loaded_ignores_the_cache_and_takes_the_shortest_queue():
     conductor = make_conductor(policy="least_loaded")
     conductor.index.stored("p0", "host", range(10))
-    conductor.prefill["p0"].enqueue("x", 0.5, 100)
-    conductor.prefill["p1"].enqueue("y", 0.2, 100)
+    conductor.prefill["p0"].enqueue(0.5, 100)
+    conductor.prefill["p1"].enqueue(0.2, 100)
     decision = conductor.route(request("r"), 0.0)
     assert decision.prefill_instance == "p2"
     assert decision.cached_tokens == 0
@@ -74,7 +74,7 @@ def test_cache_aware_local_prefers_the_instance_holding_the_prefix():
 def test_cache_aware_local_leaves_a_holder_that_is_too_busy():
     conductor = make_conductor(policy="cache_aware_local")
     conductor.index.stored("p1", "host", range(8))
-    conductor.prefill["p1"].enqueue("x", 0.5, 500)
+    conductor.prefill["p1"].enqueue(0.5, 500)
     decision = conductor.route(request("r"), 0.0)
     assert decision.prefill_instance == "p0"
     assert decision.fetch_from is None
@@ -84,7 +84,7 @@ def test_cache_aware_local_leaves_a_holder_that_is_too_busy():
 def test_conductor_fetches_the_prefix_from_a_busy_holder():
     conductor = make_conductor(policy="conductor")
     conductor.index.stored("p1", "host", range(8))
-    conductor.prefill["p1"].enqueue("x", 0.5, 500)
+    conductor.prefill["p1"].enqueue(0.5, 500)
     decision = conductor.route(request("r"), 0.0)
     assert decision.prefill_instance == "p0"
     assert decision.fetch_from == ("p1", "host")
@@ -97,7 +97,7 @@ def test_conductor_skips_a_fetch_that_costs_more_than_it_saves():
     slow_network = simple_profile(network_bytes_per_s=1e6)
     conductor = make_conductor(policy="conductor", profile=slow_network)
     conductor.index.stored("p1", "host", range(8))
-    conductor.prefill["p1"].enqueue("x", 0.5, 500)
+    conductor.prefill["p1"].enqueue(0.5, 500)
     decision = conductor.route(request("r"), 0.0)
     assert decision.prefill_instance == "p0"
     assert decision.fetch_from is None
@@ -124,7 +124,7 @@ def test_conductor_always_picks_a_minimum_predicted_ttft_instance():
                     name, rng.choice(["host", "device"]), range(rng.randint(0, 10))
                 )
             if rng.random() < 0.7:
-                conductor.prefill[name].enqueue(f"q{name}", rng.uniform(0, 0.2), 10)
+                conductor.prefill[name].enqueue(rng.uniform(0, 0.2), 10)
             conductor.prefill[name].busy_until_s = rng.uniform(0, 0.1)
         decision = conductor.route(request(f"r{trial}", num_blocks=rng.randint(1, 12)), 0.0)
         prefill = [c for c in decision.candidates if c.role == "prefill"]
@@ -137,7 +137,7 @@ def test_conductor_always_picks_a_minimum_predicted_ttft_instance():
 def test_short_prompt_bypasses_to_the_decode_instance():
     conductor = make_conductor(policy="conductor", bypass_max_tokens=50)
     for name in conductor.prefill:
-        conductor.prefill[name].enqueue(f"q{name}", 1.0, 100)
+        conductor.prefill[name].enqueue(1.0, 100)
     decision = conductor.route(request("short", num_blocks=3), 0.0)
     assert decision.bypass
     assert decision.prefill_instance == decision.decode_instance == "d0"
@@ -148,6 +148,6 @@ def test_short_prompt_bypasses_to_the_decode_instance():
 def test_bypass_is_refused_when_the_stall_would_break_the_tbt_slo():
     conductor = make_conductor(policy="conductor", bypass_max_tokens=50, tbt_slo_s=0.03)
     for name in conductor.prefill:
-        conductor.prefill[name].enqueue(f"q{name}", 1.0, 100)
+        conductor.prefill[name].enqueue(1.0, 100)
     decision = conductor.route(request("short", num_blocks=3), 0.0)
     assert not decision.bypass

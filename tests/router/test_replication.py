@@ -17,7 +17,7 @@ def replicating(network_bytes_per_s: float = 1e3, **config):
     config = {"replicate": True, "replicate_min_hits": 2, "replicate_margin_s": 0.01, **config}
     conductor = make_conductor(profile=simple_profile(network_bytes_per_s), **config)
     conductor.index.stored("p0", "host", PREFIX)
-    conductor.prefill["p0"].enqueue("earlier", 0.03, 30)
+    conductor.prefill["p0"].enqueue(0.03, 30)
     return conductor
 
 
@@ -44,7 +44,7 @@ def test_a_cold_prefix_is_not_replicated():
 def test_a_prefix_held_by_max_copies_instances_is_not_replicated():
     conductor = replicating(replicate_max_copies=2)
     conductor.index.stored("p2", "host", PREFIX)
-    conductor.prefill["p2"].enqueue("earlier", 0.03, 30)
+    conductor.prefill["p2"].enqueue(0.03, 30)
     decisions = [conductor.route(request(rid), 0.0) for rid in "abcd"]
     assert all(d.replications == [] for d in decisions)
 
@@ -83,7 +83,7 @@ def test_a_landed_copy_counts_toward_max_copies():
 
 def test_an_instance_that_fetches_a_hot_prefix_gets_the_copy():
     conductor = replicating(network_bytes_per_s=1e12)
-    conductor.prefill["p0"].enqueue("long", 10.0, 10_000)
+    conductor.prefill["p0"].enqueue(10.0, 10_000)
     first = conductor.route(request("a"), 0.0)
     second = conductor.route(request("b"), 0.0)
     # p0 has 10 s queued, so p1 and then p2 fetch its prefix; the second fetch is the hot one.
@@ -98,7 +98,7 @@ def test_replication_is_off_by_default_and_routing_is_unchanged():
     plain = make_conductor(profile=simple_profile(1e3))
     copying = replicating()
     plain.index.stored("p0", "host", PREFIX)
-    plain.prefill["p0"].enqueue("earlier", 0.03, 30)
+    plain.prefill["p0"].enqueue(0.03, 30)
     assert plain.replicator is None
     for rid in "abcdef":
         off, on = plain.route(request(rid), 0.0), copying.route(request(rid), 0.0)
@@ -178,9 +178,8 @@ def test_simulated_replications_land_in_the_target_cache_and_the_index():
     for copy in copies:
         target = simulation.prefill[copy.target]
         assert target.prefix_depth(copy.keys) == len(copy.keys)
-        assert conductor.index.longest_prefix_on(copy.target, CACHE_TIER, copy.keys) == len(
-            copy.keys
-        )
+        held = conductor.index.longest_prefix(copy.keys).get((copy.target, CACHE_TIER), 0)
+        assert held == len(copy.keys)
     # The request after the first copy landed (at 1.12 s) on p1 read the copied prefix.
     assert conductor.decision("14").prefill_instance == "p1"
     assert conductor.decision("14").cached_tokens == 100

@@ -1,0 +1,74 @@
+"""One request on the router side, from `generate` to its release: its tokens and block keys
+(hashed once), the Conductor's decision, the attempt under way, its timings, and what it holds
+on the workers (decode pages, prefill job, store leases), given back once."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from halfmoon.cluster.serving.trace import RequestTrace
+from halfmoon.engine.sampling_params import SamplingParams
+from halfmoon.router.decision import Decision
+from halfmoon.router.request import RouteRequest
+
+if TYPE_CHECKING:
+    from halfmoon.cluster.serving.workers import Worker
+
+
+@dataclass(slots=True)
+class Attempt:
+    """One try at serving a request: the workers it asked and the calls it sent them.
+
+    `ticket` names the try's worker calls, so an abort that overtakes its call still ends it.
+    """
+
+    ticket: str = field(default_factory=lambda: uuid.uuid4().hex)
+    prefill: Worker | None = None
+    decode: Worker | None = None
+    reserve: object | None = None  # the decode reserve's ObjectRef, once sent
+    stored: object | None = None  # the prefill's `stored` call: its KV is all in the store
+    ended: bool = False  # the workers ended it themselves: nothing to abort
+
+    def workers(self) -> list[Worker]:
+        return [w for w in (self.prefill, self.decode) if w is not None]
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """Everything the router knows and holds for one request; `close` gives what it holds
+    back exactly once.
+
+    The release runs as its own task behind `asyncio.shield`, so a second cancel (a deadline
+    after a client cancel, say) ends the wait for it but never the release itself.
+    """
+
+    request_id: str
+    params: SamplingParams
+    trace: RequestTrace
+    token_ids: list[int] = field(default_factory=list)
+    block_keys: list[bytes] = field(default_factory=list)  # hashed once, for every attempt
+    route: RouteRequest | None = None  # what the Conductor places (the same keys)
+    decision: Decision | None = None
+    attempt: Attempt = field(default_factory=Attempt)
+    num_attempts: int = 1
+    early_sent: bool = False  # the prefill's first token reached the client
+    streamed: bool = False  # decode output reached the client: a retry would repeat it
+    aborted: bool = False  # the client asked to abort (the Abort call)
+    finished: bool = False  # released: kept only for `explain` and `timeline`
+    releasing: asyncio.Future | None = None  # the release under way (or done)
+
+    def retry(self) -> Attempt:
+        """A fresh attempt after the current one was given up."""
+        self.attempt = Attempt()
+        self.num_attempts += 1
+        return self.attempt
+
+    async def close(self, release: Callable[[Request], Awaitable[None]]) -> None:
+        """Run `release(self)` once however often this is called; wait for it unless cancelled."""
+        if self.releasing is None:
+            self.releasing = asyncio.ensure_future(release(self))
+        await asyncio.shield(self.releasing)

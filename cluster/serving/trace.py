@@ -1,0 +1,53 @@
+"""What the router saw of one request, stage by stage: `halfmoon status --explain` shows it."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class RequestTrace:
+    """Timestamps of one request as the router saw them (monotonic seconds)."""
+
+    arrived_s: float
+    num_prompt_tokens: int = 0
+    prefill_instance: str | None = None
+    decode_instance: str | None = None
+    prefill_started_s: float | None = None
+    first_token_s: float | None = None
+    last_token_s: float | None = None
+    num_cached_tokens: int = 0
+    num_loaded_tokens: int = 0
+    num_output_tokens: int = 0
+    predicted_ttft_s: float | None = None
+    prefill_compute_s: float | None = None  # the prefill worker's first to last step
+    # The prefill's first token and its logprobs, streamed before the decode worker's output.
+    early_token: tuple | None = None
+    outcome: str = "error"
+    reason: str = ""
+    arrived_wall_s: float = dataclasses.field(default_factory=time.time)
+    # (stage, seconds since arrival) in the order they happened: `halfmoon status --explain`.
+    timeline: list[tuple[str, float]] = dataclasses.field(default_factory=list)
+
+    def mark(self, stage: str, at_s: float | None = None) -> None:
+        """Note that `stage` was reached now (or at monotonic time `at_s`)."""
+        when = time.monotonic() if at_s is None else at_s
+        self.timeline.append((stage, when - self.arrived_s))
+
+    def mark_wall(self, stage: str, wall_s: float) -> None:
+        """Note a stage a worker timed with its wall clock (time.time())."""
+        if wall_s:
+            self.timeline.append((stage, wall_s - self.arrived_wall_s))
+
+    def explain_timeline(self) -> str:
+        workers = ", ".join(
+            f"{kind} {name}"
+            for kind, name in (("prefill", self.prefill_instance), ("decode", self.decode_instance))
+            if name
+        )
+        lines = [f"timeline ({self.outcome}; {workers}; ms since arrival at the router):"]
+        for stage, offset_s in sorted(self.timeline, key=lambda item: item[1]):
+            lines.append(f"  {offset_s * 1e3:9.2f}  {stage}")
+        return "\n".join(lines)

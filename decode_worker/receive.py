@@ -1,0 +1,233 @@
+"""The receive: a prompt's KV pulled into the pages reserved for it, unit by unit and layer
+by layer as the prefill worker publishes it, from the store's stream or, on its node, out of
+the arena slots or lent pages its notices name."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import uuid
+from collections import OrderedDict
+
+import ray
+
+from halfmoon.decode_worker.notices import Notices, Reservation
+from halfmoon.engine.llm_engine import LLMEngine
+from halfmoon.kvstore.kv_notices import NoticeConn
+from halfmoon.kvstore.locate import local_store
+from halfmoon.kvstore.notice_format import LayerNotice, PagesNotice
+from halfmoon.kvstore.shared_arena import MappedArena, map_arena
+from halfmoon.kvstore.transfer import TransferUnit
+
+RECENT_TIMINGS = 1024
+# Until the router hands the request over (its prefill returned), the reads wait for the
+# prefill however long it queues and computes, up to this bound: the router aborts the
+# reservation when the prefill fails or its worker dies. After the hand-off, what is still
+# missing must land within `get_timeout_s`.
+PREFILL_WAIT_S = 3600.0
+
+
+@dataclasses.dataclass(slots=True)
+class ReceiveTimings:
+    """When a request's KV arrived (wall-clock seconds since epoch)."""
+
+    reserved_at: float
+    first_layer_received_at: float = 0.0
+    all_received_at: float = 0.0
+    first_token_at: float = 0.0  # the first token became known here
+    joined_at: float = 0.0
+    num_bytes: int = 0
+
+
+class Receiver:
+    """Copies prompts' KV into reserved pages; keeps each receive's timings."""
+
+    def __init__(self, engine: LLMEngine, notices: Notices, store, get_timeout_s: float):
+        self.engine = engine
+        self.notices = notices
+        self.store = store
+        self.get_timeout_s = get_timeout_s
+        self.stores: dict[str, object] = {}
+        self.arenas: dict[object, MappedArena | None] = {}  # by store handle, mapped once
+        self.transfers: list[tuple[int, float]] = []  # (bytes, seconds) of finished receives
+        self.timings: OrderedDict[str, ReceiveTimings] = OrderedDict()
+        self.num_shared_reads = 0
+        self.num_direct_receives = 0
+        self.num_page_copies = 0  # layers copied out of a prefill worker's lent pages
+
+    def counters(self) -> dict:
+        return {
+            "num_shared_reads": self.num_shared_reads,
+            "num_direct_receives": self.num_direct_receives,
+            "num_page_copies": self.num_page_copies,
+        }
+
+    def store_named(self, name: str | None):
+        """The store node `name` (default: this node's), looked up once."""
+        if name is None:
+            return self.store if self.store is not None else local_store()
+        if name not in self.stores:
+            self.stores[name] = ray.get_actor(name)
+        return self.stores[name]
+
+    def start(self, request_id: str) -> ReceiveTimings:
+        timings = self.timings[request_id] = ReceiveTimings(reserved_at=time.time())
+        while len(self.timings) > RECENT_TIMINGS:
+            self.timings.popitem(last=False)
+        return timings
+
+    async def receive(
+        self,
+        store,
+        request_id: str,
+        units: list[TransferUnit],
+        pages: list[int],
+        store_name: str | None,
+        reservation: Reservation,
+    ) -> None:
+        """Copy the prompt's KV into `pages`: as the notices say when told directly and the
+        store is on this node, else from the store's stream."""
+        arena = await self._arena(store, store_name)
+        if reservation.direct and arena is not None:
+            self.num_direct_receives += 1
+            await self._notified(request_id, units, pages, arena, reservation)
+            return
+        if reservation.direct:  # the store is elsewhere after all: its stream it is
+            reservation.direct = False
+            self.notices.undirect(reservation)
+        await self._streamed(store, request_id, units, pages, arena)
+
+    async def _arena(self, store, store_name: str | None) -> MappedArena | None:
+        """The store node's shared arena, when it is on this node (mapped once per store)."""
+        key = store_name or id(store)
+        if key not in self.arenas:
+            info = await store.arena_info.remote()
+            self.arenas[key] = map_arena(info, ray.get_runtime_context().get_node_id())
+        return self.arenas[key]
+
+    async def _notified(
+        self, request_id: str, units, pages: list[int], arena: MappedArena, reservation
+    ) -> None:
+        """Each layer of each unit from the prefill worker's own pages or the arena slots its
+        notices name (the pages when both are offered: they come first, and cost one copy on
+        the device); each unit's claim is released once its last layer is copied, the lent
+        pages once everything has landed."""
+        timings = self.timings[request_id]
+        written = None
+        async with asyncio.timeout(PREFILL_WAIT_S):  # the router aborts long before
+            for index, unit in enumerate(units):
+                unit_pages = pages[unit.first_block : unit.first_block + len(unit.keys)]
+                for layer in range(self.engine.kv.num_layers):
+                    where = (index, layer)
+                    lent, notice = await self.notices.next_offer(reservation, where)
+                    if lent is not None:
+                        written = self._copy_lent(reservation, where, lent, unit_pages, timings)
+                    else:
+                        written = self._copy_slots(arena, notice, layer, unit_pages, timings)
+                    _first_layer(timings)
+        await self._all_written(written, timings)
+        self.notices.answer_lenders(reservation)
+
+    def _copy_lent(
+        self,
+        reservation: Reservation,
+        where: tuple[int, int],
+        lent: tuple[PagesNotice, NoticeConn],
+        unit_pages: list[int],
+        timings: ReceiveTimings,
+    ):
+        """One layer out of a prefill worker's lent pages (its arena copy, if offered, goes)."""
+        kv_cache = self.engine.kv
+        pages_notice, conn = lent
+        reservation.copied.add(where)
+        if (slots := reservation.layers.pop(where, None)) is not None:
+            self.notices.release([slots.lease])
+        named = pages_notice.pages
+        _check_places(pages_notice, named, "pages", len(unit_pages), conn.cache.num_pages)
+        written = kv_cache.copy_pages(where[1], conn.cache, named, unit_pages)
+        self.num_page_copies += 1
+        timings.num_bytes += len(unit_pages) * kv_cache.page_layer_bytes
+        return written
+
+    def _copy_slots(
+        self,
+        arena: MappedArena,
+        notice: LayerNotice,
+        layer: int,
+        unit_pages: list[int],
+        timings: ReceiveTimings,
+    ):
+        """One layer out of the arena slots a notice names; its claim is released after."""
+        kv_cache = self.engine.kv
+        try:
+            size = arena.pages.shape[0]
+            _check_places(notice, notice.slots, "slots", len(unit_pages), size)
+            kv = arena.read(notice.slots, layer, pin=kv_cache.device.type == "cuda")
+        finally:
+            self.notices.release([notice.lease])  # copied out (or never will be)
+        self.num_shared_reads += 1
+        timings.num_bytes += kv.nbytes
+        return kv_cache.write_layer(layer, unit_pages, kv, ordered=False)
+
+    async def _streamed(
+        self, store, request_id: str, units, pages: list[int], arena: MappedArena | None
+    ) -> None:
+        kv_cache = self.engine.kv
+        timings = self.timings[request_id]
+        # One stream for the whole prompt: the store sends each layer of each unit as soon as
+        # it is put, so a prompt whose KV is all published costs one round trip, and the
+        # store holds one call for this request however many units and layers it has. On
+        # the store's own node it sends only where the layer is in its shared arena, and
+        # the layer is copied from there (no Ray object carries it).
+        method = store.stream_layers if arena is None else store.stream_slots
+        extra = () if arena is None else (f"{request_id}/{uuid.uuid4().hex}",)
+        stream = method.options(num_returns="streaming").remote(
+            [unit.keys for unit in units],
+            kv_cache.num_layers,
+            max(self.get_timeout_s, PREFILL_WAIT_S),
+            *extra,
+        )
+        written = None  # the last layer write: on CUDA it lands after it is issued
+        try:
+            for unit in units:
+                unit_pages = pages[unit.first_block : unit.first_block + len(unit.keys)]
+                for layer in range(kv_cache.num_layers):
+                    item = await (await anext(stream))
+                    if arena is None:
+                        kv = item
+                    else:
+                        slots, _ = item  # the stream's leases end with end_stream
+                        kv = arena.read(slots, layer, pin=kv_cache.device.type == "cuda")
+                        self.num_shared_reads += 1
+                    written = kv_cache.write_layer(layer, unit_pages, kv, ordered=False)
+                    timings.num_bytes += kv.nbytes
+                    _first_layer(timings)
+        except BaseException:
+            ray.cancel(stream)  # aborted or failed: the store stops waiting for the rest
+            raise
+        finally:
+            if extra:  # the layers are copied out (or never will be): the slots may go
+                store.end_stream.remote(*extra)
+        await self._all_written(written, timings)
+
+    async def _all_written(self, written, timings: ReceiveTimings) -> None:
+        if written is not None and not written.done():  # writes land in order: the last says all
+            await asyncio.to_thread(written.wait)
+        timings.all_received_at = time.time()
+        self.transfers.append((timings.num_bytes, timings.all_received_at - timings.reserved_at))
+
+
+def _first_layer(timings: ReceiveTimings) -> None:
+    if not timings.first_layer_received_at:
+        timings.first_layer_received_at = time.time()
+
+
+def _check_places(notice, places: tuple[int, ...], what: str, num_blocks: int, size: int) -> None:
+    """A notice names one place (arena slot, lent page) per block of its unit, each among the
+    `size` there are."""
+    if len(places) != num_blocks or any(place >= size for place in places):
+        raise ValueError(
+            f"a notice for unit {notice.unit} layer {notice.layer} names {len(places)} {what} "
+            f"(up to {max(places, default=0)}) for {num_blocks} blocks out of {size}"
+        )

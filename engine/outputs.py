@@ -1,0 +1,57 @@
+"""What the engine returns: per-request outputs, per-step timings, and its counters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from halfmoon.engine.sequence import TokenLogprobs
+
+
+class StepTiming(NamedTuple):
+    """One engine step: its prefill chunks as (new tokens, tokens before them), its decode
+    sequences and the KV tokens they read, and its wall time (`started` is perf_counter).
+
+    `waited_s` is how long the step started after the previous one ended while work was
+    pending (lock and interpreter contention between steps); 0 after an idle engine.
+    """
+
+    prefill_chunks: tuple[tuple[int, int], ...]
+    decode_seqs: int
+    decode_kv_tokens: int
+    seconds: float
+    started: float
+    waited_s: float = 0.0
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step added to one request; the last one has `finished=True`."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # (stage, wall clock) pairs for the router's per-request trace: the engine step that made
+    # this output (`AsyncEngine`), and on a stream's first output the worker's own stages.
+    timeline: tuple[tuple[str, float], ...] = ()
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Counters and gauges for metrics and load reports."""
+
+    num_running: int
+    num_waiting: int
+    num_pages: int
+    num_used_pages: int
+    num_preemptions: int
+    num_prompt_tokens_computed: int
+    num_cached_prompt_tokens: int
+    num_generated_tokens: int
+    num_steps: int
+    forward_s: float  # time inside the model's forward passes, for overhead figures

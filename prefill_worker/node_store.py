@@ -1,0 +1,39 @@
+"""This node's store actor, as the prefill worker's publisher and prefix load reach it."""
+
+from __future__ import annotations
+
+import logging
+
+import ray
+
+from halfmoon.kvstore.locate import local_store
+from halfmoon.kvstore.shared_arena import MappedArena, map_arena
+
+log = logging.getLogger(__name__)
+
+
+class NodeStore:
+    """The store actor (found on first use: it is started after the workers) and its shared
+    arena, mapped once (None: it is elsewhere or private, and layers travel as Ray objects)."""
+
+    def __init__(self, handle=None) -> None:
+        self._handle = handle
+        self._arena: MappedArena | None = None
+        self._checked = False
+
+    @property
+    def handle(self):
+        if self._handle is None:
+            self._handle = local_store()
+        return self._handle
+
+    def arena(self) -> MappedArena | None:
+        if not self._checked:  # the step thread and the publisher may both map it once
+            info = ray.get(self.handle.arena_info.remote())
+            self._arena = map_arena(info, ray.get_runtime_context().get_node_id())
+            self._checked = True  # after `_arena`: a thread seeing it sees the arena too
+            log.info(
+                "KV layers go to the store %s",
+                "through shared memory" if self._arena else "as Ray objects",
+            )
+        return self._arena

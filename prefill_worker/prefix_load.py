@@ -1,0 +1,117 @@
+"""Prefix load: finding how much of a prompt the store holds beyond this worker's own pages,
+and loading it into them layer by layer, each layer before that layer's compute; also the
+hot-prefix warm-up (stored blocks adopted as cached pages)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import ray
+
+from halfmoon.engine.async_engine import AsyncEngine
+from halfmoon.engine.llm_engine import LLMEngine
+from halfmoon.kvstore.layout import LayerKV
+from halfmoon.prefill_worker.job import Job, PrefixLoad
+from halfmoon.prefill_worker.node_store import NodeStore
+
+log = logging.getLogger(__name__)
+# Blocks warmed per engine call: bounds the memory in flight and the pause of the step loop.
+WARM_CHUNK_BLOCKS = 64
+
+
+class PrefixLoader:
+    """Loads stored prefixes into the engine's pages (the engine asks through its KV hooks)."""
+
+    def __init__(self, engine: LLMEngine, store: NodeStore, get_timeout_s: float) -> None:
+        self.engine = engine
+        self.store = store
+        self.get_timeout_s = get_timeout_s
+        self.num_loaded_tokens = 0
+        self.num_arena_loads = 0  # layers of stored prefixes copied out of the arena
+
+    def counters(self) -> dict:
+        return {
+            "num_loaded_tokens": self.num_loaded_tokens,
+            "num_arena_loads": self.num_arena_loads,
+        }
+
+    async def find(self, job: Job) -> None:
+        """How many of the prompt's full blocks the store holds, leased until `release`."""
+        hit = await self.store.handle.cached_prefix.remote(job.block_keys)
+        if hit:
+            job.store_blocks = hit
+            job.lease_id = await self.store.handle.lease.remote(job.block_keys[:hit])
+
+    def release(self, job: Job) -> None:
+        """The job ended: the loaded prefix is in our pages by now (or never will be)."""
+        if job.lease_id is not None:
+            self.store.handle.release.remote(job.lease_id)
+
+    def external_blocks(self, job: Job, first_block: int, max_blocks: int) -> int:
+        return min(max_blocks, max(0, job.store_blocks - first_block))
+
+    def start(self, job: Job, first_block: int, pages: list[int]) -> None:
+        """Step thread: start loading blocks `first_block...` of the job into `pages`."""
+        keys = job.block_keys[first_block : first_block + len(pages)]
+        held = None
+        if job.arena_loads and self.store.arena() is not None:
+            try:  # one round trip, instead of a Ray object per layer
+                lease = self.store.handle.lease_slots.remote(keys)
+                held = ray.get(lease, timeout=self.get_timeout_s)
+            except (ray.exceptions.RayError, TimeoutError) as error:
+                log.warning("leasing a stored prefix's arena slots failed: %s", error)
+        if held is not None:
+            job.load = PrefixLoad(first_block, pages, slots=held[0], lease_id=held[1])
+            return
+        refs = [
+            self.store.handle.get_layer.remote(keys, layer, self.get_timeout_s)
+            for layer in range(self.engine.facts.num_layers)
+        ]
+        job.load = PrefixLoad(first_block, pages, layers=refs)
+
+    def before_layer(self, job: Job, layer: int) -> None:
+        """Step thread: layer `layer` of the job's loading prefix lands in its pages now."""
+        if not job.started_at:
+            job.started_at = time.time()
+        load = job.load
+        if load is None:
+            return
+        if load.slots is not None:
+            cuda = self.engine.kv.device.type == "cuda"
+            kv = self.store.arena().read(load.slots, layer, pin=cuda)
+            self.num_arena_loads += 1
+        else:
+            kv: LayerKV = ray.get(load.layers[layer])
+        self.engine.kv.write_layer(layer, load.pages, kv)
+        if layer == self.engine.facts.num_layers - 1:
+            if load.slots is not None:  # copied out: the slots may go
+                self.store.handle.release.remote(load.lease_id)
+            loaded = len(load.pages) * self.engine.facts.block_size
+            job.num_loaded_tokens += loaded
+            self.num_loaded_tokens += loaded
+            job.load = None
+
+    async def warm(self, engine: AsyncEngine, block_keys: list[bytes], store) -> int:
+        """Adopt the stored blocks of the chain `block_keys` from `store` that this engine
+        does not cache yet; returns how many were added."""
+        keys = engine.call(lambda e: e.uncached(list(block_keys)))
+        held = await store.cached_prefix.remote(keys)
+        if not held:
+            return 0
+        lease_id = await store.lease.remote(keys[:held])
+        adopted = 0
+        try:
+            for first in range(0, held, WARM_CHUNK_BLOCKS):
+                chunk = keys[first : min(first + WARM_CHUNK_BLOCKS, held)]
+                layers = await asyncio.gather(
+                    *[
+                        store.get_layer.remote(chunk, layer, self.get_timeout_s)
+                        for layer in range(self.engine.facts.num_layers)
+                    ]
+                )
+                adopted += engine.call(lambda e, c=chunk, kv=layers: e.adopt_blocks(c, kv))
+        finally:
+            store.release.remote(lease_id)
+        return adopted
