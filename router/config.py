@@ -25,6 +25,12 @@ def check_slo(name: str, value: float | None) -> None:
         )
 
 
+def check_choice(what: str, value: str, choices: tuple[str, ...]) -> None:
+    """Raise RouterConfigError, listing `choices`, unless `value` is one of them."""
+    if value not in choices:
+        raise RouterConfigError(f"unknown {what} {value!r}; choose one of {', '.join(choices)}")
+
+
 @dataclass(slots=True)
 class RouterConfig:
     """Policy, admission mode, SLOs and the knobs of cache-aware placement."""
@@ -58,15 +64,8 @@ class RouterConfig:
     replicate_cooldown_s: float = 10.0
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICY_NAMES:
-            raise RouterConfigError(
-                f"unknown routing policy {self.policy!r}; choose one of {', '.join(POLICY_NAMES)}"
-            )
-        if self.admission not in ADMISSION_MODES:
-            raise RouterConfigError(
-                f"unknown admission mode {self.admission!r}; choose one of "
-                f"{', '.join(ADMISSION_MODES)}"
-            )
+        check_choice("routing policy", self.policy, POLICY_NAMES)
+        check_choice("admission mode", self.admission, ADMISSION_MODES)
         check_slo("ttft_slo_s", self.ttft_slo_s)
         check_slo("tbt_slo_s", self.tbt_slo_s)
         if self.admission != "none" and self.ttft_slo_s is None and self.tbt_slo_s is None:

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from halfmoon.router.config import POLICY_NAMES
-from halfmoon.router.errors import RouterConfigError
+from halfmoon.router.config import POLICY_NAMES, check_choice
 from halfmoon.router.placement import Placement, PlacementContext
 from halfmoon.router.policies_basic import LeastLoadedPolicy, RandomPolicy, RoundRobinPolicy
 from halfmoon.router.policy_cache_local import CacheAwareLocalPolicy
@@ -34,9 +33,5 @@ POLICIES = {
 
 def make_policy(name: str, seed: int = 0) -> Policy:
     """The policy called `name`; an unknown name is a RouterConfigError listing the known ones."""
-    cls = POLICIES.get(name)
-    if cls is None:
-        raise RouterConfigError(
-            f"unknown routing policy {name!r}; choose one of {', '.join(POLICY_NAMES)}"
-        )
-    return cls(seed)
+    check_choice("routing policy", name, POLICY_NAMES)
+    return POLICIES[name](seed)

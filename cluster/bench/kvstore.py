@@ -53,6 +53,20 @@ def best_gbps(nbytes: int, run: Callable[[], None], repeats: int) -> float:
     return nbytes / best_s / 1e9
 
 
+def timed_row(
+    name: str,
+    path: str,
+    layout: KvLayout,
+    num_blocks: int,
+    nbytes: int,
+    runs: tuple[Callable[[], None], Callable[[], None]],
+    repeats: int,
+) -> Row:
+    """The row of `path`: the best bandwidth of its store run and of its baseline (`runs`)."""
+    store_gbps, baseline_gbps = (best_gbps(nbytes, run, repeats) for run in runs)
+    return Row(name, path, layout.layer_bytes, num_blocks, store_gbps, baseline_gbps)
+
+
 def random_kv(layout: KvLayout, num_blocks: int) -> LayerKV:
     shape = (num_blocks, *layout.page_shape)
     return LayerKV(torch.randn(shape).to(layout.dtype), torch.randn(shape).to(layout.dtype))
@@ -80,14 +94,7 @@ def bench_host(name: str, layout: KvLayout, num_blocks: int, repeats: int) -> Ro
         del out
 
     nbytes = 2 * kv.nbytes * layout.num_layers
-    row = Row(
-        name,
-        "host",
-        layout.layer_bytes,
-        num_blocks,
-        best_gbps(nbytes, through_store, repeats),
-        best_gbps(nbytes, memcpy, repeats),
-    )
+    row = timed_row(name, "host", layout, num_blocks, nbytes, (through_store, memcpy), repeats)
     loop.close()
     return row
 
@@ -155,14 +162,8 @@ def bench_ray(name: str, layout: KvLayout, num_blocks: int, repeats: int) -> Row
             ray.get(echo.give.remote())
 
     nbytes = 2 * kv.nbytes * len(layers)
-    row = Row(
-        name,
-        "ray-actor",
-        layout.layer_bytes,
-        num_blocks,
-        best_gbps(nbytes, through_actor, repeats),
-        best_gbps(nbytes, plain_actor, repeats),
-    )
+    runs = (through_actor, plain_actor)
+    row = timed_row(name, "ray-actor", layout, num_blocks, nbytes, runs, repeats)
     ray.kill(node)
     ray.kill(echo)
     return row

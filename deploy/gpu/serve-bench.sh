@@ -149,13 +149,21 @@ done
 "$HALFMOON_PY" - "$out" <<'PYTHON'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
+
+
+def load(name, label):
+    """The JSON result `name` in the output folder, or None after saying it is missing."""
+    try:
+        return json.loads((out / name).read_text())
+    except (OSError, ValueError):
+        print(f"{label}: no result ({out / name})")
+        return None
+
+
 for mode in ("disaggregated", "colocated"):
     for rate in (2, 8):
-        path = out / f"serve-{mode}-{rate}rps.json"
-        try:
-            r = json.loads(path.read_text())
-        except (OSError, ValueError):
-            print(f"{mode:>13} {rate} req/s: no result ({path})")
+        r = load(f"serve-{mode}-{rate}rps.json", f"{mode:>13} {rate} req/s")
+        if r is None:
             continue
         print(
             f"{mode:>13} {rate} req/s: TTFT p50 {r['median_ttft_ms']:.0f} / p99 "
@@ -163,11 +171,8 @@ for mode in ("disaggregated", "colocated"):
             f"{r['p99_itl_ms']:.0f} ms, {r['output_throughput']:.0f} output tok/s, "
             f"{r['failed']} failed"
         )
-    path = out / f"live-capacity-{mode}.json"
-    try:
-        r = json.loads(path.read_text())
-    except (OSError, ValueError):
-        print(f"{mode:>13} live capacity: no result ({path})")
+    r = load(f"live-capacity-{mode}.json", f"{mode:>13} live capacity")
+    if r is None:
         continue
     rows = ", ".join(
         f"{x['rate_rps']:.2f} req/s live {x['live_attainment']:.2f} sim "

@@ -12,7 +12,7 @@ import numpy as np
 from tqdm import tqdm
 
 from halfmoon.kvstore.index import PrefixIndex
-from halfmoon.router.config import RouterConfig
+from halfmoon.router.config import RouterConfig, check_choice
 from halfmoon.router.errors import RouterConfigError
 from halfmoon.router.predictor import Predictor, summarize_hits
 from halfmoon.router.profile import Profile
@@ -40,15 +40,8 @@ class ColocatedSimulation:
         cache_blocks: int,
         max_batched_tokens: int = 2048,
     ) -> None:
-        if config.policy not in COLOCATED_POLICIES:
-            raise RouterConfigError(
-                f"colocated routing {config.policy!r} is not one of {', '.join(COLOCATED_POLICIES)}"
-            )
-        if config.admission not in COLOCATED_ADMISSION:
-            raise RouterConfigError(
-                f"colocated admission {config.admission!r} is not one of "
-                f"{', '.join(COLOCATED_ADMISSION)}"
-            )
+        check_choice("colocated routing", config.policy, COLOCATED_POLICIES)
+        check_choice("colocated admission", config.admission, COLOCATED_ADMISSION)
         if num_instances < 1 or max_batched_tokens < 1:
             raise RouterConfigError(
                 f"need at least one instance and a token budget >= 1, got {num_instances} and "

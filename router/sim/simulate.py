@@ -13,6 +13,21 @@ from halfmoon.router.sim.step_simulation import make_simulation
 from halfmoon.router.sim.summary import SimSummary
 from halfmoon.router.sim.trace import read_trace
 
+# The replication knobs' flags: each defaults to, and sets, the RouterConfig field named.
+REPLICATION_FLAGS = (
+    ("--replicate-min-hits", "replicate_min_hits", "recent requests that make a prefix hot"),
+    (
+        "--replicate-max-copies",
+        "replicate_max_copies",
+        "no copy once this many prefill instances hold the prefix",
+    ),
+    (
+        "--replicate-margin",
+        "replicate_margin_s",
+        "seconds the target's queue must undercut the holders' queues by",
+    ),
+)
+
 
 def build_parser() -> argparse.ArgumentParser:
     """The simulate command's flags."""
@@ -47,24 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=defaults.replicate,
         help="copy hot prefixes toward idle prefill instances (RouterConfig.replicate)",
     )
-    parser.add_argument(
-        "--replicate-min-hits",
-        type=int,
-        default=defaults.replicate_min_hits,
-        help="recent requests that make a prefix hot",
-    )
-    parser.add_argument(
-        "--replicate-max-copies",
-        type=int,
-        default=defaults.replicate_max_copies,
-        help="no copy once this many prefill instances hold the prefix",
-    )
-    parser.add_argument(
-        "--replicate-margin",
-        type=float,
-        default=defaults.replicate_margin_s,
-        help="seconds the target's queue must undercut the holders' queues by",
-    )
+    for flag, field, help_ in REPLICATION_FLAGS:
+        default = getattr(defaults, field)
+        parser.add_argument(flag, type=type(default), default=default, help=help_)
     parser.add_argument(
         "--max-batched-tokens",
         type=int,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 
 import ray
@@ -46,3 +47,13 @@ def worker(cluster: Cluster, name: str):
 
 def counters(cluster: Cluster, name: str) -> dict:
     return ray.get(worker(cluster, name).counters.remote())
+
+
+def wait_until(condition, timeout_s: float = 20.0) -> None:
+    """Poll a condition the cluster reaches asynchronously (a release after a cancel, an abort
+    after a disconnect)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.05)

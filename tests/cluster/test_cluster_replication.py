@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 import ray
-from cluster_kit import counters, running_cluster, worker
-from test_cluster_serving import wait_until
+from cluster_kit import counters, running_cluster, wait_until, worker
 
 from halfmoon.engine import SamplingParams
 from halfmoon.engine.tokenizer import load_tokenizer, tokenize_prompt

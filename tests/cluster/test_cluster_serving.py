@@ -7,7 +7,7 @@ import threading
 import grpc
 import pytest
 import ray
-from cluster_kit import counters, running_cluster, worker
+from cluster_kit import counters, running_cluster, wait_until, worker
 
 from halfmoon.cluster.client.grpc_client import ServerError
 from halfmoon.engine import SamplingParams
@@ -167,17 +167,6 @@ def test_fifty_concurrent_streams_complete_and_bad_requests_are_invalid(tiny_mod
             client.complete("")
         assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT.name
         assert len(client.complete("still serving", max_tokens=3, ignore_eos=True).token_ids) == 3
-
-
-def wait_until(condition, timeout_s: float = 20.0) -> None:
-    """Poll a condition the cluster reaches asynchronously (a release after a cancel)."""
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.05)
 
 
 def test_metrics_scrape_counts_what_was_sent(tiny_model_dir):

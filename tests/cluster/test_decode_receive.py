@@ -44,6 +44,15 @@ def parts(tiny_model_dir, ray_session):
     ray.kill(store)
 
 
+def reserve(parts, request_id: str, params: SamplingParams) -> tuple[int, list]:
+    """Reserve PROMPT on the decode worker: how many pages it reserved, and the prefill's units."""
+    facts, _, _, decode = parts
+    keys = block_keys(facts.root_key, PROMPT, facts.block_size)
+    units = plan_transfer(facts.root_key, keys, PROMPT, facts.block_size, 32, request_id)
+    num_pages = ray.get(decode.reserve.remote(DecodeTask(request_id, PROMPT, params, keys)))
+    return num_pages, units
+
+
 def put_layers(store, units, layout: KvLayout, skip_last: bool = False) -> None:
     for unit in units:
         for layer in range(layout.num_layers):
@@ -63,11 +72,10 @@ def outputs(decode, request_id: str) -> list:
 
 @pytest.mark.timeout(120)
 def test_reads_wait_for_a_prefill_that_starts_after_the_read_timeout(parts):
-    facts, layout, store, decode = parts
-    keys = block_keys(facts.root_key, PROMPT, facts.block_size)
-    units = plan_transfer(facts.root_key, keys, PROMPT, facts.block_size, 32, "late")
+    _, layout, store, decode = parts
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
-    assert ray.get(decode.reserve.remote(DecodeTask("late", PROMPT, params, keys))) == 4
+    num_pages, units = reserve(parts, "late", params)
+    assert num_pages == 4
     asyncio.run(asyncio.sleep(4 * GET_TIMEOUT_S))  # the prefill queues behind others
     put_layers(store, units, layout)
     got = outputs(decode, "late")
@@ -78,11 +86,8 @@ def test_reads_wait_for_a_prefill_that_starts_after_the_read_timeout(parts):
 
 @pytest.mark.timeout(120)
 def test_a_layer_still_missing_after_the_hand_off_fails_within_the_timeout(parts):
-    facts, layout, store, decode = parts
-    keys = block_keys(facts.root_key, PROMPT, facts.block_size)
-    units = plan_transfer(facts.root_key, keys, PROMPT, facts.block_size, 32, "lost")
-    params = SamplingParams(max_tokens=3, temperature=0.0)
-    ray.get(decode.reserve.remote(DecodeTask("lost", PROMPT, params, keys)))
+    _, layout, store, decode = parts
+    _, units = reserve(parts, "lost", SamplingParams(max_tokens=3, temperature=0.0))
     put_layers(store, units, layout, skip_last=True)
     (error,) = outputs(decode, "lost")
     assert isinstance(error, WorkerError) and error.code == "UNAVAILABLE"
@@ -95,12 +100,10 @@ def test_a_layer_still_missing_after_the_hand_off_fails_within_the_timeout(parts
 @pytest.mark.timeout(120)
 def test_a_reservation_never_handed_over_is_freed(parts):
     """The router died between the reserve and the hand-off: the pages come back."""
-    facts, layout, store, decode = parts
-    keys = block_keys(facts.root_key, PROMPT, facts.block_size)
-    units = plan_transfer(facts.root_key, keys, PROMPT, facts.block_size, 32, "orphan")
-    params = SamplingParams(max_tokens=3, temperature=0.0)
+    _, layout, store, decode = parts
     expired = ray.get(decode.counters.remote())["num_expired_reservations"]
-    assert ray.get(decode.reserve.remote(DecodeTask("orphan", PROMPT, params, keys))) == 4
+    num_pages, units = reserve(parts, "orphan", SamplingParams(max_tokens=3, temperature=0.0))
+    assert num_pages == 4
     put_layers(store, units, layout)
     counters = ray.get(decode.counters.remote())
     assert counters["num_used_pages"] == 4  # held while the hand-off may still come

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import ray
-from cluster_kit import counters, running_cluster
-from test_cluster_serving import PROMPTS, _generate_concurrently, _placement, wait_until
+from cluster_kit import counters, running_cluster, wait_until
+from test_cluster_serving import PROMPTS, _generate_concurrently, _placement
 
 from halfmoon.engine import LLM, SamplingParams
 

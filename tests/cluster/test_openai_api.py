@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import httpx2 as httpx
 import openai
 import pytest
 import ray
-from cluster_kit import counters, running_cluster
+from cluster_kit import counters, running_cluster, wait_until
 
 from halfmoon.engine import SamplingParams
 
@@ -226,7 +225,7 @@ def test_a_request_id_in_flight_cannot_be_reused(served, oai):
             oai.completions.create(model=MODEL, prompt="second", extra_headers=headers)
         assert caught.value.body["code"] == "already_exists"
         assert "error" not in json.loads(next(events).removeprefix("data: "))
-    _wait_until(lambda: client.server_info().details["in_flight"] == 0)
+    wait_until(lambda: client.server_info().details["in_flight"] == 0, 60.0)
 
 
 @pytest.mark.slow
@@ -242,18 +241,9 @@ def test_client_disconnect_aborts_the_request_on_every_worker(served, stream):
     else:
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(base + "/v1/completions", json=body, timeout=httpx.Timeout(120, read=1.0))
-    _wait_until(lambda: client.server_info().details["in_flight"] == 0)
+    wait_until(lambda: client.server_info().details["in_flight"] == 0, 60.0)
     for name in ("prefill-0", "decode-1"):
-        _wait_until(lambda n=name: counters(cluster, n)["num_used_pages"] == 0)
+        wait_until(lambda n=name: counters(cluster, n)["num_used_pages"] == 0, 60.0)
         assert counters(cluster, name)["num_running"] == 0
     generated = counters(cluster, "decode-1")["num_generated_tokens"] - before
     assert generated < LONG["max_tokens"]
-
-
-def _wait_until(condition, timeout_s: float = 60.0) -> None:
-    """Poll a condition the cluster reaches asynchronously (an abort after a disconnect)."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.05)

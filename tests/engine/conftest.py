@@ -2,22 +2,23 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
 import torch
 
-from halfmoon.engine.init_model import build_tokenizer
+from halfmoon.engine.init_model import TinyModelShape, build_tokenizer, ensure_model
 
-COMMON = dict(
+SHAPE = TinyModelShape(
     hidden_size=64,
     intermediate_size=128,
     num_hidden_layers=2,
     num_attention_heads=4,
     num_key_value_heads=2,
     max_position_embeddings=1024,
-    initializer_range=0.08,
 )
+COMMON = dict(asdict(SHAPE), initializer_range=0.08)
 
 
 def _configs(vocab_size: int, eos: int):
@@ -67,3 +68,9 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     built = {name: build_checkpoint(root, name) for name in ARCHITECTURES}
     built["llama-sharded"] = build_checkpoint(root / "sharded", "llama", shard=True)
     return built
+
+
+@pytest.fixture
+def tiny_8k_model_dir(tmp_path) -> Path:
+    """A Llama of the test checkpoints' sizes with an 8k context, as `ensure_model` makes it."""
+    return ensure_model(tmp_path / "tiny-8k", replace(SHAPE, max_position_embeddings=8192))

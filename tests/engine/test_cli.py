@@ -34,28 +34,22 @@ def test_init_model_is_deterministic(tmp_path):
     assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
 
 
+def generate_local(model_dir, *args: str, check: bool = False) -> subprocess.CompletedProcess:
+    """Run `halfmoon generate --local --model MODEL_DIR ARGS` in a fresh process."""
+    command = ["generate", "--local", "--model", str(model_dir), *args]
+    return subprocess.run(
+        [sys.executable, "-m", "halfmoon.cluster.cli", *command],
+        capture_output=True,
+        text=True,
+        check=check,
+        env={**os.environ, "TQDM_DISABLE": "1"},
+    )
+
+
 def test_generate_local_json_matches_offline_engine(tiny_model_dir, tiny_llm):
     from halfmoon.engine import SamplingParams
 
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "halfmoon.cluster.cli",
-            "generate",
-            "--local",
-            "--model",
-            str(tiny_model_dir),
-            "--max-tokens",
-            "8",
-            "--json",
-            "Hello there",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-        env={**os.environ, "TQDM_DISABLE": "1"},
-    )
+    out = generate_local(tiny_model_dir, "--max-tokens", "8", "--json", "Hello there", check=True)
     result = json.loads(out.stdout)
     expected = tiny_llm.generate(["Hello there"], SamplingParams(max_tokens=8, temperature=0.0))[0]
     assert result["token_ids"] == expected.token_ids
@@ -65,21 +59,6 @@ def test_generate_local_json_matches_offline_engine(tiny_model_dir, tiny_llm):
 
 
 def test_generate_bad_input_exits_2_with_the_field(tiny_model_dir):
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "halfmoon.cluster.cli",
-            "generate",
-            "--local",
-            "--model",
-            str(tiny_model_dir),
-            "--top-p",
-            "2",
-            "x",
-        ],
-        capture_output=True,
-        text=True,
-    )
+    out = generate_local(tiny_model_dir, "--top-p", "2", "x")
     assert out.returncode == 2
     assert "top_p=2.0 is invalid" in out.stderr

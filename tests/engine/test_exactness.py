@@ -11,6 +11,8 @@ from halfmoon.engine import LLM, SamplingParams
 
 PROMPT_LENGTHS = [1, 7, 16, 17, 45, 128, 250, 300]
 NEW_TOKENS = 12
+# A page pool small enough that the prompts preempt each other, and chunked prefill.
+ENGINE_ARGS = dict(block_size=16, num_pages=24, max_num_batched_tokens=96, max_num_seqs=8)
 
 
 def _prompts(vocab_size: int) -> list[list[int]]:
@@ -62,9 +64,7 @@ def test_greedy_tokens_and_logits_match_transformers_with_chunking_and_preemptio
     checkpoints, arch
 ):
     model_dir = checkpoints[arch]
-    llm = LLM(
-        str(model_dir), block_size=16, num_pages=24, max_num_batched_tokens=96, max_num_seqs=8
-    )
+    llm = LLM(str(model_dir), **ENGINE_ARGS)
     prompts = _prompts(llm.engine.facts.vocab_size)
     captured = _capture_first_logits(llm)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
@@ -80,15 +80,7 @@ def test_greedy_tokens_and_logits_match_transformers_with_chunking_and_preemptio
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_greedy_tokens_on_cuda_in_fp32_match_transformers_on_cuda(checkpoints, arch):
     model_dir = checkpoints[arch]
-    llm = LLM(
-        str(model_dir),
-        device="cuda",
-        dtype="float32",
-        block_size=16,
-        num_pages=24,
-        max_num_batched_tokens=96,
-        max_num_seqs=8,
-    )
+    llm = LLM(str(model_dir), device="cuda", dtype="float32", **ENGINE_ARGS)
     prompts = _prompts(llm.engine.facts.vocab_size)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     outputs = llm.generate(prompts, params)

@@ -18,13 +18,12 @@ import pytest
 import torch
 
 from halfmoon.engine import LLM, SamplingParams
-from halfmoon.engine.init_model import TinyModelShape, ensure_model
 from halfmoon.engine.warmup import _counts, warm_up
 
 triton = pytest.importorskip("triton")
 
 # The GPU serving engine's shape (deploy/configs/gpu-cluster.yaml), on a tiny model whose 8k
-# context reaches the decode kernel's most splits (32).
+# context (`tiny_8k_model_dir`) reaches the decode kernel's most splits (32).
 ENGINE_ARGS = dict(
     block_size=16,
     num_pages=8192,
@@ -34,14 +33,6 @@ ENGINE_ARGS = dict(
     device="cpu",  # the kernels are recorded, not run: any device gives the same keys
     dtype="float32",
     enforce_eager=True,
-)
-SHAPE = TinyModelShape(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=8192,
 )
 
 
@@ -134,11 +125,10 @@ def test_counts_warm_every_tile_with_and_without_a_multiple_of_16():
     assert _counts(40) == [1, 2, 4, 8, 9, 16, 17, 32, 33, 40]
 
 
-def test_serving_meets_no_specialisation_the_warm_up_did_not(tmp_path, monkeypatch):
+def test_serving_meets_no_specialisation_the_warm_up_did_not(tiny_8k_model_dir, monkeypatch):
     monkeypatch.setenv("HALFMOON_KERNELS", "triton")
-    model_dir = ensure_model(tmp_path / "tiny-8k", SHAPE)
     keys = LaunchKeys(monkeypatch)
-    llm = _ready_engine(model_dir, keys)
+    llm = _ready_engine(tiny_8k_model_dir, keys)
     ready = keys.take()
     _serve_varied(llm, random.Random(0))
     served = keys.take()

@@ -71,21 +71,23 @@ def test_cache_aware_local_prefers_the_instance_holding_the_prefix():
     assert decision.predicted_ttft_s == pytest.approx(0.020)
 
 
-def test_cache_aware_local_leaves_a_holder_that_is_too_busy():
-    conductor = make_conductor(policy="cache_aware_local")
+def route_past_a_busy_holder(**settings):
+    """Route one request whose prefix only p1 holds, behind 0.5 s of queued prefill."""
+    conductor = make_conductor(**settings)
     conductor.index.stored("p1", "host", range(8))
     conductor.prefill["p1"].enqueue(0.5, 500)
-    decision = conductor.route(request("r"), 0.0)
+    return conductor.route(request("r"), 0.0)
+
+
+def test_cache_aware_local_leaves_a_holder_that_is_too_busy():
+    decision = route_past_a_busy_holder(policy="cache_aware_local")
     assert decision.prefill_instance == "p0"
     assert decision.fetch_from is None
     assert decision.predicted_ttft_s == pytest.approx(0.100)
 
 
 def test_conductor_fetches_the_prefix_from_a_busy_holder():
-    conductor = make_conductor(policy="conductor")
-    conductor.index.stored("p1", "host", range(8))
-    conductor.prefill["p1"].enqueue(0.5, 500)
-    decision = conductor.route(request("r"), 0.0)
+    decision = route_past_a_busy_holder(policy="conductor")
     assert decision.prefill_instance == "p0"
     assert decision.fetch_from == ("p1", "host")
     assert decision.fetch_tokens == 80
@@ -95,10 +97,7 @@ def test_conductor_fetches_the_prefix_from_a_busy_holder():
 
 def test_conductor_skips_a_fetch_that_costs_more_than_it_saves():
     slow_network = simple_profile(network_bytes_per_s=1e6)
-    conductor = make_conductor(policy="conductor", profile=slow_network)
-    conductor.index.stored("p1", "host", range(8))
-    conductor.prefill["p1"].enqueue(0.5, 500)
-    decision = conductor.route(request("r"), 0.0)
+    decision = route_past_a_busy_holder(policy="conductor", profile=slow_network)
     assert decision.prefill_instance == "p0"
     assert decision.fetch_from is None
     assert decision.predicted_ttft_s == pytest.approx(0.100)
