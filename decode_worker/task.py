@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from halfmoon.engine.sampling_params import SamplingParams
+from halfmoon.engine.task import RequestTask
 
 
 @dataclass(slots=True)
-class DecodeTask:
+class DecodeTask(RequestTask):
     """One attempt on a decode worker: the prompt, its full-block keys (hashed once, by the
     router) and where its KV comes from.
 
@@ -19,10 +19,6 @@ class DecodeTask:
     `first_token_id`: the request's first token when already known (a retry): it joins the
     batch as soon as its KV is in."""
 
-    request_id: str
-    token_ids: list[int]
-    params: SamplingParams
-    block_keys: list[bytes]
     store_name: str | None = None
     ticket: str | None = None
     direct: bool = False

@@ -22,13 +22,20 @@ class NoticeError(ValueError):
 
 
 @dataclass(frozen=True, slots=True)
-class LayerNotice:
-    """Layer `layer` of transfer unit `unit` of the receive `key` is in arena `slots`; the
-    claim `lease` (0: none) is the reader's to release once it has copied the unit."""
+class UnitLayerNotice:
+    """Layer `layer` of transfer unit `unit` of the receive `key` is ready; each kind of
+    notice says where it is."""
 
     key: str
     unit: int
     layer: int
+
+
+@dataclass(frozen=True, slots=True)
+class LayerNotice(UnitLayerNotice):
+    """The layer is in arena `slots`; the claim `lease` (0: none) is the reader's to release
+    once it has copied the unit."""
+
     lease: int
     slots: tuple[int, ...]
 
@@ -42,13 +49,10 @@ class TokenNotice:
 
 
 @dataclass(frozen=True, slots=True)
-class PagesNotice:
-    """Layer `layer` of transfer unit `unit` of the receive `key` is in the sender's own KV
-    pages `pages` (held for the reader until it sends `ReleaseNotice(key)`)."""
+class PagesNotice(UnitLayerNotice):
+    """The layer is in the sender's own KV pages `pages` (held for the reader until it sends
+    `ReleaseNotice(key)`)."""
 
-    key: str
-    unit: int
-    layer: int
     pages: tuple[int, ...]
 
 

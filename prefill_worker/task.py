@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from halfmoon.engine.sampling_params import SamplingParams
 from halfmoon.engine.sequence import TokenLogprobs
+from halfmoon.engine.task import RequestTask
 from halfmoon.kvstore.kv_notices import KvPeer
 
 
 @dataclass(slots=True)
-class PrefillTask:
+class PrefillTask(RequestTask):
     """One attempt's prefill: the prompt, its full-block keys (hashed once, by the router) and
     where its KV goes.
 
@@ -20,10 +20,6 @@ class PrefillTask:
     worker's pages; `arena_loads=False` reads a stored prefix as Ray objects even from this
     node's store (the prefix-load benchmark's baseline)."""
 
-    request_id: str
-    token_ids: list[int]
-    params: SamplingParams
-    block_keys: list[bytes]
     ticket: str | None = None
     kv_peer: KvPeer | None = None
     layerwise: bool = True

@@ -13,8 +13,9 @@ from halfmoon.engine.init_model import BENCH_SHAPE, GPU_BENCH_SHAPE, default_mod
 SHARED_GPU_SETTINGS = {"engine.dtype": "bfloat16", "prefill.num_gpus": 0.3, "decode.num_gpus": 0.3}
 
 
-def add_device_argument(parser: argparse.ArgumentParser, on_cpu: str) -> None:
-    """`--device`, cuda by default when torch sees a GPU; `on_cpu` says what runs on cpu."""
+def add_device_options(parser: argparse.ArgumentParser, on_cpu: str) -> None:
+    """`--device`, cuda by default when torch sees a GPU (`on_cpu` says what runs on cpu), and
+    `--model`, a checkpoint instead of the device's own."""
     parser.add_argument(
         "--device",
         choices=["cpu", "cuda"],
@@ -22,6 +23,7 @@ def add_device_argument(parser: argparse.ArgumentParser, on_cpu: str) -> None:
         help=f"cpu: {on_cpu}; cuda: the ~0.9B shape of the GPU issues in bf16, both workers "
         "sharing the GPU (default: cuda when one is visible)",
     )
+    parser.add_argument("--model", help="checkpoint directory (default: by --device)")
 
 
 def bench_model(device: str, model: str | None = None) -> str:

@@ -5,7 +5,6 @@ Ray object (`get_layer`, the path before, and still the one for blocks only in R
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import statistics
@@ -14,12 +13,13 @@ import sys
 import ray
 
 from halfmoon.cluster.bench.device import (
-    add_device_argument,
+    add_device_options,
     bench_model,
     check_device,
     int_list,
     live_bench_settings,
 )
+from halfmoon.cluster.bench.options import bench_parser
 from halfmoon.cluster.config import load_config
 from halfmoon.cluster.control.launcher import Cluster
 from halfmoon.engine.sampling_params import SamplingParams
@@ -63,21 +63,19 @@ def measure(cluster: Cluster, prefix_tokens: int, repeats: int, seed: int) -> di
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="halfmoon bench prefix-load",
-        description="A stored prefix loaded into a second prefill worker on the store's node "
+    parser = bench_parser(
+        "prefix-load",
+        "A stored prefix loaded into a second prefill worker on the store's node "
         "(2 prefill + 1 decode worker; the ~50M model on cpu, the ~0.9B shape on cuda): "
         "copied out of the store's shared arena (the default) vs read layer by layer as Ray "
         "objects. Time = the loading prefill's first step to its first token (the load and "
         f"the last {TAIL_TOKENS} tokens); median of --repeats, paths alternating.",
     )
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(
         "--tokens", default="512,2048", help="stored prefix lengths, multiples of 16 (512,2048)"
     )
     parser.add_argument("--repeats", type=int, default=5, help="runs per path and length (5)")
-    add_device_argument(parser, on_cpu="the ~50M model in fp32")
-    parser.add_argument("--model", help="checkpoint (default: by --device)")
+    add_device_options(parser, on_cpu="the ~50M model in fp32")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     lengths = int_list(parser, "--tokens", args.tokens)

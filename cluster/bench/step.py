@@ -15,7 +15,6 @@ engine does without capture, so `host_ms` measures that path.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -23,6 +22,7 @@ import time
 import torch
 
 from halfmoon.cluster.bench.engine import SETUPS, sync_device
+from halfmoon.cluster.bench.options import bench_parser
 from halfmoon.engine.init_model import default_model_dir, ensure_model
 from halfmoon.engine.step_probe import host_step_time
 
@@ -78,9 +78,9 @@ def decode_step_times(llm, batch_size: int, context: int, steps: int) -> tuple[f
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="halfmoon bench step",
-        description="Decode step wall time against its GPU kernel time per batch size, and the "
+    parser = bench_parser(
+        "step",
+        "Decode step wall time against its GPU kernel time per batch size, and the "
         "batch-1 step against the time to stream the weights once (issue 13's goals: wall <= "
         "1.3x kernel time, batch-1 step <= 5x weight streaming). host_ms is the same step with "
         "the model replaced by fixed outputs: what scheduling, input copies, sampling and "
@@ -93,7 +93,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=512, help="prompt tokens per sequence")
     parser.add_argument("--steps", type=int, default=50, help="decode steps timed per size")
     parser.add_argument("--eager", action="store_true", help="run without CUDA graphs")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA GPU is visible to torch")

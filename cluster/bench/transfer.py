@@ -6,7 +6,6 @@ router's hand-off (the path across nodes); and no streaming."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import random
@@ -17,12 +16,13 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from halfmoon.cluster.bench.device import (
-    add_device_argument,
+    add_device_options,
     bench_model,
     check_device,
     int_list,
     live_bench_settings,
 )
+from halfmoon.cluster.bench.options import bench_parser
 from halfmoon.cluster.config import load_config
 from halfmoon.cluster.control.launcher import Cluster
 from halfmoon.decode_worker.task import DecodeTask
@@ -78,7 +78,7 @@ async def measure(cluster: Cluster, token_ids: list[int], path: str, rid: str) -
     before = (await prefill.counters.remote())["forward_s"]
     copies_before = (await decode.counters.remote())["num_page_copies"]
     keys = block_keys(cluster.info.root_key, token_ids, cluster.info.block_size)
-    reserve = DecodeTask(rid, token_ids, params, keys, store_name, direct=direct)
+    reserve = DecodeTask(rid, token_ids, params, keys, store_name=store_name, direct=direct)
     task = PrefillTask(rid, token_ids, params, keys, kv_peer=peer, layerwise=layerwise, lend=lend)
     started = time.time()
     reserved = decode.reserve.remote(reserve)
@@ -142,9 +142,9 @@ async def run(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="halfmoon bench transfer",
-        description="TTFT breakdown (prefill compute, transfer stall, rest) for prompts of 1 to 8 "
+    parser = bench_parser(
+        "transfer",
+        "TTFT breakdown (prefill compute, transfer stall, rest) for prompts of 1 to 8 "
         "chunks on a live local cluster (1 prefill + 1 decode worker; the ~50M model on cpu, the "
         "~0.9B shape on cuda): layer-wise KV streaming with the prefill worker's direct "
         "notices, the decode worker copying each layer out of the prefill worker's own pages "
@@ -155,7 +155,6 @@ def main(argv: list[str] | None = None) -> int:
         "pages, token = until the first token was known there; lent_layers = layers copied out "
         "of the prefill worker's pages.",
     )
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--chunks", default="1,2,4,8", help="chunk counts (1,2,4,8)")
     parser.add_argument(
         "--chunk-tokens", type=int, help="prefill chunk size (64 on cpu, 256 on cuda)"
@@ -166,8 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         default=3,
         help="runs per point: the table keeps the best, the stall's p50 and p99 use every run (3)",
     )
-    add_device_argument(parser, on_cpu="the ~50M model in fp32")
-    parser.add_argument("--model", help="checkpoint (default: by --device)")
+    add_device_options(parser, on_cpu="the ~50M model in fp32")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     chunk_counts = int_list(parser, "--chunks", args.chunks)

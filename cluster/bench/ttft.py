@@ -9,7 +9,6 @@ the served TTFT into stages. Issue 13's goal is served TTFT p50 <= 2x the engine
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import random
@@ -22,8 +21,9 @@ import ray
 import torch
 from tqdm import tqdm
 
-from halfmoon.cluster.bench.device import SHARED_GPU_SETTINGS, add_device_argument, check_device
+from halfmoon.cluster.bench.device import SHARED_GPU_SETTINGS, add_device_options, check_device
 from halfmoon.cluster.bench.engine import sync_device
+from halfmoon.cluster.bench.options import bench_parser
 from halfmoon.cluster.client.grpc_client import AsyncClient
 from halfmoon.cluster.config import ClusterConfig, load_config
 from halfmoon.cluster.control.launcher import Cluster
@@ -184,9 +184,9 @@ def print_report(out: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="halfmoon bench ttft",
-        description="Served time to first token against the engine's own prefill of the same "
+    parser = bench_parser(
+        "ttft",
+        "Served time to first token against the engine's own prefill of the same "
         "prompts, in one run: the engine alone in this process, then a local cluster over gRPC "
         "per mode, with the router's per-request timeline split into stages (the median of each).",
     )
@@ -209,9 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         default=0.0,
         help="Poisson arrivals per second; 0 sends one at a time (%(default)s)",
     )
-    add_device_argument(parser, on_cpu="the tiny model, fp32")
-    parser.add_argument("--model", help="checkpoint directory (default: by --device)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_device_options(parser, on_cpu="the tiny model, fp32")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     check_device(parser, args.device)

@@ -94,8 +94,9 @@ class Dispatcher:
         reserve = _decode_task(request, prefill.store_name, peer is not None, known)
         attempt.reserve = decode.handle.reserve.remote(reserve)
         task = PrefillTask(
-            rid, request.token_ids, request.params, request.block_keys, attempt.ticket, peer
-        )
+            rid, request.token_ids, request.params, request.block_keys,
+            ticket=attempt.ticket, kv_peer=peer,
+        )  # fmt: skip
         prefilled = prefill.handle.prefill.remote(task)
         trace.prefill_started_s = time.monotonic()
         self.conductor.on_prefill_start(rid, trace.prefill_started_s)
@@ -268,7 +269,8 @@ def _decode_task(
 ) -> DecodeTask:
     return DecodeTask(
         request.request_id, request.token_ids, request.params, request.block_keys,
-        store_name, request.attempt.ticket, direct, first_token_id,
+        store_name=store_name, ticket=request.attempt.ticket, direct=direct,
+        first_token_id=first_token_id,
     )  # fmt: skip
 
 

@@ -93,7 +93,9 @@ def reserve(parts, request_id: str, ticket: str, first_token_id: int | None = No
     """The router's reserve of PROMPT, told directly by the prefill worker."""
     facts, decode = parts[0], parts[3]
     keys = prompt_keys(facts)
-    task = DecodeTask(request_id, PROMPT, PARAMS, keys, None, ticket, True, first_token_id)
+    task = DecodeTask(
+        request_id, PROMPT, PARAMS, keys, ticket=ticket, direct=True, first_token_id=first_token_id
+    )
     return decode.reserve.remote(task)
 
 

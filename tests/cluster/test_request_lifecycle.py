@@ -173,15 +173,15 @@ def test_an_abort_that_overtakes_its_reserve_or_prefill_still_frees_them(tiny_mo
         assert ray.get(decode.abort.remote("late", "ticket-1")) is False
         info = ray.get(prefill.info.remote())
         keys = block_keys(info.root_key, token_ids, info.block_size)
-        task = DecodeTask("late", token_ids, params, keys, store_name, "ticket-1")
+        task = DecodeTask("late", token_ids, params, keys, store_name=store_name, ticket="ticket-1")
         reserve = decode.reserve.remote(task)
         late_reserve = ray.get(reserve)
         assert ray.get(prefill.abort.remote("late", "ticket-1")) is False
-        late_task = PrefillTask("late", token_ids, params, keys, "ticket-1")
+        late_task = PrefillTask("late", token_ids, params, keys, ticket="ticket-1")
         late_prefill = ray.get(prefill.prefill.remote(late_task))
         held = [counters(cluster, name)["num_used_pages"] for name in ("decode-1", "prefill-0")]
         # The same id with a new ticket (a later request reusing it) is served as usual.
-        task = DecodeTask("late", token_ids, params, keys, store_name, "ticket-2")
+        task = DecodeTask("late", token_ids, params, keys, store_name=store_name, ticket="ticket-2")
         pages = ray.get(decode.reserve.remote(task))
         assert ray.get(decode.abort.remote("late", "ticket-2")) is True
         freed = counters(cluster, "decode-1")["num_used_pages"]
