@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 
 from halfmoon.engine.errors import InvalidRequestError
 
+# torch.Generator.manual_seed takes a signed 64-bit value: 2**63 and above overflow.
+SEED_LIMIT = 2**63
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -44,6 +47,8 @@ class SamplingParams:
             raise InvalidRequestError("top_p", self.top_p, "must be in (0, 1]")
         if not _is_real(self.min_p) or not 0 <= self.min_p <= 1:
             raise InvalidRequestError("min_p", self.min_p, "must be in [0, 1]")
+        if self.seed is not None and not _is_int_in(self.seed, 0, SEED_LIMIT):
+            raise InvalidRequestError("seed", self.seed, "must be an integer in [0, 2**63)")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             raise InvalidRequestError("logprobs", self.logprobs, "must be None or an integer >= 0")
         if any(not isinstance(s, str) or not s for s in self.stop):
@@ -52,6 +57,10 @@ class SamplingParams:
             raise InvalidRequestError(
                 "stop_token_ids", self.stop_token_ids, "must be non-negative token ids"
             )
+
+
+def _is_int_in(value: object, low: int, limit: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value < limit
 
 
 def _is_real(value: object) -> bool:

@@ -186,8 +186,6 @@ def _messages(chat: pb.ChatMessages) -> list[dict]:
 def _sampling_params(proto: pb.SamplingParams) -> SamplingParams:
     kwargs = {n: getattr(proto, n) for n in OPTIONAL_SAMPLING_FIELDS if proto.HasField(n)}
     kwargs |= {n: list(v) for n in REPEATED_SAMPLING_FIELDS if (v := getattr(proto, n))}
-    if kwargs.get("seed", 0) < 0:
-        raise InvalidRequestError("seed", kwargs["seed"], "must be an integer >= 0")
     if kwargs.get("logprobs", 0) > MAX_LOGPROBS:
         raise InvalidRequestError("logprobs", kwargs["logprobs"], f"must be at most {MAX_LOGPROBS}")
     return SamplingParams(**kwargs)

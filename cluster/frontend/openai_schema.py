@@ -134,8 +134,6 @@ class OpenAIRequest(BaseModel):
 
     def _sampling_params(self, max_model_len: int) -> SamplingParams:
         kwargs = {n: v for n in SAMPLING_FIELDS if (v := getattr(self, n)) is not None}
-        if kwargs.get("seed", 0) < 0:
-            raise InvalidRequestError("seed", kwargs["seed"], "must be an integer >= 0")
         logprobs = self.wanted_logprobs()
         if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
             raise InvalidRequestError(

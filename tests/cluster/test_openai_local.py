@@ -144,6 +144,8 @@ def test_http_requests_obey_the_request_limits_and_the_drain(tiny_model_dir):
         body = {"model": api.model, "prompt": "hi", "max_tokens": 2}
         stops = httpx.post(url, json={**body, "stop": ["a", "b", "c"]})
         assert stops.status_code == 400 and stops.json()["error"]["param"] == "stop"
+        seed = httpx.post(url, json={**body, "seed": 2**63})
+        assert seed.status_code == 400 and seed.json()["error"]["param"] == "seed"
         huge = httpx.post(url, json={**body, "prompt": "x" * 2_000_000})
         assert huge.status_code == 400 and huge.json()["error"]["param"] == "body"
         assert httpx.post(url, json=body).status_code == 200

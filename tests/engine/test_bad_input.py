@@ -20,12 +20,22 @@ from halfmoon.engine import LLM, InvalidRequestError, ModelLoadError, SamplingPa
         ("top_p", 1.5),
         ("top_k", -2),
         ("min_p", 2.0),
+        ("seed", -1),
+        ("seed", 2**63),
+        ("seed", True),
     ],
 )
 def test_out_of_range_sampling_field_is_named(field, value):
     with pytest.raises(InvalidRequestError, match=field) as caught:
         SamplingParams(**{field: value})
     assert caught.value.field == field
+
+
+def test_the_largest_seed_samples_and_repeats(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), num_pages=64)
+    params = SamplingParams(max_tokens=4, seed=2**63 - 1, ignore_eos=True)
+    first, again = llm.generate(["hi", "hi"], params)
+    assert first.token_ids == again.token_ids and len(first.token_ids) == 4
 
 
 def test_empty_and_too_long_prompts_are_rejected_and_others_continue(tiny_model_dir):
