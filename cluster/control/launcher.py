@@ -19,6 +19,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from halfmoon.cluster.config import ClusterConfig, PoolConfig
 from halfmoon.cluster.control.measured_profile import measured_profile
+from halfmoon.cluster.control.ray_token import make_token_private
 from halfmoon.cluster.serving.router_actor import RouterActor
 from halfmoon.decode_worker.worker import DecodeWorker
 from halfmoon.engine.config import EngineConfig
@@ -214,6 +215,8 @@ class Cluster:
             _node_ip_address="127.0.0.1" if local else None,
         )
         self.owns_ray = True
+        if local:
+            make_token_private()
 
     def _pool_engine_config(self, pool: PoolConfig) -> EngineConfig:
         """Workers sharing a GPU (fractional num_gpus) split its memory by their fraction."""

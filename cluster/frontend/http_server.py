@@ -163,8 +163,8 @@ class OpenAIServer:
         back in X-Request-Id."""
         request_id = uuid.uuid4().hex
         try:
+            self._authorize(request)  # first: nothing of an unauthenticated call is judged
             request_id = _request_id(request, self.limits) or request_id
-            self._authorize(request)
             response = await handler(request_id)
         except ClientGone:
             response = Response(status_code=CLIENT_GONE_STATUS)
@@ -294,6 +294,12 @@ def _parse(schema: type[OpenAIRequest], body: bytes) -> OpenAIRequest:
         message = error["msg"]
         if error["type"] == "json_invalid":
             value = "<not JSON>"
+            if "hex escape" in message:  # what the JSON parser says of a lone surrogate
+                message = (
+                    f"{message}: a \\u escape is incomplete or a lone surrogate "
+                    "(\\ud800-\\udfff), which is not Unicode; send the character itself or a "
+                    "whole surrogate pair"
+                )
         elif error["type"] == "extra_forbidden":
             message = "unknown field (the accepted ones are listed in docs/openai.md)"
         raise InvalidRequestError(where, value, message) from None

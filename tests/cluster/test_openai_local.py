@@ -51,6 +51,31 @@ def test_http_without_the_api_key_gets_401_but_health_is_open(keyed):
     assert httpx.get(keyed.base_url.removesuffix("/v1") + "/health").status_code == 200
 
 
+def test_a_bad_request_id_without_the_key_gets_401_and_with_it_400(keyed):
+    body = {"model": keyed.model, "prompt": "hi", "max_tokens": 2}
+    bad_id = {"X-Request-Id": "x" * 10_000}
+    anonymous = httpx.post(keyed.base_url + "/completions", json=body, headers=bad_id)
+    assert anonymous.status_code == 401
+    keyed_call = httpx.post(
+        keyed.base_url + "/completions",
+        json=body,
+        headers={**bad_id, "Authorization": f"Bearer {KEY}"},
+    )
+    assert keyed_call.status_code == 400
+    assert keyed_call.json()["error"]["param"] == "X-Request-Id"
+
+
+def test_a_lone_surrogate_escape_is_named_as_such(keyed):
+    body = b'{"model": "m", "prompt": "a\\ud800b", "max_tokens": 2}'
+    answer = httpx.post(
+        keyed.base_url + "/completions",
+        content=body,
+        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+    )
+    assert answer.status_code == 400
+    assert "lone surrogate" in answer.json()["error"]["message"]
+
+
 def test_http_with_the_api_key_is_served(keyed):
     chunks = _openai(keyed, KEY).chat.completions.create(
         model=keyed.model,
