@@ -64,9 +64,10 @@ class PagePool:
         if not self.enable_caching:
             seq.num_computed_tokens = 0
             return 0
-        keys = self._keys(seq, (len(seq) - 1) // self.block_size)
+        num_blocks = (len(seq) - 1) // self.block_size
+        self._hash_blocks(seq, num_blocks)
         pages: list[int] = []
-        for key in keys:
+        for key in seq.block_keys[:num_blocks]:
             page = self.key_to_page.get(key)
             if page is None:
                 break
@@ -83,9 +84,9 @@ class PagePool:
         if not self.enable_caching:
             return
         num_full = seq.num_computed_tokens // self.block_size
-        keys = self._keys(seq, num_full)
+        self._hash_blocks(seq, num_full)
         for index in range(seq.num_cached_blocks, num_full):
-            key, page = keys[index], seq.block_table[index]
+            key, page = seq.block_keys[index], seq.block_table[index]
             if key not in self.key_to_page and page not in self.page_to_key:
                 self.key_to_page[key] = page
                 self.page_to_key[page] = key
@@ -93,13 +94,13 @@ class PagePool:
                     self.events.append(("stored", key))
         seq.num_cached_blocks = max(seq.num_cached_blocks, num_full)
 
-    def _keys(self, seq: Sequence, num_blocks: int) -> list[bytes]:
-        """Keys of `seq`'s first `num_blocks` blocks; only blocks without a known key are hashed."""
+    def _hash_blocks(self, seq: Sequence, num_blocks: int) -> None:
+        """Extend `seq.block_keys` to its first `num_blocks` blocks, hashing only those
+        without a known key (a step's hot path: no copy of the keys already there)."""
         keys, size = seq.block_keys, self.block_size
         for index in range(len(keys), num_blocks):
             parent = keys[-1] if keys else self.root_key
             keys.append(block_key(parent, seq.token_ids[index * size : (index + 1) * size]))
-        return keys[:num_blocks]
 
     def uncached(self, keys: list[bytes]) -> list[bytes]:
         """The keys of `keys` without a cached page; the cached ones become most recently
