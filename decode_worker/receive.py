@@ -49,7 +49,7 @@ class Receiver:
         self.store = store
         self.get_timeout_s = get_timeout_s
         self.stores: dict[str, object] = {}
-        self.arenas: dict[object, MappedArena | None] = {}  # by store handle, mapped once
+        self.arenas: dict[object, MappedArena | None] = {}  # by store name or handle id
         self.transfers: list[tuple[int, float]] = []  # (bytes, seconds) of finished receives
         self.timings: OrderedDict[str, ReceiveTimings] = OrderedDict()
         self.num_shared_reads = 0
