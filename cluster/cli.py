@@ -129,7 +129,8 @@ def _add_serve(commands) -> None:
     cmd.add_argument("--mode", choices=["disaggregated", "colocated"])
     cmd.add_argument(
         "--policy",
-        help="router policy (random, round_robin, least_loaded, cache_aware_local, conductor)",
+        help="router policy: conductor (default; predicted TTFT, cache- and load-aware), "
+        "cache_aware_local, least_loaded, round_robin, random",
     )
     cmd.add_argument("--host", help="address to bind (default 127.0.0.1)")
     cmd.add_argument("--port", type=int, help="gRPC port (default 50051)")

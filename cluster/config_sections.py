@@ -141,8 +141,8 @@ class RouterSection(Section):
     """Placement policy, SLO admission and short-prompt bypass; the knobs it shares with the
     Conductor default to RouterConfig's."""
 
-    # The cluster's own default; RouterConfig's (the simulator's) is the Conductor.
-    policy: str = "least_loaded"
+    # The Conductor: cache-aware, load-aware placement by predicted TTFT (docs/router.md).
+    policy: str = ROUTER_DEFAULTS.policy
     # queue_bound: reject (RESOURCE_EXHAUSTED) once max_queued_per_worker requests per worker
     # wait for their first token; the SLO modes also bound the queue. none: queue everything.
     admission: Literal["none", "queue_bound", "early_rejection", "prediction_early_rejection"] = (

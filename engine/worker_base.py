@@ -14,6 +14,7 @@ from halfmoon.engine.llm_engine import LLMEngine, StepTiming
 from halfmoon.engine.profiling import ProfileSamples, profile_engine
 from halfmoon.engine.worker_info import WorkerInfo, WorkerLoad, worker_info, worker_load
 from halfmoon.engine.worker_metrics import WorkerMetrics
+from halfmoon.kvstore.index import BlockEvent
 from halfmoon.kvstore.metrics_endpoint import serve_actor_metrics
 from halfmoon.kvstore.process_gc import freeze_startup_heap
 from halfmoon.kvstore.transfer import TransferUnit, plan_transfer
@@ -36,6 +37,7 @@ class EngineWorker:
         self.aborted_tickets: OrderedDict[str, None] = OrderedDict()
         self.metrics = WorkerMetrics()
         self.metrics_address: str | None = None
+        engine.record_page_events()  # the router's prefix index learns of this worker's pages
         freeze_startup_heap(f"{self.kind} worker {name}")
 
     def _engine(self) -> AsyncEngine:
@@ -72,6 +74,12 @@ class EngineWorker:
         steps = self._engine().call(_take_steps)
         self.metrics.observe(steps)
         return steps
+
+    async def drain_events(self) -> list[BlockEvent]:
+        """Blocks that entered or left this worker's own pages (the device tier) since the
+        last call."""
+        events = self._engine().call(LLMEngine.take_page_events)
+        return [BlockEvent(kind, self.name, "device", [key]) for kind, key in events]
 
     async def serve_metrics(self, host: str) -> str:
         """Serve this worker's /metrics on a free port of `host` (once); returns host:port."""

@@ -198,6 +198,24 @@ class KvStore:
         """How many leading blocks of `keys` the host tier holds with every layer."""
         return self.host.leading_complete(keys)
 
+    async def prefix_depths(self, keys: Sequence[bytes]) -> tuple[int, int]:
+        """(leading blocks of `keys` the host tier holds with every layer, blocks after them
+        that Redis holds with every layer): `get_layer` gives both, promoting from Redis."""
+        held = self.host.leading_complete(keys)
+        if self.redis is None or held == len(keys):
+            return held, 0
+        return held, await self._redis_depth(keys[held:])
+
+    async def _redis_depth(self, keys: Sequence[bytes]) -> int:
+        """How many leading blocks of `keys` Redis has a record of for every layer."""
+        depth = len(keys)
+        for layer in range(self.layout.num_layers):
+            found = await self.redis.exists(keys[:depth], layer)
+            depth = found.index(False) if False in found else depth
+            if depth == 0:
+                break
+        return depth
+
     def lease(self, keys: Sequence[bytes], ttl_s: float | None = None) -> int:
         """Protect the host blocks of `keys` from eviction until released or `ttl_s` passes."""
         return self.host.lease(keys, self.config.lease_ttl_s if ttl_s is None else ttl_s)

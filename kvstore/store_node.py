@@ -67,6 +67,7 @@ class StoreNode:
     end_stream = _forward(KvStore.end_stream)
     lease_slots = _forward(KvStore.lease_slots)
     cached_prefix = _forward(KvStore.cached_prefix)
+    prefix_depths = _forward(KvStore.prefix_depths)
     lease = _forward(KvStore.lease)
     release = _forward(KvStore.release)
     drain_events = _forward(KvStore.drain_events)

@@ -48,8 +48,12 @@ class Job:
     layerwise: bool = True
     arena_loads: bool = True
     started_at: float = 0.0
-    # The prefix load's: stored blocks after ours, the lease on them, the load in flight.
+    # The prefix load's: stored blocks after ours, the store node actor that holds them (and
+    # what to report it as: a store node's name, or "redis"), the lease on them there, the
+    # load in flight.
     store_blocks: int = 0
+    source: object = None
+    loaded_from: str | None = None
     lease_id: int | None = None
     load: PrefixLoad | None = None
     num_loaded_tokens: int = 0

@@ -6,7 +6,7 @@ import logging
 
 import ray
 
-from halfmoon.kvstore.locate import local_store
+from halfmoon.kvstore.locate import local_store, local_store_name
 from halfmoon.kvstore.shared_arena import MappedArena, map_arena
 
 log = logging.getLogger(__name__)
@@ -20,6 +20,11 @@ class NodeStore:
         self._handle = handle
         self._arena: MappedArena | None = None
         self._checked = False
+
+    @property
+    def name(self) -> str:
+        """The actor name of this node's store node (how the router's index names it)."""
+        return local_store_name()
 
     @property
     def handle(self):

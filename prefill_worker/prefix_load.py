@@ -1,6 +1,7 @@
-"""Prefix load: finding how much of a prompt the store holds beyond this worker's own pages,
-and loading it into them layer by layer, each layer before that layer's compute; also the
-hot-prefix warm-up (stored blocks adopted as cached pages)."""
+"""Prefix load: finding how much of a prompt the stores hold beyond this worker's own pages
+(this node's host tier, then Redis; or another node's host tier when the router planned a
+fetch from there), and loading it into them layer by layer, each layer before that layer's
+compute; also the hot-prefix warm-up (stored blocks adopted as cached pages)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from halfmoon.prefill_worker.job import Job, PrefixLoad
 from halfmoon.prefill_worker.node_store import NodeStore
 
 log = logging.getLogger(__name__)
+REDIS = "redis"  # what a prefix loaded (in part) out of Redis is reported as
 # Blocks warmed per engine call: bounds the memory in flight and the pause of the step loop.
 WARM_CHUNK_BLOCKS = 64
 
@@ -37,17 +39,35 @@ class PrefixLoader:
             "num_arena_loads": self.num_arena_loads,
         }
 
-    async def find(self, job: Job) -> None:
-        """How many of the prompt's full blocks the store holds, leased until `release`."""
-        hit = await self.store.handle.cached_prefix.remote(job.block_keys)
-        if hit:
-            job.store_blocks = hit
-            job.lease_id = await self.store.handle.lease.remote(job.block_keys[:hit])
+    async def find(self, job: Job, fetch_from: str | None = None) -> None:
+        """How many of the prompt's full blocks a store holds, leased there until `release`:
+        this node's (host tier, then Redis), or store node `fetch_from` on another node when
+        the router planned a fetch from there and it holds more."""
+        local = self.store.handle
+        host, shared = await local.prefix_depths.remote(job.block_keys)
+        job.source, job.store_blocks = local, host + shared
+        job.loaded_from = REDIS if shared else self.store.name
+        if fetch_from is not None and fetch_from != self.store.name:
+            await self._find_remote(job, fetch_from)
+        if job.store_blocks:
+            job.lease_id = await job.source.lease.remote(job.block_keys[: job.store_blocks])
+
+    async def _find_remote(self, job: Job, name: str) -> None:
+        """Take store node `name`'s copy when it is deeper (a store that is gone is skipped:
+        the prompt is then computed, never failed)."""
+        try:
+            remote = ray.get_actor(name)
+            held = await remote.cached_prefix.remote(job.block_keys)
+        except (ValueError, ray.exceptions.RayError) as error:
+            log.warning("fetching a prefix from store %s failed: %s", name, error)
+            return
+        if held > job.store_blocks:
+            job.source, job.store_blocks, job.loaded_from = remote, held, name
 
     def release(self, job: Job) -> None:
         """The job ended: the loaded prefix is in our pages by now (or never will be)."""
         if job.lease_id is not None:
-            self.store.handle.release.remote(job.lease_id)
+            job.source.release.remote(job.lease_id)
 
     def external_blocks(self, job: Job, first_block: int, max_blocks: int) -> int:
         return min(max_blocks, max(0, job.store_blocks - first_block))
@@ -56,7 +76,8 @@ class PrefixLoader:
         """Step thread: start loading blocks `first_block...` of the job into `pages`."""
         keys = job.block_keys[first_block : first_block + len(pages)]
         held = None
-        if job.arena_loads and self.store.arena() is not None:
+        local = job.source is self.store.handle
+        if local and job.arena_loads and self.store.arena() is not None:
             try:  # one round trip, instead of a Ray object per layer
                 lease = self.store.handle.lease_slots.remote(keys)
                 held = ray.get(lease, timeout=self.get_timeout_s)
@@ -66,7 +87,7 @@ class PrefixLoader:
             job.load = PrefixLoad(first_block, pages, slots=held[0], lease_id=held[1])
             return
         refs = [
-            self.store.handle.get_layer.remote(keys, layer, self.get_timeout_s)
+            job.source.get_layer.remote(keys, layer, self.get_timeout_s)
             for layer in range(self.engine.facts.num_layers)
         ]
         job.load = PrefixLoad(first_block, pages, layers=refs)

@@ -15,13 +15,16 @@ class PrefillTask(RequestTask):
     where its KV goes.
 
     `ticket` names the attempt for `abort`; `kv_peer` is the decode worker that reserved it,
-    told of each layer directly when it is on this node. `layerwise=False` sends the KV only
-    after the whole prompt (the transfer benchmark's baseline); `lend=False` never lends this
+    told of each layer directly when it is on this node; `fetch_from` is the store node of
+    another node whose host tier the router found holds a deeper prefix than this node's:
+    the prefix is loaded from there (layer by layer, like one from this node's store).
+    `layerwise=False` sends the KV only after the whole prompt (the transfer benchmark's baseline); `lend=False` never lends this
     worker's pages; `arena_loads=False` reads a stored prefix as Ray objects even from this
     node's store (the prefix-load benchmark's baseline)."""
 
     ticket: str | None = None
     kv_peer: KvPeer | None = None
+    fetch_from: str | None = None
     layerwise: bool = True
     lend: bool = True
     arena_loads: bool = True
@@ -37,6 +40,7 @@ class PrefillResult:
     num_prompt_tokens: int
     num_local_cached_tokens: int
     num_loaded_tokens: int
+    loaded_from: str | None  # where the loaded tokens came from: a store node, or "redis"
     arrived_at: float
     started_at: float
     computed_at: float  # the engine produced the first token

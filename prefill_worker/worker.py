@@ -21,7 +21,6 @@ from halfmoon.engine.scheduler import ScheduledSeq
 from halfmoon.engine.sequence import Sequence
 from halfmoon.engine.worker_base import EngineWorker
 from halfmoon.engine.worker_errors import WorkerError, aborted
-from halfmoon.kvstore.index import BlockEvent
 from halfmoon.kvstore.locate import local_store_name
 from halfmoon.kvstore.notice_format import TokenNotice
 from halfmoon.prefill_worker.job import Job, LayerOut
@@ -42,7 +41,6 @@ class PrefillWorker(EngineWorker, KVHooks):
             raise ValueError("a prefill worker needs EngineConfig.prefill_chunk_size")
         super().__init__(name, LLMEngine(config, hooks=self))
         self.jobs: dict[str, Job] = {}  # by request id
-        self.engine.record_page_events()
         self.node = ray.get_runtime_context().get_node_id()
         self.store = NodeStore(store)
         # Made now, before the step thread runs: a decode worker's first request waits on it.
@@ -72,7 +70,7 @@ class PrefillWorker(EngineWorker, KVHooks):
         arrived_at = time.time()
         job = self._new_job(task)
         self.lender.start(job, task.lend)
-        await self.prefix.find(job)
+        await self.prefix.find(job, task.fetch_from)
         self.jobs[task.request_id] = job
         try:
             if self._was_aborted(task.ticket):  # aborted while the prefix lookup was in flight
@@ -139,11 +137,6 @@ class PrefillWorker(EngineWorker, KVHooks):
         """When the last layer of the last chunk of a recent request was published."""
         return self.publisher.published(request_id)
 
-    async def drain_events(self) -> list[BlockEvent]:
-        """Blocks that entered or left this worker's own pages (the device tier) since last call."""
-        events = self._engine().call(LLMEngine.take_page_events)
-        return [BlockEvent(kind, self.name, "device", [key]) for kind, key in events]
-
     async def abort(self, request_id: str, ticket: str | None = None) -> bool:
         """End the request's prefill; a `prefill` call with the same `ticket` that lands later
         is refused."""
@@ -194,6 +187,7 @@ def _result(
         num_prompt_tokens=len(task.token_ids),
         num_local_cached_tokens=last.num_cached_tokens - job.num_loaded_tokens,
         num_loaded_tokens=job.num_loaded_tokens,
+        loaded_from=job.loaded_from if job.num_loaded_tokens else None,
         arrived_at=arrived_at,
         started_at=job.started_at or arrived_at,
         computed_at=computed_at,

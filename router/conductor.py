@@ -17,7 +17,7 @@ from halfmoon.router.placed import Hold, PlacedRequests
 from halfmoon.router.placement import Placement, PlacementContext
 from halfmoon.router.policies import Policy, make_policy
 from halfmoon.router.prediction_error import PredictionErrorLog, PredictionErrorStats
-from halfmoon.router.predictor import Predictor, summarize_hits
+from halfmoon.router.predictor import Predictor, PrefixHits, summarize_hits
 from halfmoon.router.profile import Profile, profile_to_dict
 from halfmoon.router.replication import Replication, Replicator
 from halfmoon.router.request import RouteRequest
@@ -30,9 +30,16 @@ class Conductor:
     """Routes requests by predicted TTFT and TBT; fed by instance reports and block events."""
 
     def __init__(
-        self, config: RouterConfig, profile: Profile, index: PrefixIndex | None = None
+        self,
+        config: RouterConfig,
+        profile: Profile,
+        index: PrefixIndex | None = None,
+        colocated: bool = False,
     ) -> None:
+        """`colocated`: every instance is registered as both a prefill and a decode instance
+        of the same name, and a request prefills and decodes on one of them."""
         self.config = config
+        self.colocated = colocated
         # The router refits its own copy, so the profile it was given stays as loaded.
         cost = dataclasses.replace(profile.cost)
         self.profile = dataclasses.replace(profile, cost=cost)
@@ -48,10 +55,15 @@ class Conductor:
         self._output_tokens_count = 0
         self._handoffs = RecentMean(HANDOFF_WINDOW)
         self.replicator = _replicator(config)
+        self._with_nodes: list[PrefillView] = []  # prefill views with a store node of their own
 
-    def add_prefill(self, instance: Hashable) -> PrefillView:
-        """Register a prefill instance."""
-        view = self.prefill[instance] = PrefillView(instance)
+    def add_prefill(self, instance: Hashable, node: str | None = None) -> PrefillView:
+        """Register a prefill instance; `node` names the store node whose host tier it loads
+        prefixes from without a fetch (None: its own blocks only, as in the simulator)."""
+        self.remove_prefill_view(instance)
+        view = self.prefill[instance] = PrefillView(instance, node=node)
+        if node is not None:
+            self._with_nodes.append(view)
         return view
 
     def add_decode(self, instance: Hashable, capacity_tokens: int | None = None) -> DecodeView:
@@ -62,9 +74,14 @@ class Conductor:
 
     def remove_instance(self, instance: Hashable) -> None:
         """Forget an instance that died or left, and every block the index held for it."""
-        self.prefill.pop(instance, None)
+        self.remove_prefill_view(instance)
         self.decode.pop(instance, None)
         self.index.drop_instance(instance)
+
+    def remove_prefill_view(self, instance: Hashable) -> None:
+        view = self.prefill.pop(instance, None)
+        if view is not None and view.node is not None:
+            self._with_nodes.remove(view)
 
     @property
     def mean_output_tokens(self) -> int:
@@ -87,17 +104,24 @@ class Conductor:
             decision.reason = _no_room_reason(bool(self.prefill), self.decode.values(), reserve)
             return self._remember(decision)
         locations = self.index.longest_prefix(request.block_keys)
+        own = hits = summarize_hits(locations)
+        if self._with_nodes:  # a node's store is local to its workers; copies go to pages
+            hits = own.with_nodes(self._with_nodes)
+        prefill_views = list(self.prefill.values())
+        if self.colocated:  # only where its KV fits, and only its own cache
+            prefill_views = [self.prefill[v.instance] for v in decode_views]
+            hits = PrefixHits(hits.local_blocks, None, None)
         ctx = PlacementContext(
             request,
             now,
-            summarize_hits(locations),
-            list(self.prefill.values()),
+            hits,
+            prefill_views,
             decode_views,
             self.predictor,
             decode_tokens,
             _tbt_predictor(self.predictor, self.config.admission, now, decode_tokens),
         )
-        placement = _place(self.policy, self.config, ctx, tbt_slo_s)
+        placement = self._place(ctx, tbt_slo_s)
         handoff_s = 0.0 if placement.bypass else self.profile.handoff_s
         _fill_decision(decision, placement, self.profile.request_overhead_s + handoff_s)
         decision.reason = admission_reason(
@@ -110,7 +134,7 @@ class Conductor:
         admitted = Admitted(decode_tokens, now + placement.ttft_s, expected_output)
         hold = self._commit(request, now, placement, admitted, reserve)
         if self.replicator is not None:
-            self._plan_replication(decision, request, ctx, placement, locations)
+            self._plan_replication(decision, request, ctx, placement, locations, own)
         return self._remember(decision, hold)
 
     def on_replicated(self, replication: Replication) -> None:
@@ -142,38 +166,35 @@ class Conductor:
         """The remembered decision for `request_id`, if still kept."""
         return self.placed.decision(request_id)
 
-    def on_prefill_start(self, request_id: str, now: float) -> None:
-        """The prefill instance began the request's prefill."""
-        placed = self.placed.holding(request_id)
-        if placed is None or placed.decision.bypass:
-            return
-        view = self.prefill.get(placed.decision.prefill_instance)
-        if view is None:
-            return
-        hold = placed.hold
-        if hold.queue is view:  # counted in this very queue (not one re-added since)
-            view.start(hold.work_s, hold.num_new_tokens, now)
-            hold.queue = None
-        else:
-            view.start(0.0, 0, now)
-
     def on_prefill_done(self, request_id: str, now: float) -> None:
-        """The prefill finished (its first token is out)."""
+        """The prefill finished (its first token is out): the work queued behind it on its
+        instance is still to do, from `now`."""
         placed = self.placed.holding(request_id)
         if placed is None:
             return
-        view = self.prefill.get(placed.decision.prefill_instance)
-        if view is not None and not placed.decision.bypass:
-            view.finish(now)
+        hold = placed.hold
+        if hold.queue is not None and self.prefill.get(hold.queue.instance) is hold.queue:
+            hold.queue.finish(hold.place_s, hold.num_new_tokens, now)
+        hold.queue = None
+
+    def report_prefill(
+        self, instance: Hashable, num_requests: int, tokens_left: int, now: float
+    ) -> None:
+        """A prefill worker's own count of the requests it holds and the prompt tokens it has
+        still to compute: when it holds every request sent to it (none on its way), its
+        outstanding work is re-estimated from them."""
+        view = self.prefill.get(instance)
+        if view is not None and num_requests == view.num_queued:
+            left_s = self.profile.cost.prefill_time(tokens_left, 0) if num_requests else 0.0
+            view.busy_until_s = now + left_s
 
     def on_decode_join(self, request_id: str, now: float) -> None:
         """The request's KV landed and it joined the decode batch."""
         placed = self.placed.holding(request_id)
         if placed is None:
             return
-        view = self.decode.get(placed.decision.decode_instance)
-        if view is not None:
-            view.join(request_id, now)
+        hold = placed.hold
+        hold.decode.join(hold.admitted, now)
 
     def report_decode(self, instance: Hashable, batch_size: int, kv_tokens: int) -> None:
         """A decode worker's report of its running batch (ignored once it was removed)."""
@@ -183,23 +204,21 @@ class Conductor:
 
     def on_finish(self, request_id: str, now: float, output_tokens: int) -> None:
         """The request finished, was cancelled or hit its deadline: release its reservation."""
-        if self.on_abandon(request_id):
+        if self.on_abandon(request_id, now):
             self._output_tokens_sum += output_tokens
             self._output_tokens_count += 1
 
-    def on_abandon(self, request_id: str) -> bool:
-        """Release the request's reservation and queue slot without counting it (its worker
-        died and it is routed again); False if it held none."""
+    def on_abandon(self, request_id: str, now: float) -> bool:
+        """Release the request's reservation and unfinished prefill work without counting it
+        (its worker died and it is routed again); False if it held none."""
         placed = self.placed.release(request_id)
         if placed is None:
             return False
-        decision, hold = placed.decision, placed.hold
-        view = self.decode.get(decision.decode_instance)
-        if view is not None:
-            view.leave(request_id, hold.reserve_tokens)
-        queue = self.prefill.get(decision.prefill_instance)
-        if queue is not None and queue is hold.queue:
-            queue.drop(hold.work_s, hold.num_new_tokens)
+        hold = placed.hold
+        hold.decode.leave(hold.admitted, hold.reserve_tokens)
+        queue = hold.queue
+        if queue is not None and self.prefill.get(queue.instance) is queue:
+            queue.drop(hold.place_s, hold.work_s, hold.num_new_tokens, now)
         return True
 
     def observe_prefill(self, num_prompt_tokens: int, cached_tokens: int, seconds: float) -> None:
@@ -285,20 +304,29 @@ class Conductor:
             "ttft_prediction_error": dataclasses.asdict(self.prediction_error()),
         }
 
+    def _place(self, ctx: PlacementContext, tbt_slo_s: float | None) -> Placement:
+        """The policy's placement (with the short-prompt bypass where it wins); colocated,
+        the request decodes where it prefills."""
+        if not self.colocated:
+            return _place(self.policy, self.config, ctx, tbt_slo_s)
+        placement = self.policy.place(ctx)
+        placement.decode = self.decode[placement.prefill_instance]
+        placement.tbt_s = ctx.tbt(placement.decode, ctx.now + placement.ttft_s)
+        return placement
+
     def _commit(
         self, request: RouteRequest, now: float, placement: Placement, admitted: Admitted,
         reserve: int,
     ) -> Hold:  # fmt: skip
-        rid = request.request_id
-        hold = Hold(reserve)
+        hold = Hold(reserve, placement.decode, admitted)
         if placement.bypass:
             placement.decode.bypass_until_s = now + placement.ttft_s
         else:
             hold.queue = self.prefill[placement.prefill_instance]
             hold.work_s = placement.plan.work_s
             hold.num_new_tokens = request.num_prompt_tokens - placement.plan.cached_tokens
-            hold.queue.enqueue(hold.work_s, hold.num_new_tokens)
-        placement.decode.admit(rid, admitted, reserve)
+            hold.place_s = hold.queue.enqueue(hold.work_s, hold.num_new_tokens, now)
+        placement.decode.admit(admitted, reserve)
         return hold
 
     def _plan_replication(
@@ -308,12 +336,15 @@ class Conductor:
         ctx: PlacementContext,
         placement: Placement,
         locations: dict,
+        own: PrefixHits,
     ) -> None:
+        """A hot prefix copied into an idle prefill worker's own pages (`own`: the blocks
+        each instance holds itself, not counting its node's store)."""
         assert self.replicator is not None
         served_by = None if placement.bypass else placement.prefill_instance
         fetched = placement.plan.fetch_from is not None and not placement.bypass
         copy = self.replicator.plan(
-            request.block_keys, locations, ctx.hits, self.prefill, served_by, fetched, ctx.now
+            request.block_keys, locations, own, self.prefill, served_by, fetched, ctx.now
         )
         if copy is not None:
             decision.replications.append(copy)

@@ -12,8 +12,9 @@ from halfmoon.router.views import DecodeView, PrefillView
 def place_on(ctx: PlacementContext, view: PrefillView, decode: DecodeView, note: str) -> Placement:
     """Place on `view` using only its local cache, and `decode`."""
     queue_s = view.wait_s(ctx.now)
+    hits, name = ctx.hits, view.instance
     plan = ctx.predictor.local_plan(
-        ctx.hits.local_blocks.get(view.instance, 0), ctx.request.num_prompt_tokens
+        hits.local_blocks.get(name, 0), ctx.request.num_prompt_tokens, hits.near_blocks.get(name, 0)
     )
     tbt_s = ctx.tbt(decode, ctx.now + queue_s + plan.work_s)
     candidates = [

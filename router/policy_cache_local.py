@@ -22,10 +22,10 @@ class CacheAwareLocalPolicy:
         candidates = []
         best = None
         for view in ctx.prefill:
-            depth = local.get(view.instance, 0)
-            plan = plans.get(depth)
+            depth, near = local.get(view.instance, 0), ctx.hits.near_blocks.get(view.instance, 0)
+            plan = plans.get((depth, near))
             if plan is None:
-                plan = plans[depth] = ctx.predictor.local_plan(depth, prompt)
+                plan = plans[(depth, near)] = ctx.predictor.local_plan(depth, prompt, near)
             queue_s = view.wait_s(now)
             ttft_s = queue_s + plan.work_s
             candidates.append(Candidate(view.instance, "prefill", ttft_s, f"{depth} local blocks"))

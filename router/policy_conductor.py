@@ -26,15 +26,15 @@ class ConductorPolicy:
         best_ttft, best = float("inf"), None
         for view in ctx.prefill:
             instance = view.instance
-            depth = local.get(instance, 0)
+            depth, near = local.get(instance, 0), hits.near_blocks.get(instance, 0)
             remote = hits.remote_for(instance)
-            memo = plans.get((depth, remote))
+            memo = plans.get((depth, near, remote))
             if memo is None:
-                plan = best_plan(depth, remote, prompt)
-                note = f"{depth} local blocks"
+                plan = best_plan(depth, remote, prompt, near)
+                note = f"{depth} local blocks" + (f" ({near} in its node's store)" if near else "")
                 if plan.fetch_from is not None:
                     note += f", fetch {plan.fetch_tokens} tokens from {plan.fetch_from}"
-                memo = plans[(depth, remote)] = (plan, note)
+                memo = plans[(depth, near, remote)] = (plan, note)
             queue_s = view.wait_s(now)
             ttft_s = queue_s + memo[0].work_s
             candidates.append(Candidate(instance, "prefill", ttft_s, memo[1]))

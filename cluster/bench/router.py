@@ -65,7 +65,6 @@ def run(args: argparse.Namespace) -> dict:
         if i >= args.warmup:
             latencies.append(elapsed)
         # Complete the request at once so the queues stay at a steady size.
-        conductor.on_prefill_start(rid, float(i))
         conductor.on_prefill_done(rid, float(i))
         conductor.on_finish(rid, float(i), 256)
         del decision

@@ -46,15 +46,13 @@ class Dispatcher:
         """Place the attempt and start it; returns the worker that streams and its stream."""
         trace, attempt = request.trace, request.attempt
         trace.prefill_instance = trace.decode_instance = None
-        if self.pool.mode == "colocated":
-            worker = attempt.decode = await self._pick_colocated(request)
-            trace.decode_instance = worker.name
-            trace.prefill_started_s = time.monotonic()
-            trace.mark("sent to the worker", trace.prefill_started_s)
-            return worker, self._whole(worker, request)
         decision = await self._place(request)
         decode = attempt.decode = self.pool.workers[decision.decode_instance]
         trace.decode_instance = decode.name
+        if self.pool.mode == "colocated":
+            trace.prefill_started_s = time.monotonic()
+            trace.mark("sent to the worker", trace.prefill_started_s)
+            return decode, self._whole(decode, request)
         if not decision.bypass:
             return decode, await self._prefill(request, decision, decode)
         if request.early_sent:  # its first token is out: only a plain hand-off continues it
@@ -95,11 +93,10 @@ class Dispatcher:
         attempt.reserve = decode.handle.reserve.remote(reserve)
         task = PrefillTask(
             rid, request.token_ids, request.params, request.block_keys,
-            ticket=attempt.ticket, kv_peer=peer,
+            ticket=attempt.ticket, kv_peer=peer, fetch_from=_fetch_store(decision, prefill),
         )  # fmt: skip
         prefilled = prefill.handle.prefill.remote(task)
         trace.prefill_started_s = time.monotonic()
-        self.conductor.on_prefill_start(rid, trace.prefill_started_s)
         await self.call(decode, attempt.reserve)
         trace.mark("decode pages reserved")
         self._prefilled(request, await self.call(prefill, prefilled))
@@ -124,6 +121,7 @@ class Dispatcher:
         # The cost model is refined from the workers' engine steps (the pool polls them).
         trace.prefill_compute_s = result.computed_at - result.started_at
         trace.num_loaded_tokens = result.num_loaded_tokens
+        trace.loaded_from = result.loaded_from
         trace.num_cached_tokens = result.num_local_cached_tokens + result.num_loaded_tokens
         if trace.early_token is None:  # a retry continues from the first token already out
             trace.early_token = (result.first_token_id, result.logprobs)
@@ -229,19 +227,6 @@ class Dispatcher:
                 )
             await asyncio.sleep(ROOM_POLL_S)
 
-    async def _pick_colocated(self, request: Request) -> Worker:
-        """The least loaded live worker, waiting up to `pool_wait_s` for one."""
-        started = time.monotonic()
-        while not self.pool.alive("decode"):
-            _check_aborted(request)
-            if time.monotonic() > started + self.pool_wait_s:
-                raise NoWorkerError(
-                    f"no live worker for {self.pool_wait_s:g} s (router.pool_wait_s); "
-                    "check `halfmoon status`"
-                )
-            await asyncio.sleep(ROOM_POLL_S)
-        return self.pool.least_loaded("decode", self.registry.decode_counts())
-
     def _replicate(self, decision: Decision) -> None:
         """Start the decision's hot-prefix copies beside the request, never in its way."""
         for copy in decision.replications:
@@ -272,6 +257,15 @@ def _decode_task(
         store_name=store_name, ticket=request.attempt.ticket, direct=direct,
         first_token_id=first_token_id,
     )  # fmt: skip
+
+
+def _fetch_store(decision: Decision, prefill: Worker) -> str | None:
+    """The store node of another node whose host tier the decision fetches a prefix from
+    (a fetch out of Redis or this node's store is the prefill worker's own lookup)."""
+    source = decision.fetch_from
+    if source is None or source[1] != "host" or source[0] == prefill.store_name:
+        return None
+    return str(source[0])
 
 
 def _check_aborted(request: Request) -> None:

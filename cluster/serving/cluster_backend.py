@@ -63,7 +63,7 @@ class ClusterBackend:
     ):
         self.info = info
         self.model_name = model_name or info.model
-        self.conductor = Conductor(router, profile)
+        self.conductor = Conductor(router, profile, colocated=mode == "colocated")
         self.prompts = PromptTokenizer(tokenizer, info.vocab_size, info.max_model_len)
         self.pool = WorkerPool(self.conductor, mode, info.num_pages * info.block_size)
         self.requests = RequestRegistry()
@@ -157,7 +157,7 @@ class ClusterBackend:
         """Give up the current attempt and start a fresh one on other workers."""
         log.warning("retrying request %s on other workers: %s", req.request_id, why)
         await self.dispatch.end(req)
-        self.conductor.on_abandon(req.request_id)
+        self.conductor.on_abandon(req.request_id, time.monotonic())
         req.retry()
 
     async def _attempt(self, req: Request) -> AsyncIterator[TokenDelta]:
@@ -203,7 +203,11 @@ class ClusterBackend:
         trace.first_token_s = trace.last_token_s = time.monotonic()
         trace.mark("first token out", trace.first_token_s)
         ttft_s = trace.first_token_s - trace.arrived_s
-        self.conductor.observe_first_token(req.request_id, ttft_s, trace.prefill_compute_s)
+        rid = req.request_id
+        self.conductor.observe_first_token(rid, ttft_s, trace.prefill_compute_s)
+        if trace.prefill_instance is None:  # prefilled where it decodes: it is running there
+            self.conductor.on_prefill_done(rid, trace.first_token_s)
+            self.conductor.on_decode_join(rid, trace.first_token_s)
 
     async def wait_released(self, timeout_s: float) -> None:
         """Wait (up to `timeout_s`) for the releases under way, e.g. when the server stops."""
@@ -253,6 +257,12 @@ class ClusterBackend:
         if req is None:
             raise RequestNotFoundError(request_id)
         return sorted(req.trace.timeline, key=lambda item: item[1])
+
+    def summaries(self, request_ids: list[str]) -> list[dict]:
+        """`RequestTrace.summary` of each request still kept (in flight or among the last
+        finished); unknown ids are left out."""
+        found = ((rid, self.requests.get(rid)) for rid in request_ids)
+        return [req.trace.summary(rid) for rid, req in found if req is not None]
 
     async def explain(self, request_id: str) -> str:
         """The Conductor's decision (disaggregated) and the request's timeline, if still kept."""

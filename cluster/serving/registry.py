@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Iterator
 
 from halfmoon.cluster.serving.backend import DuplicateRequestError
@@ -56,12 +56,6 @@ class RequestRegistry:
                 self._num_finished -= 1
             else:  # in flight: it moves back again once it finishes
                 self._by_id.move_to_end(rid)
-
-    def decode_counts(self) -> Counter[str]:
-        """Requests in flight per decode worker name."""
-        return Counter(
-            r.attempt.decode.name for r in self.in_flight() if r.attempt.decode is not None
-        )
 
     def on_worker(self, name: str) -> int:
         """Requests in flight that worker `name` has a part in."""

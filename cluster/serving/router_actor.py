@@ -155,6 +155,10 @@ class RouterActor:
         """(stage, seconds since arrival) of a recent request, as `explain` shows them."""
         return self.backend.timeline(request_id)
 
+    async def summaries(self, request_ids: list[str]) -> list[dict]:
+        """Placement, predicted and measured TTFT and cache use of recent requests."""
+        return self.backend.summaries(request_ids)
+
     async def stop(self) -> tuple[int, int]:
         """Drain (up to server.drain_timeout_s), then stop; returns the requests in flight
         when draining began and those the drain timeout cut."""

@@ -20,6 +20,7 @@ class RequestTrace:
     last_token_s: float | None = None
     num_cached_tokens: int = 0
     num_loaded_tokens: int = 0
+    loaded_from: str | None = None  # the store node a loaded prefix came from (or "redis")
     num_output_tokens: int = 0
     predicted_ttft_s: float | None = None
     prefill_compute_s: float | None = None  # the prefill worker's first to last step
@@ -40,6 +41,24 @@ class RequestTrace:
         """Note a stage a worker timed with its wall clock (time.time())."""
         if wall_s:
             self.timeline.append((stage, wall_s - self.arrived_wall_s))
+
+    def summary(self, request_id: str) -> dict:
+        """The request's placement, predicted and measured TTFT and cache use, as plain data
+        (`halfmoon bench replay` compares them with the simulator's)."""
+        ttft_s = None if self.first_token_s is None else self.first_token_s - self.arrived_s
+        return {
+            "request_id": request_id,
+            "outcome": self.outcome,
+            "prefill_instance": self.prefill_instance,
+            "decode_instance": self.decode_instance,
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "num_output_tokens": self.num_output_tokens,
+            "num_cached_tokens": self.num_cached_tokens,
+            "num_loaded_tokens": self.num_loaded_tokens,
+            "loaded_from": self.loaded_from,
+            "predicted_ttft_s": self.predicted_ttft_s,
+            "ttft_s": ttft_s,
+        }
 
     def explain_timeline(self) -> str:
         workers = ", ".join(

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections import Counter
+import time
 from dataclasses import dataclass, field
 
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
-from halfmoon.cluster.serving.backend import NoWorkerError
 from halfmoon.engine.llm_engine import StepTiming
 from halfmoon.engine.worker_info import WorkerLoad
 from halfmoon.kvstore.kv_notices import KvPeer
@@ -65,9 +64,11 @@ class WorkerPool:
         return self.workers.pop(name, None)
 
     def _route_to(self, worker: Worker) -> None:
-        if worker.kind == "prefill":
-            self.conductor.add_prefill(worker.name)
-        else:
+        """Register the worker with the Conductor; colocated, each worker is both a prefill and
+        a decode instance (it prefills what it decodes)."""
+        if worker.kind == "prefill" or self.mode == "colocated":
+            self.conductor.add_prefill(worker.name, worker.store_name)
+        if worker.kind == "decode":
             self.conductor.add_decode(worker.name, self.kv_capacity_tokens)
 
     def set_draining(self, name: str, draining: bool) -> None:
@@ -114,13 +115,6 @@ class WorkerPool:
             return False, f"no live {' or '.join(missing)} worker ({live})"
         return True, f"serving ({live})"
 
-    def least_loaded(self, kind: str, busy: Counter[str]) -> Worker:
-        """The live worker of `kind` with the fewest requests in `busy` (by worker name)."""
-        workers = self.alive(kind)
-        if not workers:
-            raise NoWorkerError(f"no {kind} worker is alive; check `halfmoon status`")
-        return min(workers, key=lambda w: busy[w.name])
-
     def store_of(self, name: str) -> str:
         """The store node worker `name` publishes to (its own name if it is not a worker)."""
         worker = self.workers.get(name)
@@ -166,15 +160,21 @@ class WorkerPool:
         for step in steps:
             self.conductor.observe_step(step)
         report.steps += steps
-        if worker.kind == "prefill":
-            self.conductor.apply_block_events(await handle.drain_events.remote())
-        else:
+        events = await handle.drain_events.remote()
+        # A decode worker's pages are a prefix cache only where it prefills (colocated).
+        if worker.kind == "prefill" or self.mode == "colocated":
+            self.conductor.apply_block_events(events)
+        if worker.kind == "decode":
             report.transfers += await handle.drain_transfers.remote()
         self.mark_alive(worker.name)
         worker.load = load
         report.loads.append(load)
         if worker.kind == "decode":
             self.conductor.report_decode(worker.name, load.num_running, load.num_kv_tokens)
+        if worker.kind == "prefill":
+            num_requests = load.num_running + load.num_waiting
+            now = time.monotonic()
+            self.conductor.report_prefill(worker.name, num_requests, load.num_waiting_tokens, now)
 
     async def loads_info(self) -> dict[str, dict]:
         """Each worker's load as `server_info` shows it."""

@@ -147,7 +147,6 @@ class Simulation:
             job.num_prompt_tokens - job.cached_tokens, job.cached_tokens
         )
         instance.running = job
-        self.conductor.on_prefill_start(job.request_id, now)
         self._push(now + transfer_s + job.work_s, PREFILL_DONE, instance.name)
 
     def _take_prefix(self, instance: SimPrefill, job: PrefillJob) -> float:
@@ -208,7 +207,6 @@ class Simulation:
         self._finish(decode, decode.advance(now))
         prompt = self._records[rid].num_prompt_tokens
         self._total_blocks += len(self._records[rid].hash_ids)
-        self.conductor.on_prefill_start(rid, decode.clock_s)
         work_s = self.cost.prefill_time(prompt, 0)
         decode.stall(work_s)
         self.conductor.observe_prefill(prompt, 0, work_s)

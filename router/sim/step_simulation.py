@@ -50,7 +50,6 @@ class StepSimulation(Simulation):
             engine.add_prefill(
                 StepJob(job.request_id, job.num_prompt_tokens, job.cached_tokens, now + transfer_s)
             )
-            self.conductor.on_prefill_start(job.request_id, now)
         self._kick(engine, now)
 
     def _bypass(self, rid: str, now: float) -> None:
@@ -60,7 +59,6 @@ class StepSimulation(Simulation):
         engine = self.engines[self._decode_of[rid]]
         steps = max(record.num_output_tokens - 1, 0)
         engine.add_prefill(StepJob(rid, record.num_prompt_tokens, 0, now, steps))
-        self.conductor.on_prefill_start(rid, now)
         self._kick(engine, now)
 
     def _decode_join(self, rid: str, now: float) -> None:

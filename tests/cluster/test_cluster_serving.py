@@ -36,12 +36,17 @@ def _generate_concurrently(client, prompts, max_tokens=8):
     return results
 
 
+# Every prompt is handed from a prefill worker to a decode worker (the Conductor would
+# prefill these short prompts on the decode worker: the short-prompt bypass).
+HANDOFF = {"router.bypass_threshold_tokens": 0}
+
+
 @pytest.mark.parametrize(
     "shape",
     [
-        {"prefill.replicas": 1, "decode.replicas": 1},
-        {"prefill.replicas": 1, "decode.replicas": 1, "store.direct_notices": False},
-        {"prefill.replicas": 1, "decode.replicas": 1, "store.lend_pages": False},
+        {"prefill.replicas": 1, "decode.replicas": 1, **HANDOFF},
+        {"prefill.replicas": 1, "decode.replicas": 1, "store.direct_notices": False, **HANDOFF},
+        {"prefill.replicas": 1, "decode.replicas": 1, "store.lend_pages": False, **HANDOFF},
         {"prefill.replicas": 2, "decode.replicas": 2, "router.policy": "round_robin"},
         {"mode": "colocated", "decode.replicas": 2},
     ],

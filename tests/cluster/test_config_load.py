@@ -28,7 +28,7 @@ def test_no_file_gives_the_documented_defaults():
         50051,
         9400,
     )
-    assert config.router.policy == "least_loaded"
+    assert config.router.policy == "conductor"
     assert config.autoscaling.prefill is None and config.autoscaling.decode is None
 
 
@@ -101,9 +101,10 @@ def test_store_section_gives_the_store_its_own_defaults():
     assert ClusterConfig().store.store_config() == StoreConfig()
 
 
-def test_router_section_gives_the_conductor_its_defaults_but_the_cluster_policy():
+def test_router_section_gives_the_conductor_its_defaults():
     router = router_config(ClusterConfig(), block_size=16)
-    assert router == RouterConfig(policy="least_loaded")
+    assert router == RouterConfig()
+    assert router.policy == "conductor"
 
 
 def test_the_host_tier_default_is_one_value():

@@ -37,10 +37,44 @@ def test_routing_counts_queued_work_until_the_prefill_finishes():
     conductor = make_conductor(num_prefill=1)
     conductor.route(request("a"), 0.0)
     assert conductor.prefill["p0"].wait_s(0.0) == pytest.approx(0.1)
-    conductor.on_prefill_start("a", 0.0)
     assert conductor.prefill["p0"].wait_s(0.05) == pytest.approx(0.05)
     conductor.on_prefill_done("a", 0.1)
     assert conductor.prefill["p0"].wait_s(0.1) == 0.0
+
+
+def test_requests_sent_at_once_each_wait_for_all_sent_before():
+    # Sixteen prompts at once to one instance: the last waits for fifteen prefills, and it
+    # keeps waiting for them until they finish (dispatch does not take them off the queue).
+    conductor = make_conductor(num_prefill=1)
+    decisions = [conductor.route(request(f"r{i}"), 0.0) for i in range(16)]
+    queues = [d.predicted_queue_s for d in decisions]
+    assert queues == pytest.approx([0.1 * i for i in range(16)])
+    assert conductor.prefill["p0"].wait_s(0.0) == pytest.approx(1.6)
+
+
+def test_a_finish_later_than_predicted_moves_the_work_behind_it():
+    conductor = make_conductor(num_prefill=1)
+    for rid in ("a", "b", "c"):
+        conductor.route(request(rid), 0.0)
+    view = conductor.prefill["p0"]
+    conductor.on_prefill_done("a", 0.3)  # predicted 0.1: b and c are still to do, from now
+    assert view.wait_s(0.3) == pytest.approx(0.2)
+    conductor.on_prefill_done("b", 0.35)  # earlier than now predicted (0.4)
+    assert view.wait_s(0.35) == pytest.approx(0.1)
+    conductor.on_finish("c", 0.36, 1)  # cancelled before its prefill finished
+    assert view.wait_s(0.36) == 0.0
+    assert view.num_queued == 0
+
+
+def test_a_worker_report_resets_the_estimate_when_every_request_is_there():
+    conductor = make_conductor(num_prefill=1)
+    conductor.route(request("a"), 0.0)
+    conductor.route(request("b"), 0.0)
+    view = conductor.prefill["p0"]
+    conductor.report_prefill("p0", 1, 0, 0.05)  # one of the two still on its way: ignored
+    assert view.wait_s(0.05) == pytest.approx(0.15)
+    conductor.report_prefill("p0", 2, 0, 0.05)
+    assert view.wait_s(0.05) == 0.0
 
 
 def test_finish_releases_the_decode_reservation():
@@ -51,7 +85,7 @@ def test_finish_releases_the_decode_reservation():
     conductor.on_decode_join("a", 0.1)
     conductor.on_finish("a", 1.0, 100)
     assert view.reserved_tokens == 0
-    assert view.admitted == {}
+    assert not view.admitted
 
 
 def test_a_request_too_big_for_any_decode_instance_is_rejected():

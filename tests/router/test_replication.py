@@ -59,9 +59,9 @@ def test_a_copy_in_flight_blocks_another_of_the_same_prefix_until_it_lands():
     conductor = replicating(replicate_cooldown_s=5.0)
     conductor.route(request("a"), 0.0)
     (copy,) = conductor.route(request("b"), 0.0).replications
-    assert conductor.route(request("c"), 1.0).replications == []
+    assert conductor.route(request("c"), 0.0).replications == []
     conductor.on_replicated(copy)
-    (again,) = conductor.route(request("d"), 1.0).replications
+    (again,) = conductor.route(request("d"), 0.0).replications
     assert (again.keys, again.target) == (copy.keys, "p2")  # d went to p1, p2 is the idle one
 
 
