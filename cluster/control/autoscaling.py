@@ -52,23 +52,26 @@ class _PoolState:
 class Autoscaler:
     """Decides pool sizes from signals. Target policies get the pool's per-replica signal
     (e.g. {"queue_s": 0.8}); planner policies get {"request_rate_per_s", "mean_input_tokens",
-    "mean_output_tokens"} and optionally "mean_cached_tokens"."""
+    "mean_output_tokens"} and optionally "mean_cached_tokens", and, without a throughput
+    figure, the workers' cost model as it stands with each observation."""
 
     def __init__(
-        self,
-        policies: AutoscalingConfig,
-        ttft_s: float | None = None,
-        tbt_s: float | None = None,
-        cost: CostModel | None = None,
+        self, policies: AutoscalingConfig, ttft_s: float | None = None, tbt_s: float | None = None
     ) -> None:
         self.policies = policies
-        self.ttft_s, self.tbt_s, self.cost = ttft_s, tbt_s, cost
+        self.ttft_s, self.tbt_s = ttft_s, tbt_s
         self._state: dict[str, _PoolState] = {"prefill": _PoolState(), "decode": _PoolState()}
 
     @classmethod
-    def from_config(cls, config: ClusterConfig, cost: CostModel | None = None) -> Autoscaler:
-        """An autoscaler for `config`'s policies and SLOs; `cost` is the workers' cost model."""
-        return cls(config.autoscaling, config.slo.ttft_s, config.slo.tbt_s, cost)
+    def from_config(cls, config: ClusterConfig) -> Autoscaler:
+        """An autoscaler for `config`'s policies and SLOs."""
+        return cls(config.autoscaling, config.slo.ttft_s, config.slo.tbt_s)
+
+    @property
+    def needs_cost_model(self) -> bool:
+        """Whether some pool's policy plans from the cost model, so `observe` needs one."""
+        policies = (self.policies.prefill, self.policies.decode)
+        return any(policy is not None and policy.needs_cost_model for policy in policies)
 
     def policy(self, pool: Pool) -> Policy:
         """The pool's policy; a pool without one is an AutoscalingError."""
@@ -79,15 +82,17 @@ class Autoscaler:
             )
         return policy
 
-    def observe(self, pool: Pool, now: float, signals: Mapping[str, float]) -> None:
-        """Record one observation of the pool's signals at time `now` (seconds)."""
+    def observe(
+        self, pool: Pool, now: float, signals: Mapping[str, float], cost: CostModel | None = None
+    ) -> None:
+        """Record one observation of the pool's signals at time `now` (seconds). `cost` is the
+        workers' cost model now (the router's live profile), for planners that need it."""
         policy, state = self.policy(pool), self._state[pool]
         if isinstance(policy, TargetPolicy):
             value = float(_need(signals, (policy.signal,), pool)[0])
         else:
-            plan = self._plan(
-                policy, Load(*_need(signals, PLANNER_SIGNALS, pool), **_cached(signals))
-            )
+            load = Load(*_need(signals, PLANNER_SIGNALS, pool), **_cached(signals))
+            plan = self._plan(policy, load, cost)
             value, state.last_plan = float(plan.replicas), plan.reason
         state.samples.append((now, value))
         horizon = now - max(policy.upscale_delay_s, policy.downscale_delay_s)
@@ -150,28 +155,33 @@ class Autoscaler:
             basis = f"planner: {state.last_plan}"
         return f"scale {way} {current} -> {desired}: {basis}, held {delay:g}s"
 
-    def _plan(self, policy: PrefillPlannerPolicy | DecodePlannerPolicy, load: Load) -> Plan:
+    def _plan(
+        self, policy: PrefillPlannerPolicy | DecodePlannerPolicy, load: Load, cost: CostModel | None
+    ) -> Plan:
+        if load.request_rate_per_s <= 0:
+            # No traffic needs no replica, whatever the cost model says (an idle pool shrinks).
+            return Plan(0, "no requests finished in the traffic window")
         if isinstance(policy, PrefillPlannerPolicy):
-            ttft_s = policy.ttft_s or self.ttft_s
-            if ttft_s is None:
-                raise AutoscalingError("slo_planner for prefill needs ttft_s or the cluster's SLO")
-            rate = policy.prefill_tokens_per_s or prefill_tokens_per_s(self._cost(), load)
-            return plan_prefill(load, rate, ttft_s, policy.headroom)
+            return self._plan_prefill(policy, load, cost)
+        return self._plan_decode(policy, load, cost)
+
+    def _plan_prefill(
+        self, policy: PrefillPlannerPolicy, load: Load, cost: CostModel | None
+    ) -> Plan:
+        ttft_s = policy.ttft_s or self.ttft_s
+        if ttft_s is None:
+            raise AutoscalingError("slo_planner for prefill needs ttft_s or the cluster's SLO")
+        rate = policy.prefill_tokens_per_s or prefill_tokens_per_s(_required(cost), load)
+        return plan_prefill(load, rate, ttft_s, policy.headroom)
+
+    def _plan_decode(self, policy: DecodePlannerPolicy, load: Load, cost: CostModel | None) -> Plan:
         rate = policy.decode_tokens_per_s
         if rate is None:
             tbt_s = policy.tbt_s or self.tbt_s
             if tbt_s is None:
                 raise AutoscalingError("slo_planner for decode needs tbt_s or decode_tokens_per_s")
-            rate = decode_tokens_per_s(self._cost(), tbt_s, load)
+            rate = decode_tokens_per_s(_required(cost), tbt_s, load)
         return plan_decode(load, rate, policy.headroom)
-
-    def _cost(self) -> CostModel:
-        if self.cost is None:
-            raise AutoscalingError(
-                "slo_planner without a tokens_per_s figure needs the workers' cost model; "
-                "pass cost= (the router's profile) or set the throughput in the policy"
-            )
-        return self.cost
 
 
 def _held(
@@ -187,6 +197,15 @@ def _held(
     if start is None or now - start < delay_s:
         return None
     return streak
+
+
+def _required(cost: CostModel | None) -> CostModel:
+    if cost is None:
+        raise AutoscalingError(
+            "slo_planner without a tokens_per_s figure needs the workers' cost model; "
+            "pass cost= (the router's live profile) to observe or set the throughput in the policy"
+        )
+    return cost
 
 
 def _need(signals: Mapping[str, float], names: tuple[str, ...], pool: str) -> list[float]:

@@ -72,7 +72,8 @@ def plan_decode(load: Load, tokens_per_s: float, headroom: float) -> Plan:
 def prefill_tokens_per_s(cost: CostModel, load: Load) -> float:
     """Prompt tokens/s one replica computes for the load's mean prompt."""
     new = max(load.new_tokens, 1.0)
-    return new / cost.prefill_time(new, load.mean_cached_tokens)
+    seconds = cost.prefill_time(new, load.mean_cached_tokens)
+    return new / _positive(seconds, f"a prefill of {new:.0f} tokens")
 
 
 def decode_tokens_per_s(cost: CostModel, tbt_s: float, load: Load) -> float:
@@ -81,13 +82,26 @@ def decode_tokens_per_s(cost: CostModel, tbt_s: float, load: Load) -> float:
     context = load.mean_input_tokens + load.mean_output_tokens / 2
     const_s, per_seq_s, per_kv_token_s = cost.decode_coef
     per_request_s = per_seq_s + per_kv_token_s * context
-    batch = math.floor((tbt_s - const_s) / per_request_s + _EPS) if per_request_s > 0 else 0
+    _positive(per_request_s, f"each sequence of {context:.0f} tokens in a decode step")
+    batch = math.floor((tbt_s - const_s) / per_request_s + _EPS)
     if batch < 1:
         raise AutoscalingError(
             f"one decode step takes {cost.decode_step_time(1, context):.4g}s > TBT target "
             f"{tbt_s:g}s; raise the TBT target or give decode_tokens_per_s"
         )
-    return batch / cost.decode_step_time(batch, batch * context)
+    step_s = cost.decode_step_time(batch, batch * context)
+    return batch / _positive(step_s, f"a decode step of {batch} sequences")
+
+
+def _positive(seconds: float, what: str) -> float:
+    """`seconds` from the cost model, if positive: a fit that predicts no time at all is off
+    the range it was fitted on, and would plan for infinite throughput."""
+    if seconds <= 0:
+        raise AutoscalingError(
+            f"the cost model predicts {seconds:.3g}s for {what}; "
+            "its fit does not cover this load: give the pool's tokens_per_s in its policy"
+        )
+    return seconds
 
 
 def ceil_replicas(replicas: float) -> int:

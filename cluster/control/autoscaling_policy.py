@@ -33,6 +33,11 @@ class BasePolicy(BaseModel):
     cooldown_s: float = Field(60.0, ge=0)
     max_step: int = Field(1, ge=1)
 
+    @property
+    def needs_cost_model(self) -> bool:
+        """Whether the policy plans from the workers' cost model (no throughput given here)."""
+        return False
+
     @model_validator(mode="after")
     def _bounds_ordered(self) -> BasePolicy:
         if self.max_replicas < self.min_replicas:
@@ -84,8 +89,12 @@ class PrefillPlannerPolicy(PlannerPolicy):
 
     # None: the cluster's slo.ttft_s.
     ttft_s: float | None = Field(None, gt=0)
-    # Prompt tokens/s one replica prefills; None: from the router's profiled cost model.
+    # Prompt tokens/s one replica prefills; None: from the router's live cost model each round.
     prefill_tokens_per_s: float | None = Field(None, gt=0)
+
+    @property
+    def needs_cost_model(self) -> bool:
+        return self.prefill_tokens_per_s is None
 
 
 class DecodePlannerPolicy(PlannerPolicy):
@@ -93,8 +102,12 @@ class DecodePlannerPolicy(PlannerPolicy):
 
     # None: the cluster's slo.tbt_s.
     tbt_s: float | None = Field(None, gt=0)
-    # Tokens/s one replica generates with its step time at tbt_s; None: from the cost model.
+    # Tokens/s one replica generates with its step time at tbt_s; None: from the live cost model.
     decode_tokens_per_s: float | None = Field(None, gt=0)
+
+    @property
+    def needs_cost_model(self) -> bool:
+        return self.decode_tokens_per_s is None
 
 
 def _kind_tag(value: Any) -> str | None:

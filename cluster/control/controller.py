@@ -10,7 +10,10 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from halfmoon.cluster.control.autoscaling import Autoscaler
+from halfmoon.cluster.control.autoscaling_policy import AutoscalingError
 from halfmoon.cluster.control.launcher import Cluster
+from halfmoon.cluster.serving.router_actor import TRAFFIC_WINDOW_S
+from halfmoon.router.cost_model import CostModel
 
 log = logging.getLogger(__name__)
 
@@ -86,37 +89,66 @@ class Controller:
         return registered
 
     def autoscale(self, now: float | None = None) -> None:
-        """One round: observe each pool, apply the decisions, retire drained workers."""
+        """One round: observe each pool, apply the decisions, retire drained workers. A round
+        the router does not answer within `health.timeout_s` is logged and skipped."""
+        try:
+            self._autoscale(time.monotonic() if now is None else now)
+        except (RayActorError, GetTimeoutError) as error:
+            log.warning("autoscaling round skipped: the router did not answer (%s)", error)
+
+    def _autoscale(self, now: float) -> None:
         self._retire_drained()
         self.register_started()
         if self.autoscaler is None:
             return
-        now = time.monotonic() if now is None else now
-        router = self.cluster.router
-        signals = ray.get(router.pool_signals.remote())
+        signals, cost = self._observations()
         for pool in self.cluster.pools:
-            if getattr(self.cluster.config.autoscaling, pool) is None:
-                continue
-            active = self.active(pool)
-            self.autoscaler.observe(pool, now, signals[pool])
-            decision = self.autoscaler.decide(pool, now, len(active))
-            ray.get(router.update_pool.remote(pool, decision.desired, len(active)))
-            if decision.desired != len(active):
-                log.info(
-                    "autoscaling %s: %d -> %d (%s)",
-                    pool,
-                    len(active),
-                    decision.desired,
-                    decision.reason,
-                )
-                self.history.append((now, pool, len(active), decision.desired, decision.reason))
-            for _ in range(decision.desired - len(active)):
-                self.start_worker(pool)
-            excess = len(active) - decision.desired
-            excess -= len(self._cancel_pending(pool, excess))
-            for name in self._pick_to_drain(pool, excess):
-                ray.get(router.set_draining.remote(name, True))
-                self.draining.add(name)
+            if getattr(self.cluster.config.autoscaling, pool) is not None:
+                self._scale(pool, now, signals[pool], cost)
+
+    def _observations(self) -> tuple[dict[str, dict[str, float]], CostModel | None]:
+        """The pools' signals and, when a planner needs it, the workers' cost model as the
+        router has it now (measured at start, calibrated, refit online), never a stale copy."""
+        router = self.cluster.router
+        windows = {pool: self._window_s(pool) for pool in self.cluster.pools}
+        asked = {w: router.pool_signals.remote(w) for w in set(windows.values())}
+        profile = router.profile.remote() if self.autoscaler.needs_cost_model else None
+        answers = {w: self._ask(ref) for w, ref in asked.items()}
+        signals = {pool: answers[w][pool] for pool, w in windows.items()}
+        return signals, None if profile is None else self._ask(profile).cost
+
+    def _window_s(self, pool: str) -> float:
+        """Seconds of traffic pool `pool`'s policy averages over (a planner's `window_s`)."""
+        policy = getattr(self.cluster.config.autoscaling, pool)
+        return getattr(policy, "window_s", TRAFFIC_WINDOW_S)
+
+    def _scale(
+        self, pool: str, now: float, signals: dict[str, float], cost: CostModel | None
+    ) -> None:
+        """Observe `pool`, decide its size and start or drain workers to reach it."""
+        current = len(self.active(pool))
+        try:
+            self.autoscaler.observe(pool, now, signals, cost)
+        except AutoscalingError as error:
+            log.warning("autoscaling %s skipped this round: %s", pool, error)
+            return
+        decision = self.autoscaler.decide(pool, now, current)
+        desired, reason = decision.desired, decision.reason
+        self._ask(self.cluster.router.update_pool.remote(pool, desired, current))
+        if desired != current:
+            log.info("autoscaling %s: %d -> %d (%s)", pool, current, desired, reason)
+            self.history.append((now, pool, current, desired, reason))
+        self._resize(pool, current, desired)
+
+    def _resize(self, pool: str, current: int, desired: int) -> None:
+        """Start workers up to `desired`, or shed the excess: pending ones first, then drain."""
+        for _ in range(desired - current):
+            self.start_worker(pool)
+        excess = current - desired
+        excess -= len(self._cancel_pending(pool, excess))
+        for name in self._pick_to_drain(pool, excess):
+            self._ask(self.cluster.router.set_draining.remote(name, True))
+            self.draining.add(name)
 
     def active(self, pool: str) -> list[str]:
         """Workers of `pool` that take new requests."""
@@ -134,6 +166,10 @@ class Controller:
                 self.autoscale()
             except Exception:  # noqa: BLE001 - the controller must outlive one bad round
                 log.exception("controller round failed")
+
+    def _ask(self, ref: ray.ObjectRef):
+        """The router's answer to one call, waiting at most `health.timeout_s`."""
+        return ray.get(ref, timeout=self.cluster.config.health.timeout_s)
 
     def _cancel_pending(self, pool: str, count: int) -> list[str]:
         """Stop up to `count` of `pool`'s workers still waiting for a node, newest first: a
@@ -153,7 +189,7 @@ class Controller:
         """Remove draining workers once nothing of theirs is in flight."""
         router = self.cluster.router
         for name in list(self.draining):
-            if ray.get(router.in_flight.remote(name)) == 0:
+            if self._ask(router.in_flight.remote(name)) == 0:
                 self.cluster.remove_worker(name)
                 self.draining.discard(name)
                 log.info("drained and removed worker %s", name)

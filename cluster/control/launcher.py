@@ -3,6 +3,7 @@ router actor. The controller (cluster/control/controller.py) keeps it healthy an
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -112,13 +113,22 @@ class Cluster:
     def _profile(self) -> Profile | None:
         """The router's profile: the configured file, or measured now from one worker per pool."""
         if self.config.router.profile is not None:
-            return load_profile(self.config.router.profile)
+            return self._profile_file(self.config.router.profile)
         by_kind = {w.kind: w for w in self.workers.values()}
         decode = ray.get(by_kind["decode"].actor.profile.remote())
         prefill = (
             ray.get(by_kind["prefill"].actor.profile.remote()) if "prefill" in by_kind else decode
         )
         return measured_profile(self.info, prefill, decode, self.config.store.host_capacity_bytes)
+
+    def _profile_file(self, path: str) -> Profile:
+        """A profile from a file, its cost model made to prefill in this cluster's chunks: the
+        online refit fits per-chunk steps, so a whole prompt is the sum over its chunks."""
+        profile = load_profile(path)
+        chunk = self.config.engine.prefill_chunk_size or 0
+        if profile.cost.chunk_tokens != chunk:
+            profile.cost = dataclasses.replace(profile.cost, chunk_tokens=chunk)
+        return profile
 
     def add_worker(self, kind: str, wait: bool = True) -> WorkerHandle:
         """Start one more worker of `kind`. With `wait`, route to it once it answers (which

@@ -27,7 +27,8 @@ log = logging.getLogger(__name__)
 POLL_INTERVAL_S = 0.25
 # Engine steps kept for `observed_steps` (a replay fits its live profile from them).
 OBSERVED_STEPS = 50_000
-TRAFFIC_WINDOW_S = 60.0
+TRAFFIC_WINDOW_S = 60.0  # seconds of finished requests the pool signals average by default
+MAX_TRAFFIC_WINDOW_S = 3600.0  # the longest window a policy may ask for
 RELEASE_AT_STOP_S = 5.0
 POOLS = ("prefill", "decode")
 
@@ -44,7 +45,8 @@ class RouterActor:
         self.metrics = Metrics()
         self.backend: ClusterBackend | None = None
         self.tokenizer = None
-        self.finished: deque[tuple[float, int, int, int]] = deque()  # (time, in, out, cached)
+        # (time, in, out, cached) of the requests finished in the longest window, at most 1M.
+        self.finished: deque[tuple[float, int, int, int]] = deque(maxlen=1 << 20)
         self.steps_observed: deque[StepTiming] = deque(maxlen=OBSERVED_STEPS)
         self.grpc_server = None
         self.http_server = None
@@ -177,17 +179,20 @@ class RouterActor:
             self.metrics_server.shutdown()
         return in_flight, cut
 
-    async def pool_signals(self) -> dict[str, dict[str, float]]:
-        """Per pool, the autoscaling signals (per replica) and the recent traffic."""
+    async def pool_signals(self, window_s: float = TRAFFIC_WINDOW_S) -> dict[str, dict[str, float]]:
+        """Per pool, the autoscaling signals (per replica) and the traffic of the last
+        `window_s` seconds (at most MAX_TRAFFIC_WINDOW_S)."""
         now = time.monotonic()
-        while self.finished and self.finished[0][0] < now - TRAFFIC_WINDOW_S:
+        window_s = min(max(window_s, 1e-3), MAX_TRAFFIC_WINDOW_S)
+        while self.finished and self.finished[0][0] < now - MAX_TRAFFIC_WINDOW_S:
             self.finished.popleft()
-        n = len(self.finished)
+        recent = [f for f in self.finished if f[0] >= now - window_s]
+        n = len(recent)
         traffic = {
-            "request_rate_per_s": n / TRAFFIC_WINDOW_S,
-            "mean_input_tokens": sum(f[1] for f in self.finished) / n if n else 0.0,
-            "mean_output_tokens": sum(f[2] for f in self.finished) / n if n else 0.0,
-            "mean_cached_tokens": sum(f[3] for f in self.finished) / n if n else 0.0,
+            "request_rate_per_s": n / window_s,
+            "mean_input_tokens": sum(f[1] for f in recent) / n if n else 0.0,
+            "mean_output_tokens": sum(f[2] for f in recent) / n if n else 0.0,
+            "mean_cached_tokens": sum(f[3] for f in recent) / n if n else 0.0,
         }
         return {kind: {**traffic, **self.backend.pool_signals(kind, now)} for kind in POOLS}
 

@@ -83,3 +83,25 @@ def test_pool_grows_under_burst_and_shrinks_when_idle(
         assert biggest == 2
         assert failures == []
         assert len(client.complete("after scaling", max_tokens=3, ignore_eos=True).token_ids) == 3
+
+
+@pytest.mark.timeout(300)
+def test_slo_planner_sizes_a_pool_from_the_live_cost_model(tiny_model_dir):
+    # No prefill_tokens_per_s: each round plans from the router's cost model as it stands
+    # (measured at start, calibrated, refit online), from the traffic of the last 3 s.
+    planner = {
+        "kind": "slo_planner", "ttft_s": 1.0, "headroom": 4.0, "window_s": 3.0, "min_replicas": 1,
+        "max_replicas": 2, "upscale_delay_s": 0.0, "downscale_delay_s": 1.0,
+        "cooldown_s": 0.5, "max_step": 1,
+    }  # fmt: skip
+    overrides = {"autoscaling.prefill": planner, "engine.num_pages": 512, "router.profile": None}
+    with running_cluster(tiny_model_dir, **overrides) as (cluster, client):
+        controller = Controller(cluster)
+        failures: list[str] = []
+        threads = _burst(client, [f"{i} " + "y" * 600 for i in range(16)], 2, failures)
+        biggest = _drive(controller, "prefill", threads, until_size=1, timeout_s=150)
+        assert biggest == 2
+        assert failures == []
+        (_, _, _, _, up), *_, (_, _, _, _, down) = controller.history
+        assert up.startswith("scale up 1 -> 2: planner: ")
+        assert down.startswith("scale down 2 -> 1: planner: no requests finished")

@@ -99,23 +99,74 @@ def test_planner_policy_drives_both_pools():
     assert scaler.decide("decode", 0, 1).desired == 3
 
 
-def test_planner_uses_the_cluster_slo_and_cost_model_when_the_policy_omits_them():
-    cost = CostModel(prefill_coef=(0.0, 1e-4, 0.0, 0.0), decode_coef=(0.0, 1e-3, 0.0))
-    config = AutoscalingConfig.model_validate(
-        {"prefill": {"kind": "slo_planner", "headroom": 1.0, "upscale_delay_s": 0}}
-    )
-    scaler = Autoscaler(config, ttft_s=0.5, cost=cost)
-    scaler.observe(
-        "prefill", 0, {"request_rate_per_s": 20, "mean_input_tokens": 1000, "mean_output_tokens": 1}
-    )
+PLANNER = {"kind": "slo_planner", "headroom": 1.0, "upscale_delay_s": 0}
+SIGNALS = {"request_rate_per_s": 20, "mean_input_tokens": 1000, "mean_output_tokens": 1}
+
+
+def _cost(per_token_s: float) -> CostModel:
+    return CostModel(prefill_coef=(0.0, per_token_s, 0.0, 0.0), decode_coef=(0.0, 1e-3, 0.0))
+
+
+def test_planner_uses_the_cluster_slo_and_the_observed_cost_model_when_the_policy_omits_them():
+    scaler = Autoscaler(AutoscalingConfig.model_validate({"prefill": PLANNER}), ttft_s=0.5)
+    scaler.observe("prefill", 0, SIGNALS, _cost(1e-4))
     assert scaler.decide("prefill", 0, 1).desired == 2  # 3 needed, max_step 1
+
+
+def test_each_observation_plans_from_the_cost_model_it_brings():
+    # 20 req/s x 1000 tokens. At 1e-4 s/token a prefill takes 0.1 s: utilization <= 0.8 of
+    # 10,000 tokens/s -> 2.5 -> 3 replicas. Refit to 5e-5 s/token: 0.05 s, <= 0.9 of 20,000
+    # tokens/s -> 1.11 -> 2 replicas.
+    policy = {**PLANNER, "max_replicas": 8, "max_step": 8, "cooldown_s": 0}
+    scaler = Autoscaler(AutoscalingConfig.model_validate({"prefill": policy}), ttft_s=0.5)
+    scaler.observe("prefill", 0, SIGNALS, _cost(1e-4))
+    assert scaler.decide("prefill", 0, 1).desired == 3
+    scaler.observe("prefill", 1, SIGNALS, _cost(5e-5))
+    assert scaler.decide("prefill", 1, 1).desired == 2
+
+
+@pytest.mark.parametrize(
+    ("policies", "needed"),
+    [
+        ({"prefill": PLANNER}, True),
+        ({"decode": {"kind": "slo_planner", "tbt_s": 0.05}}, True),
+        ({"prefill": {**PLANNER, "prefill_tokens_per_s": 10_000}}, False),
+        ({"decode": {"kind": "slo_planner", "decode_tokens_per_s": 1_500}}, False),
+        ({"decode": {"kind": "target", "target": 0.8}}, False),
+        ({}, False),
+    ],
+)
+def test_only_planners_without_a_throughput_figure_need_the_cost_model(policies, needed):
+    assert Autoscaler(AutoscalingConfig.model_validate(policies)).needs_cost_model is needed
 
 
 def test_planner_without_throughput_or_cost_model_says_what_to_give():
     config = AutoscalingConfig.model_validate({"prefill": {"kind": "slo_planner", "ttft_s": 1}})
-    with pytest.raises(AutoscalingError, match="pass cost="):
+    with pytest.raises(AutoscalingError, match="pass cost= .* to observe"):
         Autoscaler(config).observe(
             "prefill",
             0,
             {"request_rate_per_s": 1, "mean_input_tokens": 10, "mean_output_tokens": 1},
         )
+
+
+def test_a_cost_model_predicting_no_time_is_an_error_not_infinite_throughput():
+    # A refit with a negative square term, extrapolated past the prompts it was fitted on.
+    prefill = CostModel(prefill_coef=(0.03, 2e-4, -7e-6, 0.0), decode_coef=(0.0, 1e-3, 0.0))
+    with pytest.raises(AutoscalingError, match="predicts 0s for a prefill of 1000 tokens"):
+        prefill_tokens_per_s(prefill, LOAD)
+    decode = CostModel(prefill_coef=(0.0, 1e-4, 0.0, 0.0), decode_coef=(0.001, -1e-3, 0.0))
+    with pytest.raises(AutoscalingError, match="for each sequence of 1100 tokens in a decode"):
+        decode_tokens_per_s(decode, 0.05, LOAD)
+
+
+def test_an_idle_pool_plans_no_replicas_without_the_cost_model():
+    policy = {**PLANNER, "max_replicas": 4, "downscale_delay_s": 0, "cooldown_s": 0}
+    scaler = Autoscaler(AutoscalingConfig.model_validate({"prefill": policy}), ttft_s=0.5)
+    idle = {"request_rate_per_s": 0, "mean_input_tokens": 0, "mean_output_tokens": 0}
+    scaler.observe("prefill", 0, idle)
+    decision = scaler.decide("prefill", 0, 3)
+    assert decision.desired == 2
+    assert decision.reason == (
+        "scale down 3 -> 2: planner: no requests finished in the traffic window, held 0s"
+    )
