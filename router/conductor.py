@@ -7,20 +7,27 @@ from collections.abc import Hashable, Iterable, Sequence
 
 from halfmoon.kvstore.index import BlockEvent, PrefixIndex
 from halfmoon.router.admission import admission_reason
-from halfmoon.router.bypass import bypass_placement
-from halfmoon.router.config import RouterConfig, check_slo
+from halfmoon.router.config import RouterConfig
 from halfmoon.router.cost_model import step_sample
 from halfmoon.router.decision import Decision
-from halfmoon.router.errors import InvalidRequestError, RouterConfigError
 from halfmoon.router.online_fit import OnlineRefit, RecentMean
 from halfmoon.router.placed import Hold, PlacedRequests
 from halfmoon.router.placement import Placement, PlacementContext
-from halfmoon.router.policies import Policy, make_policy
+from halfmoon.router.policies import make_policy
 from halfmoon.router.prediction_error import PredictionErrorLog, PredictionErrorStats
 from halfmoon.router.predictor import Predictor, PrefixHits, summarize_hits
 from halfmoon.router.profile import Profile, profile_to_dict
-from halfmoon.router.replication import Replication, Replicator
+from halfmoon.router.replication import Replication
 from halfmoon.router.request import RouteRequest
+from halfmoon.router.routing import (
+    RouteAsk,
+    fill_decision,
+    make_replicator,
+    no_room_reason,
+    place_with_bypass,
+    plan_replication,
+    tbt_predictor,
+)
 from halfmoon.router.views import Admitted, DecodeView, PrefillView
 
 HANDOFF_WINDOW = 256  # recent disaggregated requests whose hand-off time `handoff_s` averages
@@ -54,7 +61,7 @@ class Conductor:
         self._output_tokens_sum = 0
         self._output_tokens_count = 0
         self._handoffs = RecentMean(HANDOFF_WINDOW)
-        self.replicator = _replicator(config)
+        self.replicator = make_replicator(config)
         self._with_nodes: list[PrefillView] = []  # prefill views with a store node of their own
 
     def add_prefill(self, instance: Hashable, node: str | None = None) -> PrefillView:
@@ -92,49 +99,31 @@ class Conductor:
 
     def route(self, request: RouteRequest, now: float) -> Decision:
         """Place `request` arriving at `now`, or reject it with the predicted figure and SLO."""
-        ttft_slo_s = _slo("ttft_slo_s", request.ttft_slo_s, self.config.ttft_slo_s)
-        tbt_slo_s = _slo("tbt_slo_s", request.tbt_slo_s, self.config.tbt_slo_s)
-        expected_output = request.expected_output_tokens or self.mean_output_tokens
-        decode_tokens = request.num_prompt_tokens + expected_output // 2
-        reserve = request.num_prompt_tokens + request.max_output_tokens
+        ask = RouteAsk.of(request, self.config, self.mean_output_tokens)
         decision = Decision(request.request_id, self.policy.name)
-        decode_views = [v for v in self.decode.values() if v.free_kv_tokens >= reserve]
+        decode_views = [v for v in self.decode.values() if v.free_kv_tokens >= ask.reserve]
         if not self.prefill or not decode_views:
             decision.rejected = True
-            decision.reason = _no_room_reason(bool(self.prefill), self.decode.values(), reserve)
+            decision.reason = no_room_reason(bool(self.prefill), self.decode.values(), ask.reserve)
             return self._remember(decision)
         locations = self.index.longest_prefix(request.block_keys)
-        own = hits = summarize_hits(locations)
-        if self._with_nodes:  # a node's store is local to its workers; copies go to pages
-            hits = own.with_nodes(self._with_nodes)
-        prefill_views = list(self.prefill.values())
-        if self.colocated:  # only where its KV fits, and only its own cache
-            prefill_views = [self.prefill[v.instance] for v in decode_views]
-            hits = PrefixHits(hits.local_blocks, None, None)
-        ctx = PlacementContext(
-            request,
-            now,
-            hits,
-            prefill_views,
-            decode_views,
-            self.predictor,
-            decode_tokens,
-            _tbt_predictor(self.predictor, self.config.admission, now, decode_tokens),
-        )
-        placement = self._place(ctx, tbt_slo_s)
+        own = summarize_hits(locations)
+        ctx = self._context(request, now, own, decode_views, ask.decode_tokens)
+        placement = self._place(ctx, ask.tbt_slo_s)
         handoff_s = 0.0 if placement.bypass else self.profile.handoff_s
-        _fill_decision(decision, placement, self.profile.request_overhead_s + handoff_s)
+        fill_decision(decision, placement, self.profile.request_overhead_s + handoff_s)
         decision.reason = admission_reason(
-            self.config.admission, placement, self.predictor, decode_tokens, ttft_slo_s,
-            tbt_slo_s, decision.predicted_ttft_s - placement.ttft_s,
+            self.config.admission, placement, self.predictor, ask.decode_tokens, ask.ttft_slo_s,
+            ask.tbt_slo_s, decision.predicted_ttft_s - placement.ttft_s,
         )  # fmt: skip
         decision.rejected = bool(decision.reason)
         if decision.rejected:
             return self._remember(decision)
-        admitted = Admitted(decode_tokens, now + placement.ttft_s, expected_output)
-        hold = self._commit(request, now, placement, admitted, reserve)
+        admitted = Admitted(ask.decode_tokens, now + placement.ttft_s, ask.expected_output)
+        hold = self._commit(request, now, placement, admitted, ask.reserve)
         if self.replicator is not None:
-            self._plan_replication(decision, request, ctx, placement, locations, own)
+            copy = plan_replication(self.replicator, ctx, placement, locations, own, self.prefill)
+            decision.replications += [copy] if copy is not None else []
         return self._remember(decision, hold)
 
     def on_replicated(self, replication: Replication) -> None:
@@ -154,13 +143,7 @@ class Conductor:
 
     def explain(self, request_id: str) -> str:
         """The candidates, their predictions and why one won, for a recent request."""
-        decision = self.placed.decision(request_id)
-        if decision is None:
-            raise KeyError(
-                f"no decision for request {request_id!r}; only the last "
-                f"{self.config.explain_capacity} are kept (RouterConfig.explain_capacity)"
-            )
-        return decision.explain()
+        return self.placed.explain(request_id)
 
     def decision(self, request_id: str) -> Decision | None:
         """The remembered decision for `request_id`, if still kept."""
@@ -169,13 +152,10 @@ class Conductor:
     def on_prefill_done(self, request_id: str, now: float) -> None:
         """The prefill finished (its first token is out): the work queued behind it on its
         instance is still to do, from `now`."""
-        placed = self.placed.holding(request_id)
-        if placed is None:
-            return
-        hold = placed.hold
-        if hold.queue is not None and self.prefill.get(hold.queue.instance) is hold.queue:
+        hold = getattr(self.placed.holding(request_id), "hold", None)
+        if hold is not None and self._counted(hold):
             hold.queue.finish(hold.place_s, hold.num_new_tokens, now)
-        hold.queue = None
+            hold.queue = None
 
     def report_prefill(
         self, instance: Hashable, num_requests: int, tokens_left: int, now: float
@@ -184,9 +164,8 @@ class Conductor:
         still to compute: when it holds every request sent to it (none on its way), its
         outstanding work is re-estimated from them."""
         view = self.prefill.get(instance)
-        if view is not None and num_requests == view.num_queued:
-            left_s = self.profile.cost.prefill_time(tokens_left, 0) if num_requests else 0.0
-            view.busy_until_s = now + left_s
+        if view is not None:
+            view.reconcile(num_requests, self.profile.cost.prefill_time(tokens_left, 0), now)
 
     def on_decode_join(self, request_id: str, now: float) -> None:
         """The request's KV landed and it joined the decode batch."""
@@ -216,10 +195,15 @@ class Conductor:
             return False
         hold = placed.hold
         hold.decode.leave(hold.admitted, hold.reserve_tokens)
-        queue = hold.queue
-        if queue is not None and self.prefill.get(queue.instance) is queue:
-            queue.drop(hold.place_s, hold.work_s, hold.num_new_tokens, now)
+        if self._counted(hold):
+            hold.queue.drop(hold.place_s, hold.work_s, hold.num_new_tokens, now)
         return True
+
+    def _counted(self, hold: Hold) -> bool:
+        """Whether the hold's prefill work is still in a registered view's line (not in one
+        since removed, or re-added afresh)."""
+        queue = hold.queue
+        return queue is not None and self.prefill.get(queue.instance) is queue
 
     def observe_prefill(self, num_prompt_tokens: int, cached_tokens: int, seconds: float) -> None:
         """A measured prefill (compute seconds, cached tokens really reused), for the refit."""
@@ -304,11 +288,28 @@ class Conductor:
             "ttft_prediction_error": dataclasses.asdict(self.prediction_error()),
         }
 
+    def _context(
+        self, request: RouteRequest, now: float, own: PrefixHits, decode_views: list[DecodeView],
+        decode_tokens: int,
+    ) -> PlacementContext:  # fmt: skip
+        """What a policy sees: a node's store counts as local to its workers (copies still go
+        to a worker's own pages); colocated, only instances with room and their own cache."""
+        hits = own.with_nodes(self._with_nodes) if self._with_nodes else own
+        prefill_views = list(self.prefill.values())
+        if self.colocated:
+            prefill_views = [self.prefill[v.instance] for v in decode_views]
+            hits = PrefixHits(hits.local_blocks, None, None)
+        predictor, admission = self.predictor, self.config.admission
+        tbt = tbt_predictor(predictor, admission, now, decode_tokens)
+        return PlacementContext(
+            request, now, hits, prefill_views, decode_views, predictor, decode_tokens, tbt
+        )
+
     def _place(self, ctx: PlacementContext, tbt_slo_s: float | None) -> Placement:
         """The policy's placement (with the short-prompt bypass where it wins); colocated,
         the request decodes where it prefills."""
         if not self.colocated:
-            return _place(self.policy, self.config, ctx, tbt_slo_s)
+            return place_with_bypass(self.policy, self.config, ctx, tbt_slo_s)
         placement = self.policy.place(ctx)
         placement.decode = self.decode[placement.prefill_instance]
         placement.tbt_s = ctx.tbt(placement.decode, ctx.now + placement.ttft_s)
@@ -329,93 +330,6 @@ class Conductor:
         placement.decode.admit(admitted, reserve)
         return hold
 
-    def _plan_replication(
-        self,
-        decision: Decision,
-        request: RouteRequest,
-        ctx: PlacementContext,
-        placement: Placement,
-        locations: dict,
-        own: PrefixHits,
-    ) -> None:
-        """A hot prefix copied into an idle prefill worker's own pages (`own`: the blocks
-        each instance holds itself, not counting its node's store)."""
-        assert self.replicator is not None
-        served_by = None if placement.bypass else placement.prefill_instance
-        fetched = placement.plan.fetch_from is not None and not placement.bypass
-        copy = self.replicator.plan(
-            request.block_keys, locations, own, self.prefill, served_by, fetched, ctx.now
-        )
-        if copy is not None:
-            decision.replications.append(copy)
-
     def _remember(self, decision: Decision, hold: Hold | None = None) -> Decision:
         self.placed.remember(decision, hold)
         return decision
-
-
-def _fill_decision(decision: Decision, placement: Placement, overhead_s: float) -> None:
-    """Copy a placement's choice and predictions into `decision`."""
-    plan = placement.plan
-    decision.prefill_instance = placement.prefill_instance
-    decision.decode_instance = placement.decode.instance
-    decision.predicted_ttft_s = placement.ttft_s + overhead_s
-    decision.predicted_queue_s = placement.queue_s
-    decision.predicted_tbt_s = placement.tbt_s
-    decision.cached_tokens = plan.cached_tokens
-    decision.local_cached_tokens = plan.local_cached_tokens
-    decision.fetch_from = plan.fetch_from
-    decision.fetch_tokens = plan.fetch_tokens
-    decision.bypass = placement.bypass
-    decision.candidates = placement.candidates
-
-
-def _place(
-    policy: Policy, config: RouterConfig, ctx: PlacementContext, tbt_slo_s: float | None
-) -> Placement:
-    """The policy's placement, or the short-prompt bypass where the Conductor finds it better."""
-    placement = policy.place(ctx)
-    if policy.name != "conductor" or config.bypass_max_tokens <= 0:
-        return placement
-    stall_s = tbt_slo_s if tbt_slo_s is not None else config.bypass_max_stall_s
-    return bypass_placement(ctx, placement, config.bypass_max_tokens, stall_s) or placement
-
-
-def _slo(name: str, override: float | None, default: float | None) -> float | None:
-    if override is None:
-        return default
-    try:
-        check_slo(name, override)
-    except RouterConfigError as exc:
-        raise InvalidRequestError(str(exc)) from exc
-    return override
-
-
-def _tbt_predictor(predictor: Predictor, admission: str, now: float, decode_tokens: int):
-    if admission == "prediction_early_rejection":
-        return lambda view, when_s: predictor.tbt_at(view, now, when_s, decode_tokens)
-    return lambda view, when_s: predictor.tbt_with_pending(view, decode_tokens)
-
-
-def _no_room_reason(has_prefill: bool, decode: Iterable[DecodeView], reserve: int) -> str:
-    if not has_prefill:
-        return "no prefill instance is registered; add one with add_prefill()"
-    most = max((v.free_kv_tokens for v in decode), default=0)
-    return (
-        f"no decode instance has {reserve} tokens of KV free (most free: {most}); "
-        "retry later or add decode instances"
-    )
-
-
-def _replicator(config: RouterConfig) -> Replicator | None:
-    """The hot-prefix replicator, when `config.replicate` asks for one."""
-    if not config.replicate:
-        return None
-    return Replicator(
-        config.block_size,
-        config.replicate_min_hits,
-        config.replicate_max_copies,
-        config.replicate_margin_s,
-        config.replicate_cooldown_s,
-        config.replicate_window_requests,
-    )

@@ -58,6 +58,16 @@ class PlacedRequests:
         entry = self._by_id.get(request_id)
         return entry.decision if entry is not None and entry.explainable else None
 
+    def explain(self, request_id: str) -> str:
+        """`Decision.explain` of a request among the last `capacity`; KeyError otherwise."""
+        decision = self.decision(request_id)
+        if decision is None:
+            raise KeyError(
+                f"no decision for request {request_id!r}; only the last {self.capacity} are "
+                "kept (RouterConfig.explain_capacity)"
+            )
+        return decision.explain()
+
     def holding(self, request_id: str) -> Placed | None:
         """The entry of a request that still holds something, else None."""
         entry = self._by_id.get(request_id)

@@ -53,6 +53,13 @@ class PrefillView:
         if self.num_queued:
             self.dropped.append((place_s, work_s))
 
+    def reconcile(self, num_requests: int, left_s: float, now: float) -> None:
+        """The worker's own count of the requests it holds and the seconds of prompt it has
+        still to compute: taken as the truth when it holds every request sent here (none on
+        its way)."""
+        if num_requests == self.num_queued:
+            self.busy_until_s = now + (left_s if num_requests else 0.0)
+
     def _forget(self, num_tokens: int) -> None:
         self.num_queued = max(self.num_queued - 1, 0)
         self.queued_tokens = max(self.queued_tokens - num_tokens, 0)

@@ -1,0 +1,124 @@
+"""How the Conductor places one request: what it asks for, the policy's placement with the
+short-prompt bypass, the decision it fills in, and the hot-prefix copy it may plan."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Mapping
+from dataclasses import dataclass
+
+from halfmoon.router.bypass import bypass_placement
+from halfmoon.router.config import RouterConfig, check_slo
+from halfmoon.router.decision import Decision
+from halfmoon.router.errors import InvalidRequestError, RouterConfigError
+from halfmoon.router.placement import Placement, PlacementContext
+from halfmoon.router.policies import Policy
+from halfmoon.router.predictor import Location, Predictor, PrefixHits
+from halfmoon.router.replication import Replication, Replicator
+from halfmoon.router.request import RouteRequest
+from halfmoon.router.views import DecodeView, PrefillView
+
+
+@dataclass(slots=True)
+class RouteAsk:
+    """What one request asks of the cluster: its SLOs (its own or the configured ones), its
+    expected output, the KV it brings to decode on average, and the KV reserved for it."""
+
+    ttft_slo_s: float | None
+    tbt_slo_s: float | None
+    expected_output: int
+    decode_tokens: int
+    reserve: int
+
+    @classmethod
+    def of(cls, request: RouteRequest, config: RouterConfig, mean_output: int) -> RouteAsk:
+        expected = request.expected_output_tokens or mean_output
+        return cls(
+            _slo("ttft_slo_s", request.ttft_slo_s, config.ttft_slo_s),
+            _slo("tbt_slo_s", request.tbt_slo_s, config.tbt_slo_s),
+            expected,
+            request.num_prompt_tokens + expected // 2,
+            request.num_prompt_tokens + request.max_output_tokens,
+        )
+
+
+def fill_decision(decision: Decision, placement: Placement, overhead_s: float) -> None:
+    """Copy a placement's choice and predictions into `decision`."""
+    plan = placement.plan
+    decision.prefill_instance = placement.prefill_instance
+    decision.decode_instance = placement.decode.instance
+    decision.predicted_ttft_s = placement.ttft_s + overhead_s
+    decision.predicted_queue_s = placement.queue_s
+    decision.predicted_tbt_s = placement.tbt_s
+    decision.cached_tokens = plan.cached_tokens
+    decision.local_cached_tokens = plan.local_cached_tokens
+    decision.fetch_from = plan.fetch_from
+    decision.fetch_tokens = plan.fetch_tokens
+    decision.bypass = placement.bypass
+    decision.candidates = placement.candidates
+
+
+def place_with_bypass(
+    policy: Policy, config: RouterConfig, ctx: PlacementContext, tbt_slo_s: float | None
+) -> Placement:
+    """The policy's placement, or the short-prompt bypass where the Conductor finds it better."""
+    placement = policy.place(ctx)
+    if policy.name != "conductor" or config.bypass_max_tokens <= 0:
+        return placement
+    stall_s = tbt_slo_s if tbt_slo_s is not None else config.bypass_max_stall_s
+    return bypass_placement(ctx, placement, config.bypass_max_tokens, stall_s) or placement
+
+
+def _slo(name: str, override: float | None, default: float | None) -> float | None:
+    if override is None:
+        return default
+    try:
+        check_slo(name, override)
+    except RouterConfigError as exc:
+        raise InvalidRequestError(str(exc)) from exc
+    return override
+
+
+def tbt_predictor(predictor: Predictor, admission: str, now: float, decode_tokens: int):
+    if admission == "prediction_early_rejection":
+        return lambda view, when_s: predictor.tbt_at(view, now, when_s, decode_tokens)
+    return lambda view, when_s: predictor.tbt_with_pending(view, decode_tokens)
+
+
+def no_room_reason(has_prefill: bool, decode: Iterable[DecodeView], reserve: int) -> str:
+    if not has_prefill:
+        return "no prefill instance is registered; add one with add_prefill()"
+    most = max((v.free_kv_tokens for v in decode), default=0)
+    return (
+        f"no decode instance has {reserve} tokens of KV free (most free: {most}); "
+        "retry later or add decode instances"
+    )
+
+
+def make_replicator(config: RouterConfig) -> Replicator | None:
+    """The hot-prefix replicator, when `config.replicate` asks for one."""
+    if not config.replicate:
+        return None
+    return Replicator(
+        config.block_size,
+        config.replicate_min_hits,
+        config.replicate_max_copies,
+        config.replicate_margin_s,
+        config.replicate_cooldown_s,
+        config.replicate_window_requests,
+    )
+
+
+def plan_replication(
+    replicator: Replicator,
+    ctx: PlacementContext,
+    placement: Placement,
+    locations: dict[Location, int],
+    own: PrefixHits,
+    prefill: Mapping[Hashable, PrefillView],
+) -> Replication | None:
+    """A hot prefix copied into an idle prefill worker's own pages (`own`: the blocks each
+    instance holds itself, not counting its node's store), or None."""
+    served_by = None if placement.bypass else placement.prefill_instance
+    fetched = placement.plan.fetch_from is not None and not placement.bypass
+    keys = ctx.request.block_keys
+    return replicator.plan(keys, locations, own, prefill, served_by, fetched, ctx.now)
