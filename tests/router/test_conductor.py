@@ -1,6 +1,8 @@
 import pytest
-from router_testkit import make_conductor, request
+from router_testkit import make_conductor, request, simple_profile
 
+from halfmoon.router.conductor import Conductor
+from halfmoon.router.config import RouterConfig
 from halfmoon.router.request import RouteRequest
 
 
@@ -129,3 +131,29 @@ def test_a_bypassed_prompt_skips_the_handoff():
     conductor.observe_handoff(0.5)
     after = conductor.route(request("b", num_blocks=5, first_key=100), now=0.0)
     assert after.bypass
+
+
+def test_colocated_requests_decode_where_they_prefill_and_go_where_their_prefix_is():
+    config = RouterConfig(block_size=10, bypass_max_tokens=0)
+    conductor = Conductor(config, simple_profile(), colocated=True)
+    for name in ("w0", "w1"):
+        conductor.add_prefill(name)
+        conductor.add_decode(name)
+    conductor.index.stored("w1", "device", range(5))
+    decision = conductor.route(request("a"), 0.0)
+    assert (decision.prefill_instance, decision.decode_instance) == ("w1", "w1")
+    assert decision.cached_tokens == 50
+    # w1's queue now holds a's work; a cold prompt goes to the idle w0.
+    cold = conductor.route(RouteRequest("b", [99], 100, 100, 0.0), 0.0)
+    assert (cold.prefill_instance, cold.decode_instance) == ("w0", "w0")
+
+
+def test_a_node_store_is_near_to_its_workers_and_another_node_store_is_a_fetch():
+    conductor = make_conductor(num_prefill=0)
+    conductor.add_prefill("p0", node="store-a")
+    conductor.add_prefill("p1", node="store-b")
+    conductor.index.stored("store-a", "host", range(8))
+    decision = conductor.route(request("a"), 0.0)
+    assert decision.prefill_instance == "p0"
+    assert decision.fetch_from is None and decision.local_cached_tokens == 80
+    assert "(8 in its node's store)" in conductor.explain("a")
