@@ -16,38 +16,30 @@ import time
 
 import ray
 from ray.cluster_utils import Cluster as RayCluster
+from scenario_kit import NODE, pool_settings
 
 from halfmoon.cluster.client.grpc_client import Client
 from halfmoon.cluster.config import load_config
 from halfmoon.cluster.control.launcher import Cluster
 from halfmoon.engine import LLM, SamplingParams
 
-GiB = 1 << 30
-NODE = {"num_cpus": 1, "memory": 2 * GiB, "object_store_memory": 100 * 1024 * 1024}
 PREFIX = "The long system prompt that every request of this tenant starts with. " * 40
 QUESTIONS = ["What comes first?", "And what comes next?"]
 MAX_TOKENS = 6
 
 
 def settings(model: str) -> dict:
-    return {
-        "model": model,
-        "server.grpc_port": 0,
-        "server.metrics_port": 0,
-        "engine.num_pages": 256,
-        "engine.prefill_chunk_size": 64,
-        "engine.max_num_batched_tokens": 256,
-        "prefill.replicas": 2,
-        "prefill.num_cpus": 1,
-        "prefill.resources": {"prefill": 1},
-        "decode.num_cpus": 1,
-        "decode.resources": {"decode": 1},
-        "store.use_local_redis": False,
-        "store.host_memory_fraction": 0.25,
-        "router.bypass_threshold_tokens": 0,  # every prompt goes through a prefill worker
-        # The shipped CPU profile: a fetch of this prefix beats computing it by ~15 ms.
-        "router.profile": "cpu-tiny",
-    }
+    return pool_settings(
+        model,
+        **{
+            "engine.num_pages": 256,
+            "engine.prefill_chunk_size": 64,
+            "engine.max_num_batched_tokens": 256,
+            "prefill.replicas": 2,
+            # The shipped CPU profile: fetching this prefix beats computing it.
+            "router.profile": "cpu-tiny",
+        },
+    )
 
 
 def main(model: str, out_path: str) -> None:

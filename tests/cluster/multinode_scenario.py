@@ -16,6 +16,7 @@ import urllib.request
 import ray
 from prometheus_client.parser import text_string_to_metric_families
 from ray.cluster_utils import Cluster as RayCluster
+from scenario_kit import NODE, pool_settings
 
 from halfmoon.cluster.client.grpc_client import Client
 from halfmoon.cluster.config import load_config
@@ -24,8 +25,6 @@ from halfmoon.cluster.control.launcher import Cluster
 from halfmoon.cluster.frontend.grpc_errors import ServerError
 from halfmoon.engine import LLM, SamplingParams
 
-GiB = 1 << 30
-NODE = {"num_cpus": 1, "memory": 2 * GiB, "object_store_memory": 100 * 1024 * 1024}
 PROMPTS = ["Across the nodes " * 5, "KV moves through the stores " * 3, "short one"]
 MAX_TOKENS = 8
 # Long enough that the decode node dies while these stream.
@@ -35,23 +34,16 @@ CALL_TIMEOUT_S = 120.0
 
 
 def settings(model: str) -> dict:
-    return {
-        "model": model,
-        "server.grpc_port": 0,
-        "server.metrics_port": 0,
-        "engine.num_pages": 256,
-        "engine.prefill_chunk_size": 32,
-        "engine.max_num_batched_tokens": 128,
-        "prefill.num_cpus": 1,
-        "prefill.resources": {"prefill": 1},
-        "decode.num_cpus": 1,
-        "decode.resources": {"decode": 1},
-        "store.use_local_redis": False,
-        "store.host_memory_fraction": 0.25,
-        "store.get_timeout_s": 10.0,
-        "router.bypass_threshold_tokens": 0,  # every prompt goes through prefill -> store -> decode
-        "health.timeout_s": 5.0,
-    }
+    return pool_settings(
+        model,
+        **{
+            "engine.num_pages": 256,
+            "engine.prefill_chunk_size": 32,
+            "engine.max_num_batched_tokens": 128,
+            "store.get_timeout_s": 10.0,
+            "health.timeout_s": 5.0,
+        },
+    )
 
 
 def greedy(client: Client, prompt: str, max_tokens: int) -> list[int] | str:

@@ -4,13 +4,10 @@ process)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from scenario_kit import run_scenario
 
 SCENARIO = Path(__file__).with_name("fetch_scenario.py")
 
@@ -19,14 +16,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 @pytest.fixture(scope="module")
 def report(tiny_model_dir, tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("fetch") / "report.json"
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
-    result = subprocess.run(
-        [sys.executable, str(SCENARIO), str(tiny_model_dir), str(out)],
-        env=env, capture_output=True, text=True, timeout=540,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
-    return json.loads(out.read_text())
+    return run_scenario(SCENARIO, tiny_model_dir, tmp_path_factory.mktemp("fetch"), 540)
 
 
 def test_the_prefill_workers_are_on_nodes_of_their_own(report):

@@ -1,0 +1,44 @@
+"""Scenarios that need Ray nodes of their own (ray.cluster_utils) run in a process of their
+own (a pytest process holds one Ray instance only) and write what they saw as JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+GiB = 1 << 30
+# One small Ray node of a scenario's cluster (the machine has 2 cores).
+NODE = {"num_cpus": 1, "memory": 2 * GiB, "object_store_memory": 100 * 1024 * 1024}
+
+
+def run_scenario(script: Path, model_dir, out_dir: Path, timeout_s: float) -> dict:
+    """Run `script MODEL OUT.json` and return what it wrote (its output when it fails)."""
+    out = out_dir / "report.json"
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
+    result = subprocess.run(
+        [sys.executable, str(script), str(model_dir), str(out)],
+        env=env, capture_output=True, text=True, timeout=timeout_s,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
+    return json.loads(out.read_text())
+
+
+def pool_settings(model: str, **more) -> dict:
+    """A scenario cluster's settings: each pool on the nodes that carry its resource, every
+    prompt through a prefill worker, no Redis."""
+    return {
+        "model": model,
+        "server.grpc_port": 0,
+        "server.metrics_port": 0,
+        "prefill.num_cpus": 1,
+        "prefill.resources": {"prefill": 1},
+        "decode.num_cpus": 1,
+        "decode.resources": {"decode": 1},
+        "store.use_local_redis": False,
+        "store.host_memory_fraction": 0.25,
+        "router.bypass_threshold_tokens": 0,  # every prompt goes through prefill -> decode
+        **more,
+    }
