@@ -148,6 +148,9 @@ class RouterSection(Section):
     admission: Literal["none", "queue_bound", "early_rejection", "prediction_early_rejection"] = (
         "queue_bound"
     )
+    # Reject at arrival a request whose predicted TTFT (the Conductor's: queued work, its own
+    # uncached prefill, the hand-off) exceeds this many seconds; None: no bound.
+    max_ttft_s: float | None = Field(ROUTER_DEFAULTS.max_ttft_s, gt=0)
     # One engine batch waiting per worker.
     max_queued_per_worker: int = Field(EngineSettings.model_fields["max_num_seqs"].default, ge=1)
     # Prefill on the decode worker when at most this many prompt tokens are uncached (0: never).

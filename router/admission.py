@@ -6,6 +6,17 @@ from halfmoon.router.placement import Placement
 from halfmoon.router.predictor import Predictor
 
 
+def bound_reason(placement: Placement, predicted_ttft_s: float, max_ttft_s: float | None) -> str:
+    """Why a request predicted to wait `predicted_ttft_s` for its first token breaks the
+    router's bound `max_ttft_s` (None: no bound), or "" to admit it."""
+    if max_ttft_s is None or predicted_ttft_s <= max_ttft_s:
+        return ""
+    return (
+        f"predicted TTFT {predicted_ttft_s:.3f}s on {placement.prefill_instance} exceeds "
+        f"router.max_ttft_s {max_ttft_s:.3f}s; retry later or add prefill workers"
+    )
+
+
 def admission_reason(
     mode: str,
     placement: Placement,

@@ -6,7 +6,6 @@ import dataclasses
 from collections.abc import Hashable, Iterable, Sequence
 
 from halfmoon.kvstore.index import BlockEvent, PrefixIndex
-from halfmoon.router.admission import admission_reason
 from halfmoon.router.config import RouterConfig
 from halfmoon.router.cost_model import step_sample
 from halfmoon.router.decision import Decision
@@ -112,10 +111,7 @@ class Conductor:
         placement = self._place(ctx, ask.tbt_slo_s)
         handoff_s = 0.0 if placement.bypass else self.profile.handoff_s
         fill_decision(decision, placement, self.profile.request_overhead_s + handoff_s)
-        decision.reason = admission_reason(
-            self.config.admission, placement, self.predictor, ask.decode_tokens, ask.ttft_slo_s,
-            ask.tbt_slo_s, decision.predicted_ttft_s - placement.ttft_s,
-        )  # fmt: skip
+        decision.reason = ask.rejection(self.config, placement, self.predictor, decision)
         decision.rejected = bool(decision.reason)
         if decision.rejected:
             return self._remember(decision)

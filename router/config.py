@@ -39,6 +39,9 @@ class RouterConfig:
     admission: str = "none"
     ttft_slo_s: float | None = None
     tbt_slo_s: float | None = None
+    # Reject at arrival a request whose predicted TTFT exceeds this (in any admission mode;
+    # None: no bound). Unlike a count of queued requests, it holds whatever their lengths.
+    max_ttft_s: float | None = None
     block_size: int = BLOCK_SIZE
     # Fetch a remote prefix only when it saves at least this much more than it costs to move.
     fetch_margin_s: float = 0.01
@@ -68,6 +71,7 @@ class RouterConfig:
         check_choice("admission mode", self.admission, ADMISSION_MODES)
         check_slo("ttft_slo_s", self.ttft_slo_s)
         check_slo("tbt_slo_s", self.tbt_slo_s)
+        check_slo("max_ttft_s", self.max_ttft_s)
         if self.admission != "none" and self.ttft_slo_s is None and self.tbt_slo_s is None:
             raise RouterConfigError(
                 f"admission {self.admission!r} rejects against an SLO; set ttft_slo_s or tbt_slo_s"

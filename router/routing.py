@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
 
+from halfmoon.router.admission import admission_reason, bound_reason
 from halfmoon.router.bypass import bypass_placement
 from halfmoon.router.config import RouterConfig, check_slo
 from halfmoon.router.decision import Decision
@@ -39,6 +40,17 @@ class RouteAsk:
             request.num_prompt_tokens + expected // 2,
             request.num_prompt_tokens + request.max_output_tokens,
         )
+
+    def rejection(
+        self, config: RouterConfig, placement: Placement, predictor: Predictor, decision: Decision
+    ) -> str:
+        """Why the request placed as `decision` must be rejected at arrival, or "": the
+        router's TTFT bound, then the admission mode's SLOs."""
+        predicted_s = decision.predicted_ttft_s
+        return bound_reason(placement, predicted_s, config.max_ttft_s) or admission_reason(
+            config.admission, placement, predictor, self.decode_tokens, self.ttft_slo_s,
+            self.tbt_slo_s, predicted_s - placement.ttft_s,
+        )  # fmt: skip
 
 
 def fill_decision(decision: Decision, placement: Placement, overhead_s: float) -> None:

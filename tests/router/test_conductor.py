@@ -157,3 +157,12 @@ def test_a_node_store_is_near_to_its_workers_and_another_node_store_is_a_fetch()
     assert decision.prefill_instance == "p0"
     assert decision.fetch_from is None and decision.local_cached_tokens == 80
     assert "(8 in its node's store)" in conductor.explain("a")
+
+
+def test_a_request_predicted_past_max_ttft_is_rejected_whatever_the_admission_mode():
+    conductor = make_conductor(num_prefill=1, max_ttft_s=0.25)
+    decisions = [conductor.route(request(f"r{i}"), 0.0) for i in range(4)]
+    # 0.1 s of prefill each: the third would wait 0.2 s and take 0.3 s in all.
+    assert [d.rejected for d in decisions] == [False, False, True, True]
+    assert "exceeds router.max_ttft_s 0.250s" in decisions[2].reason
+    assert conductor.prefill["p0"].num_queued == 2
