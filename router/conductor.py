@@ -227,14 +227,12 @@ class Conductor:
             self.observe_decode_step(*shape, step_s)
 
     def set_request_overhead(self, seconds: float) -> None:
-        """A calibrated per-request overhead (idle pipeline); the hand-off estimate restarts."""
+        """A calibrated per-request overhead (idle pipeline, outside prefill and hand-off)."""
         self.profile.request_overhead_s = max(seconds, 0.0)
-        self.profile.handoff_s = 0.0
-        self._handoffs.clear()
 
     def observe_handoff(self, seconds: float) -> None:
-        """A disaggregated request's TTFT minus its prefill compute and the base overhead:
-        the profile's `handoff_s` follows the mean of the recent ones."""
+        """A disaggregated request's hand-off (its prefill's compute end to its first token
+        out): the profile's `handoff_s` follows the mean of the recent ones."""
         self.profile.handoff_s = max(self._handoffs.add(max(seconds, 0.0)), 0.0)
 
     def observe_ttft(self, request_id: str, actual_s: float) -> None:
@@ -243,14 +241,12 @@ class Conductor:
         if placed is not None:
             self.errors.record(placed.decision.predicted_ttft_s, actual_s)
 
-    def observe_first_token(
-        self, request_id: str, ttft_s: float, prefill_compute_s: float | None
-    ) -> None:
-        """A live request's first token: its TTFT, and (disaggregated, where the prefill's
-        compute is known) what it paid beyond compute and the base overhead."""
+    def observe_first_token(self, request_id: str, ttft_s: float, handoff_s: float | None) -> None:
+        """A live request's first token: its TTFT, and (disaggregated) its hand-off, from its
+        prefill's compute end to its first token out (the queue before is predicted apart)."""
         self.observe_ttft(request_id, ttft_s)
-        if prefill_compute_s is not None:
-            self.observe_handoff(ttft_s - prefill_compute_s - self.profile.request_overhead_s)
+        if handoff_s is not None:
+            self.observe_handoff(handoff_s)
 
     def prefill_time_s(self, num_tokens: int) -> float:
         """The cost model's prefill time of `num_tokens` uncached tokens."""

@@ -37,7 +37,12 @@ def ray_session() -> Iterator[None]:
     """A local Ray instance shared by every test of the session."""
     import ray
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    # address="local": a Ray of its own, even while another runs on the machine (a benchmark,
+    # a second checkout's tests), instead of joining that one.
+    ray.init(
+        address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
+        ignore_reinit_error=True,
+    )  # fmt: skip
     yield
     ray.shutdown()
 

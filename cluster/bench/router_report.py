@@ -11,11 +11,12 @@ from pathlib import Path
 from halfmoon.cluster.bench import router as bench
 from halfmoon.router.config import ADMISSION_MODES, POLICY_NAMES, RouterConfig
 from halfmoon.router.profile import DEFAULT_PROFILE, load_profile
+from halfmoon.router.sim.cache_bound import gain_share
 from halfmoon.router.sim.simulation import Simulation
 from halfmoon.router.sim.summary import SimSummary
 from halfmoon.router.sim.trace import read_trace
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TRACES = Path("/work/shared/traces")
 MOONCAKE_TTFT_S = {
     "conductor": "3.07 (global cache-aware)",
@@ -33,8 +34,8 @@ class Setup:
     prefill: int
     decode: int
     time_scale: float
-    ttft_slo_s: float = 30.0
-    tbt_slo_s: float = 0.04
+    ttft_slo_s: float | None = 30.0
+    tbt_slo_s: float | None = 0.04
 
     def command(self, policy: str, admission: str) -> str:
         """The `halfmoon simulate` command that reproduces one row."""
@@ -50,6 +51,13 @@ SETUPS = (
     Setup("conversation_trace.jsonl", prefill=12, decode=2, time_scale=1.5),
     Setup("synthetic_trace.jsonl", prefill=8, decode=2, time_scale=1.0, tbt_slo_s=0.025),
 )
+# The scaling table: N prefill + N decode instances, the traces as recorded, no SLO, every
+# router setting at its default (the same for every size and both traces).
+SCALING_SIZES = (8, 16, 32)
+SCALING_POLICIES = ("conductor", "least_loaded", "random")
+# The issue's goals: conductor / least_loaded and conductor / random mean TTFT at most these
+# where the cache-limit bound allows it; elsewhere this share of the possible gain.
+LEAST_LOADED_GOAL, RANDOM_GOAL, SHARE_GOAL = 0.6, 0.2, 0.9
 
 
 def simulate(setup: Setup, policy: str, admission: str, traces: Path) -> SimSummary:
@@ -116,6 +124,89 @@ def goals(results: dict[tuple[str, str], SimSummary]) -> list[str]:
     ]
 
 
+def setup_section(setup: Setup, traces: Path) -> list[str]:
+    """The markdown section of one setup: every policy x admission mode, and the goals."""
+    results = {}
+    for policy in POLICY_NAMES:
+        for admission in ADMISSION_MODES:
+            results[(policy, admission)] = simulate(setup, policy, admission, traces)
+            print(f"{setup.trace} {policy} {admission} done", file=sys.stderr)
+    return [
+        f"### {setup.trace}: {setup.prefill} prefill + {setup.decode} decode instances, "
+        f"time scale {setup.time_scale}, SLO TTFT {setup.ttft_slo_s:g} s / TBT "
+        f"{setup.tbt_slo_s * 1e3:g} ms",
+        "",
+        f"Reproduce one row: `{setup.command('conductor', 'none')}`",
+        "",
+        *table(setup, results),
+        "",
+        "Goals on this trace:",
+        "",
+        *goals(results),
+        "",
+    ]
+
+
+def scaling_table(traces: Path) -> list[str]:
+    """Conductor vs least_loaded and random at every size of SCALING_SIZES on both traces,
+    beside the cache-limit bound, the share of the possible gain and the goals."""
+    rows = [
+        "| trace | instances | conductor s | least_loaded s | random s | cache bound s "
+        "| conductor / least_loaded (bound) | conductor / random (bound) "
+        "| share of the possible gain over least_loaded / random | goals |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for setup in SETUPS:
+        for size in SCALING_SIZES:
+            scaled = Setup(setup.trace, size, size, time_scale=1.0, ttft_slo_s=None, tbt_slo_s=None)
+            results = {p: simulate(scaled, p, "none", traces) for p in SCALING_POLICIES}
+            rows.append(scaling_row(scaled, results))
+            print(f"{setup.trace} {size}P+{size}D done", file=sys.stderr)
+    return rows
+
+
+def scaling_row(setup: Setup, results: dict[str, SimSummary]) -> str:
+    """One markdown row of the scaling table."""
+    conductor, least, rand = (results[p].ttft_mean_s for p in SCALING_POLICIES)
+    bound = results["conductor"].ttft_bound_mean_s
+    shares = [gain_share(base, conductor, bound) for base in (least, rand)]
+    verdicts = [
+        goal_verdict(conductor, least, bound, LEAST_LOADED_GOAL),
+        goal_verdict(conductor, rand, bound, RANDOM_GOAL),
+    ]
+    return (
+        f"| {setup.trace.split('_')[0]} | {setup.prefill}P+{setup.decode}D | {conductor:.3f} "
+        f"| {least:.3f} | {rand:.3f} | {bound:.3f} | {conductor / least:.3f} "
+        f"({bound / least:.3f}) | {conductor / rand:.3f} ({bound / rand:.3f}) "
+        f"| {' / '.join(_percent(s) for s in shares)} | {'; '.join(verdicts)} |"
+    )
+
+
+def goal_verdict(policy_s: float, baseline_s: float, bound_s: float, goal: float) -> str:
+    """The ratio goal where the bound allows it (bound / baseline within `goal`), else the
+    share of the possible gain: which one applies and whether it is met."""
+    if bound_s <= goal * baseline_s:
+        met = policy_s <= goal * baseline_s
+        return f"<= {goal}x: {'met' if met else 'MISSED'}"
+    share = gain_share(baseline_s, policy_s, bound_s)
+    met = share is not None and share >= SHARE_GOAL
+    return f"bound above {goal}x, >= {SHARE_GOAL:.0%} of the gain: {'met' if met else 'MISSED'}"
+
+
+def _percent(share: float | None) -> str:
+    return "n/a" if share is None else f"{share:.1%}"
+
+
+def bench_line(argv: list[str]) -> str:
+    """One `halfmoon bench router` run with `argv`, as a sentence."""
+    figures = bench.run(bench.build_parser().parse_args(argv))
+    return (
+        f"{figures['decisions_per_s']:,.0f} decisions/s, p50 {figures['p50_us']:.0f} us, "
+        f"p99 {figures['p99_us']:.0f} us with {figures['instances']:,} instances and "
+        f"{figures['indexed_blocks']:,} indexed blocks ({figures['device']})"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run every policy x admission mode on both traces and write the report."""
     parser = argparse.ArgumentParser(
@@ -124,35 +215,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(REPO / "docs" / "router.md"))
     parser.add_argument("--traces", default=str(TRACES), help="folder holding the two traces")
     args = parser.parse_args(argv)
-    sections: list[str] = []
-    for setup in SETUPS:
-        results = {}
-        for policy in POLICY_NAMES:
-            for admission in ADMISSION_MODES:
-                results[(policy, admission)] = simulate(setup, policy, admission, Path(args.traces))
-                print(f"{setup.trace} {policy} {admission} done", file=sys.stderr)
-        sections += [
-            f"### {setup.trace}: {setup.prefill} prefill + {setup.decode} decode instances, "
-            f"time scale {setup.time_scale}, SLO TTFT {setup.ttft_slo_s:g} s / TBT "
-            f"{setup.tbt_slo_s * 1e3:g} ms",
-            "",
-            f"Reproduce one row: `{setup.command('conductor', 'none')}`",
-            "",
-            *table(setup, results),
-            "",
-            "Goals on this trace:",
-            "",
-            *goals(results),
-            "",
-        ]
-    figures = bench.run(bench.build_parser().parse_args([]))
+    sections = [line for setup in SETUPS for line in setup_section(setup, Path(args.traces))]
     text = TEMPLATE.read_text().format(
         tables="\n".join(sections),
-        bench=(
-            f"{figures['decisions_per_s']:,.0f} decisions/s, p50 {figures['p50_us']:.0f} us, "
-            f"p99 {figures['p99_us']:.0f} us with {figures['instances']} instances and "
-            f"{figures['indexed_blocks']:,} indexed blocks ({figures['device']})"
-        ),
+        scaling="\n".join(scaling_table(Path(args.traces))),
+        bench=bench_line([]),
+        bench_large=bench_line(LARGE_BENCH),
     )
     Path(args.out).write_text(text)
     print(f"wrote {args.out}", file=sys.stderr)
@@ -160,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 TEMPLATE = Path(__file__).with_name("router_report_template.md")
+LARGE_BENCH = ["--instances", "1024", "--blocks", "1000000", "--decisions", "2000"]
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from halfmoon.router.config import RouterConfig, check_choice
 from halfmoon.router.errors import RouterConfigError
 from halfmoon.router.predictor import Predictor, summarize_hits
 from halfmoon.router.profile import Profile
+from halfmoon.router.sim.cache_bound import cache_bound_ttft_s
 from halfmoon.router.sim.colocated_instance import ColocatedJob, SimColocated
 from halfmoon.router.sim.summary import SimSummary, percentile
 from halfmoon.router.sim.trace import TraceRecord, unbounded_hit_rate
@@ -161,4 +162,5 @@ class ColocatedSimulation:
             ttft_pred_error_mean_s=0.0,
             wall_s=wall_s,
             bad_lines=0,
+            ttft_bound_mean_s=cache_bound_ttft_s(records, self.profile, config.block_size),
         )

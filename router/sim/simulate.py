@@ -8,10 +8,10 @@ import sys
 
 from halfmoon.router.config import ADMISSION_MODES, POLICY_NAMES, RouterConfig
 from halfmoon.router.errors import RouterConfigError, TraceFormatError
-from halfmoon.router.profile import DEFAULT_PROFILE, load_profile
+from halfmoon.router.profile import DEFAULT_PROFILE, Profile, load_profile
 from halfmoon.router.sim.step_simulation import make_simulation
 from halfmoon.router.sim.summary import SimSummary
-from halfmoon.router.sim.trace import read_trace
+from halfmoon.router.sim.trace import TraceRecord, read_trace
 
 # The replication knobs' flags: each defaults to, and sets, the RouterConfig field named.
 REPLICATION_FLAGS = (
@@ -73,6 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
         "prefills in chunks (prefill.chunk_tokens > 0): then every instance is stepped like "
         "the engine (step_simulation.py)",
     )
+    parser.add_argument(
+        "--baseline",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also run least_loaded on the same trace, to report the share of the possible "
+        "gain (least_loaded down to the cache-limit bound) the policy reached",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--on-bad-line", choices=("skip", "fail"), default="skip")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
@@ -80,7 +87,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def simulate(args: argparse.Namespace) -> SimSummary:
-    """Run one simulation from parsed flags."""
+    """Run one simulation from parsed flags (and, with `--baseline`, the same under
+    least_loaded for the share of the possible gain)."""
+    check_flags(args)
+    profile = load_profile(args.profile)
+    cache_blocks = args.cache_blocks_per_instance
+    if cache_blocks is None:
+        cache_blocks = profile.cache_blocks(args.block_size)
+    if cache_blocks < 0:
+        raise RouterConfigError(f"--cache-blocks-per-instance {cache_blocks} must be >= 0")
+    records, bad = read_trace(args.trace, args.time_scale, args.on_bad_line)
+    summary = run_policy(args, args.policy, profile, cache_blocks, records)
+    summary.bad_lines = len(bad)
+    if args.baseline:
+        baseline = summary
+        if args.policy != "least_loaded":
+            baseline = run_policy(args, "least_loaded", profile, cache_blocks, records)
+        summary.set_baseline(baseline.ttft_mean_s)
+    return summary
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """Raise a RouterConfigError naming the first impossible flag."""
     if args.prefill < 1 or args.decode < 1:
         raise RouterConfigError(
             f"--prefill {args.prefill} --decode {args.decode}: need at least one of each"
@@ -89,8 +117,18 @@ def simulate(args: argparse.Namespace) -> SimSummary:
         raise RouterConfigError(f"--max-batched-tokens {args.max_batched_tokens} must be >= 1")
     if not args.time_scale > 0:
         raise RouterConfigError(f"--time-scale {args.time_scale} must be a positive factor")
+
+
+def run_policy(
+    args: argparse.Namespace,
+    policy: str,
+    profile: Profile,
+    cache_blocks: int,
+    records: list[TraceRecord],
+) -> SimSummary:
+    """One simulation of `records` under `policy`, every other setting from the flags."""
     config = RouterConfig(
-        policy=args.policy,
+        policy=policy,
         admission=args.admission,
         ttft_slo_s=args.ttft_slo,
         tbt_slo_s=args.tbt_slo,
@@ -102,19 +140,10 @@ def simulate(args: argparse.Namespace) -> SimSummary:
         replicate_max_copies=args.replicate_max_copies,
         replicate_margin_s=args.replicate_margin,
     )
-    profile = load_profile(args.profile)
-    cache_blocks = args.cache_blocks_per_instance
-    if cache_blocks is None:
-        cache_blocks = profile.cache_blocks(args.block_size)
-    if cache_blocks < 0:
-        raise RouterConfigError(f"--cache-blocks-per-instance {cache_blocks} must be >= 0")
-    records, bad = read_trace(args.trace, args.time_scale, args.on_bad_line)
     simulation = make_simulation(
         config, profile, args.prefill, args.decode, cache_blocks, args.max_batched_tokens
     )
-    summary = simulation.run(records, progress=not args.no_progress)
-    summary.bad_lines = len(bad)
-    return summary
+    return simulation.run(records, progress=not args.no_progress)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,6 +16,7 @@ from halfmoon.router.decision import Decision
 from halfmoon.router.profile import Profile
 from halfmoon.router.replication import Replication
 from halfmoon.router.request import RouteRequest
+from halfmoon.router.sim.cache_bound import cache_bound_ttft_s
 from halfmoon.router.sim.decode_instance import Finished, SimDecode
 from halfmoon.router.sim.prefill_instance import PrefillJob, SimPrefill
 from halfmoon.router.sim.summary import SimSummary, percentile
@@ -172,23 +173,35 @@ class Simulation:
         job = instance.running
         instance.running = None
         instance.store(job.keys)
-        tail_s = self.profile.transfer_time(job.num_prompt_tokens) / self.profile.num_layers
         self.conductor.observe_prefill(job.num_prompt_tokens, job.cached_tokens, job.work_s)
-        self._first_token(job.request_id, now, tail_s)
+        self._first_token(job.request_id, now, self._handoff_s(job.num_prompt_tokens))
         if instance.queue:
             self._start_prefill(instance, now)
 
-    def _first_token(self, rid: str, now: float, tail_s: float, handoff: bool = True) -> None:
-        if self._record_first_token(rid, now, handoff):
-            self._push(now + self._overhead_s(handoff) + tail_s, DECODE_JOIN, rid)
+    def _handoff_s(self, num_prompt_tokens: int) -> float:
+        """What a disaggregated request pays between its prefill's end and its first token:
+        its last layer's KV transfer to decode (the earlier layers streamed during the
+        prefill) plus the profile's fixed `handoff_s` (the call's return, the relay)."""
+        profile = self.profile
+        layer_bytes = num_prompt_tokens * profile.kv_bytes_per_token / profile.num_layers
+        tail_s = profile.transfer_latency_s + layer_bytes / profile.network_bytes_per_s
+        return profile.handoff_s + tail_s
 
-    def _record_first_token(self, rid: str, now: float, handoff: bool) -> bool:
-        """The prefill of `rid` ended at `now`: record its TTFT (with the overheads; `handoff`
-        for a disaggregated request) and tell the Conductor. False when it ends here."""
+    def _first_token(self, rid: str, now: float, handoff_s: float | None) -> None:
+        """The prefill of `rid` ended at `now`; it joins decode once its hand-off
+        (`handoff_s`, None for a bypassed prompt: none) is paid, which the Conductor learns
+        as the live router does."""
+        if handoff_s is not None:
+            self.conductor.observe_handoff(handoff_s)
+        charged_s = handoff_s or 0.0
+        if self._record_first_token(rid, now, charged_s):
+            self._push(now + self.profile.request_overhead_s + charged_s, DECODE_JOIN, rid)
+
+    def _record_first_token(self, rid: str, now: float, handoff_s: float) -> bool:
+        """The prefill of `rid` ended at `now`: record its TTFT (with the per-request overhead
+        and the hand-off charged) and tell the Conductor. False when it ends here."""
         outcome = self._outcomes[rid]
-        if handoff:
-            self.conductor.observe_handoff(self.profile.handoff_s)  # as the live router does
-        outcome.ttft_s = now + self._overhead_s(handoff) - outcome.arrival_s
+        outcome.ttft_s = now + self.profile.request_overhead_s + handoff_s - outcome.arrival_s
         self.conductor.on_prefill_done(rid, now)
         self.conductor.observe_ttft(rid, outcome.ttft_s)
         record = self._records[rid]
@@ -196,10 +209,6 @@ class Simulation:
             self.conductor.on_finish(rid, now, record.num_output_tokens)
             return False
         return True
-
-    def _overhead_s(self, handoff: bool) -> float:
-        profile = self.profile
-        return profile.request_overhead_s + (profile.handoff_s if handoff else 0.0)
 
     def _bypass(self, rid: str, now: float) -> None:
         self._bypassed += 1
@@ -210,7 +219,7 @@ class Simulation:
         work_s = self.cost.prefill_time(prompt, 0)
         decode.stall(work_s)
         self.conductor.observe_prefill(prompt, 0, work_s)
-        self._first_token(rid, decode.clock_s, 0.0, handoff=False)
+        self._first_token(rid, decode.clock_s, None)
 
     def _decode_join(self, rid: str, now: float) -> None:
         record = self._records[rid]
@@ -283,6 +292,7 @@ class Simulation:
             ttft_pred_error_mean_s=self.conductor.prediction_error().mean_abs_s,
             wall_s=wall_s,
             bad_lines=0,
+            ttft_bound_mean_s=cache_bound_ttft_s(records, self.profile, self.config.block_size),
         )
 
     def _replicate(self, decision: Decision, now: float) -> None:

@@ -106,13 +106,12 @@ class StepSimulation(Simulation):
     def _prefilled(self, instance: SimPrefill, job: StepJob, now: float) -> None:
         prefill_job = self._jobs.pop(job.request_id)
         instance.store(prefill_job.keys)
-        tail_s = self.profile.transfer_time(job.num_prompt_tokens) / self.profile.num_layers
-        self._first_token(job.request_id, now, tail_s)
+        self._first_token(job.request_id, now, self._handoff_s(job.num_prompt_tokens))
 
     def _bypass_prefilled(self, engine: SimEngine, job: StepJob, now: float) -> None:
         # A bypassed prompt goes on decoding in the same engine, with no hand-off.
         rid = job.request_id
-        if self._record_first_token(rid, now, handoff=False):
+        if self._record_first_token(rid, now, 0.0):
             engine.join(rid, job.num_prompt_tokens + 1, job.decode_steps, now)
             self.conductor.on_decode_join(rid, now)
 

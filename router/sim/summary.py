@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from halfmoon.router.sim.cache_bound import gain_share
+
 
 def percentile(sorted_values: list[float], q: float) -> float:
     """The `q` quantile (0..1) of already sorted values by linear interpolation; 0 when empty."""
@@ -44,6 +46,17 @@ class SimSummary:
     wall_s: float
     bad_lines: int
     replications: int = 0
+    ttft_bound_mean_s: float = 0.0  # the trace's cache-limit bound (cache_bound.py)
+    least_loaded_ttft_mean_s: float | None = None  # the same run under least_loaded
+    gain_share: float | None = None  # of the possible gain over least_loaded, reached
+
+    def set_baseline(self, least_loaded_ttft_mean_s: float) -> None:
+        """Note least_loaded's mean TTFT on the same run, and the share of the possible gain
+        over it (down to the cache-limit bound) this run reached."""
+        self.least_loaded_ttft_mean_s = least_loaded_ttft_mean_s
+        self.gain_share = gain_share(
+            least_loaded_ttft_mean_s, self.ttft_mean_s, self.ttft_bound_mean_s
+        )
 
     def to_dict(self) -> dict:
         """Plain dict for JSON output."""
@@ -66,7 +79,22 @@ class SimSummary:
                 f"{self.replications} hot-prefix replications",
                 f"throughput {self.throughput_rps:.2f} req/s, {self.output_tokens_per_s:.0f} "
                 f"output tok/s over {self.makespan_s:.0f}s simulated",
+                self.bound_line(),
                 f"TTFT prediction error mean {self.ttft_pred_error_mean_s:.4f}s; "
                 f"wall {self.wall_s:.2f}s",
             ]
+        )
+
+    def bound_line(self) -> str:
+        """The cache-limit bound, and the share of the possible gain over least_loaded."""
+        line = (
+            f"cache-limit bound: mean TTFT {self.ttft_bound_mean_s:.3f}s (every prefix seen "
+            "earlier cached, no queueing)"
+        )
+        if self.least_loaded_ttft_mean_s is None:
+            return line
+        share = "n/a" if self.gain_share is None else f"{self.gain_share:.0%}"
+        return (
+            f"{line}; least_loaded {self.least_loaded_ttft_mean_s:.3f}s: "
+            f"{self.policy} reached {share} of the possible gain"
         )

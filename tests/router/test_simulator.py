@@ -2,12 +2,15 @@ import json
 import random
 
 import pytest
+from router_testkit import simple_profile
 
+from halfmoon.router.config import RouterConfig
 from halfmoon.router.cost_model import CostModel
 from halfmoon.router.errors import TraceFormatError
 from halfmoon.router.sim.decode_instance import SimDecode
 from halfmoon.router.sim.simulate import main
-from halfmoon.router.sim.trace import read_trace, unbounded_hit_rate
+from halfmoon.router.sim.simulation import Simulation
+from halfmoon.router.sim.trace import TraceRecord, read_trace, unbounded_hit_rate
 
 
 def write_trace(path, num_requests: int = 300, seed: int = 0) -> None:
@@ -148,3 +151,20 @@ def test_decode_closed_form_matches_stepping_one_token_at_a_time():
     times["a"] = clock
     assert {f.request_id: f.finish_s for f in finished} == pytest.approx(times)
     assert decode.batch_size == 0 and decode.kv_tokens == 0
+
+
+def test_hand_off_is_the_last_layer_transfer_so_predictions_can_miss():
+    lengths = (100, 400, 200)  # one layer of 100 tokens moves in 10 ms at 1 MB/s
+    records = [
+        TraceRecord(0, 10.0 * i, n, 2, list(range(1000 * i, 1000 * i + n // 10)))
+        for i, n in enumerate(lengths)
+    ]
+    config = RouterConfig(block_size=10, bypass_max_tokens=0)
+    sim = Simulation(config, simple_profile(1e6), 1, 1, 99)
+    summary = sim.run(records, progress=False)
+    ttft, _ = sim.latencies()
+    assert list(ttft) == pytest.approx([n * 1e-3 + n * 1e-4 for n in lengths])
+    # The Conductor predicts the mean hand-off seen so far: 0, then 10 ms, then 25 ms.
+    predicted = [sim.conductor.decision(str(i)).predicted_ttft_s for i in range(3)]
+    assert predicted == pytest.approx([0.1, 0.41, 0.225])
+    assert summary.ttft_pred_error_mean_s == pytest.approx((0.01 + 0.03 + 0.005) / 3)

@@ -66,7 +66,13 @@ def test_decoding_sequences_step_beside_a_prefill():
 
 
 def profile(**changes):
-    return dataclasses.replace(simple_profile(), cost=COST, num_layers=4, **changes)
+    """COST on 4 layers; one layer of a 100-token prompt's KV moves in 2.5 ms."""
+    return dataclasses.replace(simple_profile(1e7), cost=COST, num_layers=4, **changes)
+
+
+def last_layer_s(num_tokens: int) -> float:
+    """The hand-off `profile()` charges: one layer of the prompt's KV (1000 B a token)."""
+    return num_tokens * 1000 / 4 / 1e7
 
 
 def record(arrival_s: float, prompt: int, output: int, first_key: int) -> TraceRecord:
@@ -82,7 +88,8 @@ def simulate(records, **kwargs):
 
 def test_an_isolated_request_takes_its_chunked_prefill_plus_overhead():
     summary = simulate([record(0.0, 300, 1, 0)], prof=profile(request_overhead_s=0.02))
-    assert summary.ttft_mean_s == pytest.approx(COST.prefill_time(300, 0) + 0.02)
+    expected_s = COST.prefill_time(300, 0) + 0.02 + last_layer_s(300)
+    assert summary.ttft_mean_s == pytest.approx(expected_s)
 
 
 def test_concurrent_prompts_share_the_prefill_engine():
@@ -92,15 +99,16 @@ def test_concurrent_prompts_share_the_prefill_engine():
     one_s = COST.prefill_step_time([(64, 0)])
     shared_s = COST.prefill_step_time([(64, 64), (64, 0)])
     a_s, b_s = one_s + shared_s, one_s + shared_s + one_s
-    assert alone.ttft_mean_s == pytest.approx(2 * one_s)
-    assert both.ttft_mean_s == pytest.approx((a_s + b_s) / 2)
+    assert alone.ttft_mean_s == pytest.approx(2 * one_s + last_layer_s(128))
+    assert both.ttft_mean_s == pytest.approx((a_s + b_s) / 2 + last_layer_s(128))
     assert alone.ttft_mean_s < both.ttft_mean_s < 2 * alone.ttft_mean_s
 
 
 def test_handoff_is_paid_by_disaggregated_requests_only():
     prof = profile(request_overhead_s=0.01, handoff_s=0.05)
     plain = simulate([record(0.0, 128, 1, 0)], prof=prof)
-    assert plain.ttft_mean_s == pytest.approx(COST.prefill_time(128, 0) + 0.06)
+    expected_s = COST.prefill_time(128, 0) + 0.06 + last_layer_s(128)
+    assert plain.ttft_mean_s == pytest.approx(expected_s)
     config = RouterConfig(block_size=10, bypass_max_tokens=512, bypass_max_stall_s=1.0)
     bypassed = StepSimulation(config, prof, 1, 1, 1000).run([record(0.0, 128, 1, 0)], False)
     assert bypassed.bypassed == 1  # cheaper than the hand-off, so the Conductor bypasses
@@ -135,3 +143,15 @@ def test_simulate_steps_like_the_engine_with_a_chunked_profile(tmp_path, capsys)
     assert summary["served"] == 20
     assert summary["ttft_mean_s"] >= COST.prefill_time(300 - 256, 256)
     assert main([*args, "--max-batched-tokens", "0"]) == 2
+
+
+def test_step_simulation_charges_each_prompt_its_own_hand_off():
+    lengths = (100, 400, 200)
+    records = [record(10.0 * i, n, 2, 1000 * i) for i, n in enumerate(lengths)]
+    config = RouterConfig(block_size=10, bypass_max_tokens=0)
+    sim = StepSimulation(config, profile(), 1, 1, 1000)
+    summary = sim.run(records, progress=False)
+    ttft, _ = sim.latencies()
+    expected = [COST.prefill_time(n, 0) + last_layer_s(n) for n in lengths]
+    assert list(ttft) == pytest.approx(expected)
+    assert summary.ttft_pred_error_mean_s > 0
