@@ -113,38 +113,14 @@ class DecodeWorker(EngineWorker):
         failure is the last item, as a `WorkerError`."""
         called_at = time.time()
         receive = self.receives.pop(request_id, None)
-        if receive is None and request_id in self.expired:
-            yield WorkerError(
-                "UNAVAILABLE",
-                f"the reservation of {request_id} was freed: nothing claimed it "
-                f"{self.handoff_timeout_s:g} s after its KV landed",
-                retryable=True,
-            )
-            return
         if receive is None:
-            yield WorkerError("NOT_FOUND", f"request {request_id} has no reservation here")
+            yield self._unreserved(request_id)
             return
-        engine = self._engine()
         reservation = self.notices.reservations[request_id]
         if not reservation.first_token.done():
             reservation.first_token.set_result(first_token_id)
         self.joining[request_id] = receive
-        failure = None
-        try:
-            await asyncio.wait_for(receive, self.get_timeout_s)
-        except asyncio.CancelledError:
-            failure = aborted(request_id)
-        except TimeoutError:
-            failure = WorkerError(
-                "UNAVAILABLE",
-                f"the KV of {request_id} was not all in the store {self.get_timeout_s} s after "
-                "its prefill ended (store.get_timeout_s)",
-                retryable=True,
-            )
-        except Exception as error:  # noqa: BLE001 - the router learns why, as data
-            failure = WorkerError(
-                "UNAVAILABLE", f"receiving the KV of {request_id} failed: {error}", retryable=True
-            )
+        failure = await self._received(request_id, receive)
         if self.joining.get(request_id) is not receive:  # `abort` took it (and freed it)
             yield aborted(request_id)
             return
@@ -157,8 +133,38 @@ class DecodeWorker(EngineWorker):
         if reservation.join_error is not None:  # `_receive` joined the batch, or tried to
             yield WorkerError.of(reservation.join_error)
             return
-        async for out in _timed(_as_data(engine.stream(request_id)), called_at):
+        async for out in _timed(_as_data(self._engine().stream(request_id)), called_at):
             yield out
+
+    def _unreserved(self, request_id: str) -> WorkerError:
+        """Why a `generate` finds no reservation: freed unclaimed, or never made here."""
+        if request_id in self.expired:
+            return WorkerError(
+                "UNAVAILABLE",
+                f"the reservation of {request_id} was freed: nothing claimed it "
+                f"{self.handoff_timeout_s:g} s after its KV landed",
+                retryable=True,
+            )
+        return WorkerError("NOT_FOUND", f"request {request_id} has no reservation here")
+
+    async def _received(self, request_id: str, receive: asyncio.Task) -> WorkerError | None:
+        """Wait (up to `get_timeout_s`) for the request's KV to be in; why it is not, or None."""
+        try:
+            await asyncio.wait_for(receive, self.get_timeout_s)
+        except asyncio.CancelledError:
+            return aborted(request_id)
+        except TimeoutError:
+            return WorkerError(
+                "UNAVAILABLE",
+                f"the KV of {request_id} was not all in the store {self.get_timeout_s} s after "
+                "its prefill ended (store.get_timeout_s)",
+                retryable=True,
+            )
+        except Exception as error:  # noqa: BLE001 - the router learns why, as data
+            return WorkerError(
+                "UNAVAILABLE", f"receiving the KV of {request_id} failed: {error}", retryable=True
+            )
+        return None
 
     async def generate_colocated(
         self, task: DecodeTask

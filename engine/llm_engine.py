@@ -45,12 +45,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, hooks: KVHooks | None = None) -> None:
         self.config = config
         self.hooks = hooks
-        model_dir = Path(config.model)
-        if not model_dir.is_dir():
-            raise ModelLoadError(
-                f"model directory {config.model!r} does not exist: pass a Hugging Face checkpoint "
-                "directory, or run `halfmoon init-model DIR` to create the default tiny model"
-            )
+        model_dir = _model_dir(config.model)
         self.model_config = cfg = load_model_config(model_dir)
         self.device = pick_device(config.device)
         self.dtype = pick_dtype(config.dtype, model_dir, self.device)
@@ -64,35 +59,31 @@ class LLMEngine:
         shared_path = self.runner.allocate_kv(self.num_pages, self.max_model_len, config.share_kv)
         self.kv = PagedKvCache(self.runner.kv_caches, shared_path)
         self.root_key = model_root_key(
-            model_identity(model_dir),
-            str(self.dtype),
-            cfg.num_layers,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-            config.block_size,
-        )
+            model_identity(model_dir), str(self.dtype), cfg.num_layers, cfg.num_kv_heads,
+            cfg.head_dim, config.block_size,
+        )  # fmt: skip
         self.pool = PagePool(
             self.num_pages, config.block_size, self.root_key, config.enable_prefix_caching
         )
         self.facts = ModelFacts(
-            config.model,
-            cfg.architecture,
-            cfg.vocab_size,
-            cfg.num_layers,
-            config.block_size,
-            self.root_key,
-            config.enable_prefix_caching,
-        )
+            config.model, cfg.architecture, cfg.vocab_size, cfg.num_layers, config.block_size,
+            self.root_key, config.enable_prefix_caching,
+        )  # fmt: skip
         self.scheduler = Scheduler(
-            self.pool,
-            config.max_num_batched_tokens,
-            config.max_num_seqs,
-            config.prefill_chunk_size,
-            hooks,
-        )
+            self.pool, config.max_num_batched_tokens, config.max_num_seqs,
+            config.prefill_chunk_size, hooks,
+        )  # fmt: skip
         self.eos_token_ids = set(cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self._start_books()
+        if self.device.type == "cuda":
+            from halfmoon.engine.warmup import warm_up_cuda
+
+            warm_up_cuda(self, graphs=hooks is None)
+
+    def _start_books(self) -> None:
+        """The requests it holds and the counters and step log it keeps."""
         self.requests: dict[str, Sequence] = {}
         self.reserved: dict[str, Sequence] = {}
         self._ids = itertools.count()
@@ -102,10 +93,6 @@ class LLMEngine:
         # What each recent step computed and how long it took, for the router's cost model.
         self.step_log: deque[StepTiming] = deque(maxlen=STEP_LOG)
         self._busy_since: float | None = None  # end of the last step if it left work pending
-        if self.device.type == "cuda":
-            from halfmoon.engine.warmup import warm_up_cuda
-
-            warm_up_cuda(self, graphs=hooks is None)
 
     def use_decode_buffers(self, capture: bool) -> None:
         """Run decode-only steps from static buffers, replayed as CUDA graphs when `capture`
@@ -344,3 +331,14 @@ def _checked_keys(keys: list[bytes] | None, num_tokens: int, block_size: int) ->
             f"must be at most one per full block of {block_size}",
         )
     return list(keys or [])
+
+
+def _model_dir(model: str) -> Path:
+    """The checkpoint directory, or a ModelLoadError that says how to get one."""
+    model_dir = Path(model)
+    if not model_dir.is_dir():
+        raise ModelLoadError(
+            f"model directory {model!r} does not exist: pass a Hugging Face checkpoint "
+            "directory, or run `halfmoon init-model DIR` to create the default tiny model"
+        )
+    return model_dir

@@ -120,6 +120,8 @@ class Dispatcher:
         self.conductor.on_prefill_done(rid, now)
         # The cost model is refined from the workers' engine steps (the pool polls them).
         trace.prefill_compute_s = result.computed_at - result.started_at
+        trace.prefill_returned_s = now
+        trace.worker_tail_s = result.finished_at - result.computed_at
         trace.num_loaded_tokens = result.num_loaded_tokens
         trace.loaded_from = result.loaded_from
         trace.num_cached_tokens = result.num_local_cached_tokens + result.num_loaded_tokens

@@ -204,7 +204,7 @@ class ClusterBackend:
         trace.mark("first token out", trace.first_token_s)
         ttft_s = trace.first_token_s - trace.arrived_s
         rid = req.request_id
-        self.conductor.observe_first_token(rid, ttft_s, trace.prefill_compute_s)
+        self.conductor.observe_first_token(rid, ttft_s, trace.handoff_s)
         if trace.prefill_instance is None:  # prefilled where it decodes: it is running there
             self.conductor.on_prefill_done(rid, trace.first_token_s)
             self.conductor.on_decode_join(rid, trace.first_token_s)
@@ -309,10 +309,12 @@ class ClusterBackend:
         return overhead_s
 
     def _overhead_s(self, trace: RequestTrace, num_tokens: int) -> float:
+        """What an idle pipeline adds to a request besides its prefill and its hand-off."""
         compute_s = trace.prefill_compute_s
         if compute_s is None:  # prefilled on the decode worker: no split, use the model
             compute_s = self.conductor.prefill_time_s(num_tokens)
-        return trace.first_token_s - trace.arrived_s - compute_s
+        handoff_s = trace.handoff_s or 0.0
+        return trace.first_token_s - trace.arrived_s - compute_s - handoff_s
 
     def profile(self) -> Profile:
         """The Conductor's profile as it stands (measured, calibrated, refit online)."""

@@ -220,19 +220,29 @@ class RouterActor:
                 (now, trace.num_prompt_tokens, trace.num_output_tokens, trace.num_cached_tokens)
             )
         metrics.record_outcome(trace.outcome, trace.reason)
+        self._observe_tokens(trace)
+        if trace.prefill_started_s is not None:
+            metrics.queue_seconds.observe(trace.prefill_started_s - trace.arrived_s)
+        if trace.first_token_s is not None:
+            self._observe_latency(trace, now)
+
+    def _observe_tokens(self, trace: RequestTrace) -> None:
+        """Its prompt, generated and cached tokens, and where its cached prefix came from."""
+        metrics = self.metrics
         metrics.prompt_tokens.inc(trace.num_prompt_tokens)
         metrics.generated_tokens.inc(trace.num_output_tokens)
         metrics.cached_tokens.inc(trace.num_cached_tokens)
-        if trace.num_prompt_tokens:
-            local = trace.num_cached_tokens - trace.num_loaded_tokens
-            metrics.record_prefix_lookup("device", trace.num_prompt_tokens, local)
-            if trace.prefill_instance is not None:
-                store_queried = trace.num_prompt_tokens - local
-                metrics.record_prefix_lookup("store", store_queried, trace.num_loaded_tokens)
-        if trace.prefill_started_s is not None:
-            metrics.queue_seconds.observe(trace.prefill_started_s - trace.arrived_s)
-        if trace.first_token_s is None:
+        if not trace.num_prompt_tokens:
             return
+        local = trace.num_cached_tokens - trace.num_loaded_tokens
+        metrics.record_prefix_lookup("device", trace.num_prompt_tokens, local)
+        if trace.prefill_instance is not None:
+            store_queried = trace.num_prompt_tokens - local
+            metrics.record_prefix_lookup("store", store_queried, trace.num_loaded_tokens)
+
+    def _observe_latency(self, trace: RequestTrace, now: float) -> None:
+        """Its TTFT (beside the prediction), inter-token gap, end-to-end time and SLO."""
+        metrics = self.metrics
         ttft_s = trace.first_token_s - trace.arrived_s
         metrics.ttft_seconds.observe(ttft_s)
         if trace.predicted_ttft_s is not None:

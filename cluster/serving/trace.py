@@ -24,6 +24,10 @@ class RequestTrace:
     num_output_tokens: int = 0
     predicted_ttft_s: float | None = None
     prefill_compute_s: float | None = None  # the prefill worker's first to last step
+    # When the prefill call returned to the router, and how long it took on the worker from
+    # its compute's end to its return (each on one clock): the hand-off's two parts.
+    prefill_returned_s: float | None = None
+    worker_tail_s: float | None = None
     # The prefill's first token and its logprobs, streamed before the decode worker's output.
     early_token: tuple | None = None
     outcome: str = "error"
@@ -31,6 +35,15 @@ class RequestTrace:
     arrived_wall_s: float = dataclasses.field(default_factory=time.time)
     # (stage, seconds since arrival) in the order they happened: `halfmoon status --explain`.
     timeline: list[tuple[str, float]] = dataclasses.field(default_factory=list)
+
+    @property
+    def handoff_s(self) -> float | None:
+        """From the prefill's compute end to the first token out at the router (the worker's
+        last layers and return, the router's relay); the queue before the prefill is not in
+        it. None unless a prefill worker computed the first token."""
+        if None in (self.worker_tail_s, self.prefill_returned_s, self.first_token_s):
+            return None
+        return self.worker_tail_s + self.first_token_s - self.prefill_returned_s
 
     def mark(self, stage: str, at_s: float | None = None) -> None:
         """Note that `stage` was reached now (or at monotonic time `at_s`)."""
