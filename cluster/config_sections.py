@@ -268,3 +268,6 @@ class HealthSection(Section):
 
     interval_s: float = Field(2.0, gt=0)
     timeout_s: float = Field(10.0, gt=0)
+    # A worker whose pings time out is replaced only once it has been silent this long (one
+    # whose actor Ray reports dead is replaced at once): a busy worker answers late, not never.
+    unresponsive_s: float = Field(60.0, gt=0)

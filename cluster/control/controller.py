@@ -34,9 +34,11 @@ class Controller:
         # Started workers not yet answering (Ray may be booting a node for them): name -> ping.
         self.pending: dict[str, ray.ObjectRef] = {}
         self.history: list[tuple[float, str, int, int, str]] = []  # (t, pool, actual, desired, why)
+        self.silent_since: dict[str, float] = {}  # workers whose last pings timed out: since when
 
     def check_health(self) -> list[str]:
-        """Ping every worker; replace each one that is dead or silent. Returns the dead names."""
+        """Ping every worker; replace each one that is dead, or silent for longer than
+        `health.unresponsive_s`. Returns the replaced names."""
         self.register_started()
         workers = [w for w in self.cluster.workers.values() if w.name not in self.pending]
         timeout_s = self.cluster.config.health.timeout_s
@@ -45,10 +47,15 @@ class Controller:
         for worker in workers:
             try:
                 ray.get(refs[worker.name], timeout=timeout_s)
-            except (RayActorError, GetTimeoutError):
+                self.silent_since.pop(worker.name, None)
+            except RayActorError:
                 dead.append(worker)
+            except GetTimeoutError:
+                if self._silent_too_long(worker.name):
+                    dead.append(worker)
         for worker in dead:
-            log.warning("worker %s is dead or silent; replacing it", worker.name)
+            self.silent_since.pop(worker.name, None)
+            log.warning("worker %s is dead or unresponsive; replacing it", worker.name)
             self.draining.discard(worker.name)
             self.cluster.remove_worker(worker.name)
             replacement = self.start_worker(worker.kind)
@@ -56,6 +63,20 @@ class Controller:
             log.warning("worker %s replaced by %s", worker.name, replacement)
         self.cluster.ensure_stores()
         return [worker.name for worker in dead]
+
+    def _silent_too_long(self, name: str) -> bool:
+        """A ping of `name` timed out: whether it has been silent past `health.unresponsive_s`
+        (until then it is taken as busy: its actor is alive, or Ray would have said so)."""
+        now = time.monotonic()
+        since = self.silent_since.setdefault(name, now)
+        bound_s = self.cluster.config.health.unresponsive_s
+        if now - since < bound_s:
+            log.warning(
+                "worker %s did not answer its health check for %.1f s; taken as busy until "
+                "%g s (health.unresponsive_s)", name, now - since, bound_s,
+            )  # fmt: skip
+            return False
+        return True
 
     def start_worker(self, kind: str) -> str:
         """Start a worker of `kind` without waiting for Ray to place it; `register_started`

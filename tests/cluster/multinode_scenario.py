@@ -42,6 +42,7 @@ def settings(model: str) -> dict:
             "engine.max_num_batched_tokens": 128,
             "store.get_timeout_s": 10.0,
             "health.timeout_s": 5.0,
+            "health.unresponsive_s": 10.0,
         },
     )
 

@@ -1,0 +1,41 @@
+"""Liveness that tells busy from dead: a worker whose pings time out is not replaced until it
+has been silent for `health.unresponsive_s`; one whose process dies is replaced at once."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import ray
+from cluster_kit import running_cluster, worker
+from grpc_testkit import wait_for
+
+from halfmoon.cluster.control.controller import Controller
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.usefixtures("ray_session")]
+
+
+def test_a_silent_worker_is_kept_until_it_has_been_unresponsive_too_long(tiny_model_dir):
+    # A timeout no ping can meet: every worker is "silent" on every check.
+    settings = {"health.timeout_s": 1e-4, "health.unresponsive_s": 3.0}
+    with running_cluster(tiny_model_dir, **settings) as (cluster, client):
+        controller = Controller(cluster)
+        assert controller.check_health() == []  # silent, not dead: nothing replaced
+        assert set(controller.silent_since) == set(cluster.workers)
+        client.complete("still serving", max_tokens=2)
+        time.sleep(3.0)
+        replaced = controller.check_health()  # silent past the bound now: replaced
+        assert sorted(replaced) == ["decode-1", "prefill-0"]
+        assert controller.num_restarts == 2
+        assert wait_for(lambda: controller.register_started() or not controller.pending, 120)
+
+
+def test_a_killed_worker_is_replaced_on_the_next_check(tiny_model_dir):
+    with running_cluster(tiny_model_dir, **{"health.unresponsive_s": 600.0}) as (cluster, _):
+        controller = Controller(cluster)
+        pid = ray.get(worker(cluster, "prefill-0").__ray_call__.remote(lambda _: os.getpid()))
+        os.kill(pid, signal.SIGKILL)
+        assert wait_for(lambda: "prefill-0" in controller.check_health(), 60)
+        assert controller.num_restarts == 1
