@@ -21,6 +21,7 @@ from halfmoon.engine.tokenizer import Prompt
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+IDLE_TIDY_S = 0.5  # how often an idle step loop applies what a step would (pages given back)
 
 
 class EngineFailure(HalfmoonError):
@@ -159,7 +160,8 @@ class AsyncEngine:
         while True:
             with self._work:
                 while not self._stopped and not self.engine.has_unfinished_requests():
-                    self._work.wait()
+                    self.engine.tidy()
+                    self._work.wait(IDLE_TIDY_S)
                 if self._stopped:
                     return
                 began = time.time()

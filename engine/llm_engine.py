@@ -190,6 +190,11 @@ class LLMEngine:
             self.pool.events = []
         return events
 
+    def tidy(self) -> None:
+        """Apply what a step would: pages given back from other threads (`unhold_pages_later`).
+        The step loop calls it while idle, so an idle engine's page count is true."""
+        self.pool.drain_unholds()
+
     def hold_pages(self, pages: list[int]) -> None:
         """Keep `pages` (in use by a sequence) from reuse until `unhold_pages_later(pages)`."""
         self.pool.hold(pages)

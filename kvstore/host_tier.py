@@ -188,6 +188,10 @@ class HostTier:
         """Release a lease; False when it had already expired or been released."""
         return self._leases.release(lease_id)
 
+    def expire_leases(self) -> int:
+        """Release the leases whose time is up now (a grant does it too); returns how many."""
+        return self._leases.expire()
+
     def usage(self) -> HostUsage:
         complete = int(np.count_nonzero(self._num_present == self.layout.num_layers))
         return HostUsage(

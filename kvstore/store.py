@@ -200,11 +200,16 @@ class KvStore:
 
     async def prefix_depths(self, keys: Sequence[bytes]) -> tuple[int, int]:
         """(leading blocks of `keys` the host tier holds with every layer, blocks after them
-        that Redis holds with every layer): `get_layer` gives both, promoting from Redis."""
-        held = self.host.leading_complete(keys)
-        if self.redis is None or held == len(keys):
-            return held, 0
-        return held, await self._redis_depth(keys[held:])
+        that it or Redis holds with every layer): `get_layer` gives all of them, promoting
+        from Redis."""
+        host = depth = self.host.leading_complete(keys)
+        while self.redis is not None and depth < len(keys):
+            found = await self._redis_depth(keys[depth:])
+            if found == 0:
+                break
+            depth += found
+            depth += self.host.leading_complete(keys[depth:])
+        return host, depth - host
 
     async def _redis_depth(self, keys: Sequence[bytes]) -> int:
         """How many leading blocks of `keys` Redis has a record of for every layer."""
@@ -235,7 +240,9 @@ class KvStore:
             await asyncio.gather(*self._demotions, return_exceptions=True)
 
     def stats(self) -> StoreStats:
-        """A snapshot of tier contents, hits, misses, movement and latency."""
+        """A snapshot of tier contents, hits, misses, movement and latency (leases whose time
+        is up are released first, so an idle store reports none)."""
+        self.host.expire_leases()
         usage = self.host.usage()
         host = self._stats.host
         host.blocks, host.bytes_ = usage.complete_blocks, usage.used_bytes

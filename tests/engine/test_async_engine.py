@@ -4,6 +4,7 @@ wake-up of the event loop per step."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 from halfmoon.engine import LLM, SamplingParams
 from halfmoon.engine.async_engine import AsyncEngine
@@ -38,3 +39,24 @@ def test_streams_equal_the_offline_engine_with_one_wake_up_per_step(tiny_model_d
         front.shutdown()
     assert got == expected
     assert wake_ups <= engine.num_steps, (wake_ups, engine.num_steps)
+
+
+def test_pages_given_back_while_idle_are_free_without_another_request(tiny_model_dir):
+    engine = LLM(str(tiny_model_dir), num_pages=16).engine
+    front = AsyncEngine(engine)
+
+    async def main():
+        async for _ in front.generate(PROMPTS[5], PARAMS, "lent"):
+            pass
+
+    pages = front.call(lambda e: e.reserve(PROMPTS[5], PARAMS, "held"))
+    front.call(lambda e: e.hold_pages(pages))
+    front.call(lambda e: e.abort("held"))
+    asyncio.run(main())
+    held = front.call(lambda e: e.num_held_pages)
+    assert held == len(pages)
+    engine.unhold_pages_later(pages)  # from another thread, as a lender does; then idle
+    deadline = time.monotonic() + 2.0
+    while front.call(lambda e: e.num_held_pages) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert front.call(lambda e: e.num_held_pages) == 0

@@ -187,3 +187,24 @@ async def test_store_nodes_sharing_a_mac_key_and_password_read_each_others_block
     finally:
         admin.execute_command("AUTH", "store-pw")
         admin.config_set("requirepass", "")
+
+
+async def test_an_idle_store_reports_an_expired_lease_as_gone() -> None:
+    now = [0.0]
+    kv_store = KvStore(LAYOUT, StoreConfig(), instance="node0", clock=lambda: now[0])
+    keys = make_keys(3)
+    await put_all_layers(kv_store, keys)
+    kv_store.lease(keys, ttl_s=30)
+    assert kv_store.stats().host.leased_blocks == 3
+    now[0] = 31.0  # nothing else happens: no grant, no put
+    assert kv_store.stats().host.leased_blocks == 0
+
+
+async def test_prefix_depths_counts_the_host_tier_then_redis(redis_url: str) -> None:
+    kv_store, keys = store(num_blocks=2, redis_url=redis_url), make_keys(4)
+    await put_all_layers(kv_store, keys[:2])
+    await put_all_layers(kv_store, keys[2:], seed=7)  # evicts the first two to Redis
+    await kv_store.flush()
+    assert await kv_store.prefix_depths(keys) == (0, 4)
+    assert await kv_store.prefix_depths(keys[2:]) == (2, 0)
+    assert await kv_store.prefix_depths(make_keys(2)) == (0, 0)
