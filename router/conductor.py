@@ -67,7 +67,8 @@ class Conductor:
         """Register a prefill instance; `node` names the store node whose host tier it loads
         prefixes from without a fetch (None: its own blocks only, as in the simulator)."""
         self.remove_prefill_view(instance)
-        view = self.prefill[instance] = PrefillView(instance, node=node)
+        shared = self.profile.cost.chunk_tokens > 0  # a chunking engine shares its steps
+        view = self.prefill[instance] = PrefillView(instance, node=node, shared=shared)
         if node is not None:
             self._with_nodes.append(view)
         return view
@@ -150,7 +151,7 @@ class Conductor:
         instance is still to do, from `now`."""
         hold = getattr(self.placed.holding(request_id), "hold", None)
         if hold is not None and self._counted(hold):
-            hold.queue.finish(hold.place_s, hold.num_new_tokens, now)
+            hold.queue.finish(hold.job, now)
             hold.queue = None
 
     def report_prefill(
@@ -192,7 +193,7 @@ class Conductor:
         hold = placed.hold
         hold.decode.leave(hold.admitted, hold.reserve_tokens)
         if self._counted(hold):
-            hold.queue.drop(hold.place_s, hold.work_s, hold.num_new_tokens, now)
+            hold.queue.drop(hold.job, now)
         return True
 
     def _counted(self, hold: Hold) -> bool:
@@ -316,9 +317,8 @@ class Conductor:
             placement.decode.bypass_until_s = now + placement.ttft_s
         else:
             hold.queue = self.prefill[placement.prefill_instance]
-            hold.work_s = placement.plan.work_s
-            hold.num_new_tokens = request.num_prompt_tokens - placement.plan.cached_tokens
-            hold.place_s = hold.queue.enqueue(hold.work_s, hold.num_new_tokens, now)
+            num_new_tokens = request.num_prompt_tokens - placement.plan.cached_tokens
+            hold.job = hold.queue.enqueue(placement.plan.work_s, num_new_tokens, now)
         placement.decode.admit(admitted, reserve)
         return hold
 

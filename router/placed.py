@@ -7,22 +7,19 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from halfmoon.router.decision import Decision
-from halfmoon.router.views import Admitted, DecodeView, PrefillView
+from halfmoon.router.views import Admitted, DecodeView, PrefillJob, PrefillView
 
 
 @dataclass(slots=True)
 class Hold:
     """What a placed request holds until it ends: decode KV (`admitted` on `decode`) and,
-    until its prefill finishes, its work in `queue` (the prefill view it was counted in) at
-    place `place_s` in that view's line."""
+    until its prefill finishes, its `job` in `queue` (the prefill view it was counted in)."""
 
     reserve_tokens: int
     decode: DecodeView
     admitted: Admitted
     queue: PrefillView | None = None
-    work_s: float = 0.0
-    num_new_tokens: int = 0
-    place_s: float = 0.0
+    job: PrefillJob | None = None
 
 
 @dataclass(slots=True)

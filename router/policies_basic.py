@@ -11,11 +11,11 @@ from halfmoon.router.views import DecodeView, PrefillView
 
 def place_on(ctx: PlacementContext, view: PrefillView, decode: DecodeView, note: str) -> Placement:
     """Place on `view` using only its local cache, and `decode`."""
-    queue_s = view.wait_s(ctx.now)
     hits, name = ctx.hits, view.instance
     plan = ctx.predictor.local_plan(
         hits.local_blocks.get(name, 0), ctx.request.num_prompt_tokens, hits.near_blocks.get(name, 0)
     )
+    queue_s = view.delay_s(ctx.now, plan.work_s)
     tbt_s = ctx.tbt(decode, ctx.now + queue_s + plan.work_s)
     candidates = [
         Candidate(view.instance, "prefill", queue_s + plan.work_s, note),

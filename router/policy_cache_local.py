@@ -26,7 +26,7 @@ class CacheAwareLocalPolicy:
             plan = plans.get((depth, near))
             if plan is None:
                 plan = plans[(depth, near)] = ctx.predictor.local_plan(depth, prompt, near)
-            queue_s = view.wait_s(now)
+            queue_s = view.delay_s(now, plan.work_s)
             ttft_s = queue_s + plan.work_s
             candidates.append(Candidate(view.instance, "prefill", ttft_s, f"{depth} local blocks"))
             if best is None or ttft_s < best[0]:

@@ -35,7 +35,7 @@ class ConductorPolicy:
                 if plan.fetch_from is not None:
                     note += f", fetch {plan.fetch_tokens} tokens from {plan.fetch_from}"
                 memo = plans[(depth, near, remote)] = (plan, note)
-            queue_s = view.wait_s(now)
+            queue_s = view.delay_s(now, memo[0].work_s)
             ttft_s = queue_s + memo[0].work_s
             candidates.append(Candidate(instance, "prefill", ttft_s, memo[1]))
             if ttft_s < best_ttft:

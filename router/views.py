@@ -5,66 +5,122 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+@dataclass(slots=True, eq=False)
+class PrefillJob:
+    """A request sent to a prefill instance: its predicted seconds of work (as if it ran
+    alone), how much of it is left, and its uncached prompt tokens."""
+
+    work_s: float
+    num_tokens: int
+    left_s: float = -1.0  # -1: all of it
+
+    def __post_init__(self) -> None:
+        if self.left_s < 0.0:
+            self.left_s = self.work_s
+
+
 @dataclass(slots=True)
 class PrefillView:
     """A prefill instance's outstanding work: every request sent there until it reports its
-    prefill finished, as the time the instance would be done with all of it.
+    prefill finished, each with its predicted work left, advanced as time passes.
 
-    The engine works through its requests first come, first served (chunked prefill shares
-    each step's token budget, earliest first), so a request sent now waits for all the work
-    sent before it. Each request keeps its place in that line (the seconds of work sent up to
-    and including it); when it finishes, the work sent after it is still to do, from then
-    (reconciliation: a misprediction never carries over)."""
+    How the work is shared is the engine's: an engine that prefills in chunks (`shared`)
+    runs one chunk of every prompt it holds in each step, so a prompt's wait is the work of
+    the others up to its own length (processor sharing); an engine that does not finishes
+    the first prompt first (`shared=False`: first come, first served). A finish, a drop or
+    the worker's own report corrects the prediction; a misprediction never carries over."""
 
     instance: str
+    node: str | None = None  # the store node whose host tier is local to it (None: none)
+    shared: bool = False
+    jobs: list[PrefillJob] = field(default_factory=list)  # in the order they were sent
     num_queued: int = 0  # requests sent here whose prefill has not finished
     queued_tokens: int = 0  # their uncached prompt tokens
-    busy_until_s: float = 0.0
-    node: str | None = None  # the store node whose host tier is local to it (None: none)
-    sent_s: float = 0.0  # seconds of work ever sent here: each request's place ends on it
-    # (place, seconds) of requests dropped unfinished, while later ones are still in line.
-    dropped: list[tuple[float, float]] = field(default_factory=list)
+    updated_s: float = 0.0  # when `jobs` were last advanced
 
     def wait_s(self, now: float) -> float:
-        """Predicted seconds before a request sent now would start prefilling."""
-        left = self.busy_until_s - now
-        return left if left > 0.0 else 0.0
+        """Predicted seconds of work the instance has left now."""
+        self.advance(now)
+        return sum(job.left_s for job in self.jobs)
 
-    def enqueue(self, work_s: float, num_tokens: int, now: float = 0.0) -> float:
-        """Count a request the router just sent here; returns its place in line."""
+    def delay_s(self, now: float, work_s: float) -> float:
+        """Predicted seconds a request of `work_s` sent now waits beyond its own work."""
+        self.advance(now)
+        if not self.shared:
+            return sum(job.left_s for job in self.jobs)
+        return sum(min(job.left_s, work_s) for job in self.jobs)
+
+    def enqueue(self, work_s: float, num_tokens: int, now: float = 0.0) -> PrefillJob:
+        """Count a request the router just sent here; returns its job."""
+        self.advance(now)
+        job = PrefillJob(work_s, num_tokens)
+        self.jobs.append(job)
         self.num_queued += 1
         self.queued_tokens += num_tokens
-        self.busy_until_s = max(self.busy_until_s, now) + work_s
-        self.sent_s += work_s
-        return self.sent_s
+        return job
 
-    def finish(self, place_s: float, num_tokens: int, now: float) -> None:
-        """The request at `place_s` finished at `now`: the work sent after it is still to
-        do, from now."""
-        self._forget(num_tokens)
-        behind = self.sent_s - place_s - sum(w for p, w in self.dropped if p > place_s)
-        self.dropped = [(p, w) for p, w in self.dropped if p > place_s]
-        self.busy_until_s = now + (behind if behind > 0.0 else 0.0)
+    def finish(self, job: PrefillJob, now: float) -> None:
+        """`job`'s prefill finished at `now`. First come, first served, the jobs sent after it
+        have not started: all their work is left, however late it finished."""
+        self.advance(now)
+        if job not in self.jobs:
+            return
+        place = self.jobs.index(job)
+        self.drop(job, now)
+        if not self.shared:
+            for later in self.jobs[place:]:
+                later.left_s = later.work_s
 
-    def drop(self, place_s: float, work_s: float, num_tokens: int, now: float) -> None:
-        """The request at `place_s` left unfinished (cancelled, or retried elsewhere)."""
-        self._forget(num_tokens)
-        self.busy_until_s = max(self.busy_until_s - work_s, now)
-        if self.num_queued:
-            self.dropped.append((place_s, work_s))
+    def drop(self, job: PrefillJob, now: float) -> None:
+        """`job` left unfinished (cancelled, or retried elsewhere) at `now`."""
+        self.advance(now)
+        if job in self.jobs:
+            self.jobs.remove(job)
+            self.num_queued -= 1
+            self.queued_tokens -= job.num_tokens
 
     def reconcile(self, num_requests: int, left_s: float, now: float) -> None:
         """The worker's own count of the requests it holds and the seconds of prompt it has
         still to compute: taken as the truth when it holds every request sent here (none on
-        its way)."""
-        if num_requests == self.num_queued:
-            self.busy_until_s = now + (left_s if num_requests else 0.0)
+        its way), shared among them in proportion to what was predicted."""
+        if num_requests != self.num_queued or not self.jobs:
+            return
+        self.advance(now)
+        predicted = sum(job.left_s for job in self.jobs)
+        for job in self.jobs:
+            job.left_s = left_s * job.left_s / predicted if predicted > 0 else left_s / num_requests
 
-    def _forget(self, num_tokens: int) -> None:
-        self.num_queued = max(self.num_queued - 1, 0)
-        self.queued_tokens = max(self.queued_tokens - num_tokens, 0)
-        if not self.num_queued:
-            self.dropped.clear()
+    def advance(self, now: float) -> None:
+        """Take the work done since the last update off the jobs, as the engine shares it."""
+        elapsed, self.updated_s = now - self.updated_s, max(now, self.updated_s)
+        if elapsed <= 0.0 or not self.jobs:
+            return
+        if self.shared:
+            _share(self.jobs, elapsed)
+        else:
+            _first_come(self.jobs, elapsed)
+
+
+def _first_come(jobs: list[PrefillJob], elapsed: float) -> None:
+    """`elapsed` seconds of work, the first job first."""
+    for job in jobs:
+        done = min(job.left_s, elapsed)
+        job.left_s -= done
+        elapsed -= done
+        if elapsed <= 0.0:
+            return
+
+
+def _share(jobs: list[PrefillJob], elapsed: float) -> None:
+    """`elapsed` seconds of work shared equally among the jobs with work left."""
+    active = [job for job in jobs if job.left_s > 0.0]
+    while active and elapsed > 0.0:
+        least = min(job.left_s for job in active)
+        each = min(least, elapsed / len(active))
+        for job in active:
+            job.left_s -= each
+        elapsed -= each * len(active)
+        active = [job for job in active if job.left_s > 1e-12]
 
 
 @dataclass(slots=True, eq=False)

@@ -55,7 +55,7 @@ def test_prediction_admits_when_the_batch_will_have_drained_by_prefill_end():
             conductor.on_decode_join(f"old{i}", 0.0)
         conductor.report_decode("d0", 5, 5 * 150)
         for name in conductor.prefill:
-            conductor.prefill[name].busy_until_s = 2.0
+            conductor.prefill[name].enqueue(2.0, 0, 0.0)
         modes[mode] = conductor.route(request("new"), 0.0)
     assert modes["early_rejection"].rejected
     assert not modes["prediction_early_rejection"].rejected

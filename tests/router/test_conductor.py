@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 from router_testkit import make_conductor, request, simple_profile
 
@@ -166,3 +168,30 @@ def test_a_request_predicted_past_max_ttft_is_rejected_whatever_the_admission_mo
     assert [d.rejected for d in decisions] == [False, False, True, True]
     assert "exceeds router.max_ttft_s 0.250s" in decisions[2].reason
     assert conductor.prefill["p0"].num_queued == 2
+
+
+def _chunked_conductor() -> Conductor:
+    """One prefill instance whose engine prefills in 10-token chunks (processor sharing)."""
+    profile = simple_profile()
+    profile.cost = dataclasses.replace(profile.cost, chunk_tokens=10)
+    return make_conductor(num_prefill=1, profile=profile)
+
+
+def test_a_chunking_engine_shares_its_steps_so_a_short_prompt_waits_its_own_length():
+    conductor = _chunked_conductor()
+    conductor.route(request("long", num_blocks=100), 0.0)  # 1.0 s of prefill
+    short = conductor.route(request("short", first_key=500), 0.0)  # 0.1 s
+    # Sharing every step with the long one until it is done: 0.1 s of the long one's work.
+    assert short.predicted_queue_s == pytest.approx(0.1)
+    view = conductor.prefill["p0"]
+    assert view.wait_s(0.1) == pytest.approx(1.1 - 0.1)  # both ran at half speed
+    assert [job.left_s for job in view.jobs] == pytest.approx([0.95, 0.05])
+    conductor.on_prefill_done("short", 0.2)  # later than predicted (0.2 s shared: on time)
+    assert [job.left_s for job in view.jobs] == pytest.approx([0.9])
+
+
+def test_first_come_first_served_a_short_prompt_waits_for_the_long_one():
+    conductor = make_conductor(num_prefill=1)
+    conductor.route(request("long", num_blocks=100), 0.0)
+    short = conductor.route(request("short", first_key=500), 0.0)
+    assert short.predicted_queue_s == pytest.approx(1.0)

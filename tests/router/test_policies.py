@@ -124,7 +124,7 @@ def test_conductor_always_picks_a_minimum_predicted_ttft_instance():
                 )
             if rng.random() < 0.7:
                 conductor.prefill[name].enqueue(rng.uniform(0, 0.2), 10)
-            conductor.prefill[name].busy_until_s = rng.uniform(0, 0.1)
+            conductor.prefill[name].enqueue(rng.uniform(0, 0.1), 10)
         decision = conductor.route(request(f"r{trial}", num_blocks=rng.randint(1, 12)), 0.0)
         prefill = [c for c in decision.candidates if c.role == "prefill"]
         assert len(prefill) == len(names)
