@@ -97,7 +97,8 @@ def prompt_tokens(record: TraceRecord, block_tokens: int, vocabulary: Sequence[i
     so requests that share leading hash ids share a token prefix."""
     tokens: list[int] = []
     for hash_id in record.hash_ids:
-        rng = random.Random(hash_id)
+        # Not Random(hash_id): the router calibrates with Random(0)'s ids, hash id 0's block.
+        rng = random.Random(f"trace block {hash_id}")
         tokens += [rng.choice(vocabulary) for _ in range(block_tokens)]
     return tokens[: record.num_prompt_tokens]
 

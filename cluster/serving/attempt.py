@@ -70,6 +70,7 @@ class Dispatcher:
         decision = request.decision = await self._route(request)
         request.trace.mark("routed")
         request.trace.predicted_ttft_s = decision.predicted_ttft_s
+        request.trace.predicted_queue_s = decision.predicted_queue_s
         if decision.rejected:
             raise RejectedError(f"request {request.request_id} rejected: {decision.reason}")
         self._replicate(decision)

@@ -23,6 +23,7 @@ class RequestTrace:
     loaded_from: str | None = None  # the store node a loaded prefix came from (or "redis")
     num_output_tokens: int = 0
     predicted_ttft_s: float | None = None
+    predicted_queue_s: float | None = None  # of it, the wait for the prefill instance
     prefill_compute_s: float | None = None  # the prefill worker's first to last step
     # When the prefill call returned to the router, and how long it took on the worker from
     # its compute's end to its return (each on one clock): the hand-off's two parts.
@@ -70,6 +71,7 @@ class RequestTrace:
             "num_loaded_tokens": self.num_loaded_tokens,
             "loaded_from": self.loaded_from,
             "predicted_ttft_s": self.predicted_ttft_s,
+            "predicted_queue_s": self.predicted_queue_s,
             "ttft_s": ttft_s,
         }
 
