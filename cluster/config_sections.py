@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 from pydantic_core import PydanticCustomError
 
 from halfmoon.cluster.control.autoscaling_policy import invalid
+from halfmoon.cluster.frontend.http_limits import HttpLimits
 from halfmoon.engine.config import EngineConfig, EngineSettings
 from halfmoon.kvstore.config import StoreConfig, StoreSettings
 from halfmoon.router.config import RouterConfig
@@ -226,6 +227,8 @@ class ServerSection(Section):
     # PEM files: serve the gRPC API over TLS (both or neither).
     tls_cert: str | None = None
     tls_key: str | None = None
+    # Read deadlines and connection bounds of the HTTP API (docs/deploy.md, "Protection").
+    http_limits: HttpLimits = Field(default_factory=HttpLimits)
 
     @field_validator("http_port", mode="before")
     @classmethod

@@ -19,7 +19,9 @@ from halfmoon.router.errors import ProfileError
 
 
 class OnlineRefit:
-    """Keeps the last `window` observations and refits `model` every `every` of them.
+    """Keeps the last `window` observations and refits `model` every `every` of them (sooner
+    while the window fills: once it holds twice as many as were new, so the first refit comes
+    after a few steps, when the start-up profile is furthest from the serving machine).
 
     A window that spans too few distinct shapes to fit keeps the previous coefficients.
     """
@@ -46,7 +48,7 @@ class OnlineRefit:
     def _add_prefill(self, row: list[float], seconds: float) -> None:
         self._prefill.append((row, seconds))
         self._since_prefill += 1
-        if self._since_prefill >= self.every and len(self._prefill) >= 2 * len(PREFILL_TERMS):
+        if self._due(self._since_prefill, len(self._prefill), len(PREFILL_TERMS)):
             self._since_prefill = 0
             with suppress(ProfileError):
                 rows = [row for row, _ in self._prefill]
@@ -58,11 +60,18 @@ class OnlineRefit:
         """Record one measured decode step; refit the decode terms when enough are new."""
         self._decode.append((float(batch_size), float(kv_tokens), seconds))
         self._since_decode += 1
-        if self._since_decode >= self.every and len(self._decode) >= 2 * len(DECODE_TERMS):
+        if self._due(self._since_decode, len(self._decode), len(DECODE_TERMS)):
             self._since_decode = 0
             with suppress(ProfileError):
                 coef = fit_decode(list(self._decode), self._weights(len(self._decode)))
                 self.model.decode_coef = coef
+
+    def _due(self, num_new: int, num_kept: int, num_terms: int) -> bool:
+        """Whether to refit: `every` new observations, or half of those kept while the window
+        fills (never from fewer than twice the terms, nor more often than every 8)."""
+        if num_kept < 2 * num_terms:
+            return False
+        return num_new >= min(self.every, max(8, num_kept // 2))
 
     def _weights(self, count: int) -> list[float]:
         # Newest sample weighs 1, one half-life older weighs 0.5.

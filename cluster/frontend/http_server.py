@@ -18,10 +18,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from halfmoon.cluster.frontend.auth import UNAUTHENTICATED_MESSAGE, bearer_matches
 from halfmoon.cluster.frontend.drain import Drain
 from halfmoon.cluster.frontend.http_errors import error_body, http_error
+from halfmoon.cluster.frontend.http_limits import HttpLimits
+from halfmoon.cluster.frontend.http_protocol import uvicorn_config
 from halfmoon.cluster.frontend.openai_responses import CHAT, COMPLETION, ResponseShape
 from halfmoon.cluster.frontend.openai_schema import (
     ChatCompletionRequest,
@@ -191,14 +194,7 @@ class OpenAIServer:
     async def _generate(self, request: Request, request_id: str, kind: str) -> Response:
         schema = ChatCompletionRequest if kind == CHAT else CompletionRequest
         self.drain.check_open()
-        raw = await request.body()
-        if len(raw) > self.limits.max_prompt_bytes + BODY_OVERHEAD_BYTES:
-            raise InvalidRequestError(
-                "body",
-                f"<{len(raw)} bytes>",
-                f"at most {self.limits.max_prompt_bytes + BODY_OVERHEAD_BYTES} bytes allowed "
-                "(limits.max_prompt_bytes plus room for the other fields)",
-            )
+        raw = await _read_body(request, self.limits.max_prompt_bytes + BODY_OVERHEAD_BYTES)
         body = _parse(schema, raw)
         self._check_model(body.model)
         generate_input = body.to_input(request_id, body.to_prompt(), self.model.max_model_len)
@@ -245,6 +241,33 @@ async def _events(relay: Relay, delta: TokenDelta | None, shape: ResponseShape):
 
 def _event(body: dict) -> str:
     return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+
+async def _read_body(request: Request, max_bytes: int) -> bytes:
+    """The body, refused once it is known to exceed `max_bytes`: by its Content-Length before
+    any of it is read, else (chunked) as soon as the bytes read so far exceed it."""
+    declared = request.headers.get("content-length")
+    if declared is not None and int(declared) > max_bytes:
+        raise _body_too_large(f"<{declared} bytes>", max_bytes)
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:
+                raise _body_too_large(f"<more than {max_bytes} bytes>", max_bytes)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ClientGone from None
+    return b"".join(chunks)
+
+
+def _body_too_large(value: str, max_bytes: int) -> InvalidRequestError:
+    return InvalidRequestError(
+        "body",
+        value,
+        f"at most {max_bytes} bytes allowed (limits.max_prompt_bytes plus room for the other "
+        "fields)",
+    )
 
 
 async def _unless_client_gone(request: Request, relay: Relay, work: Awaitable):
@@ -331,10 +354,10 @@ class HttpServer:
 
 
 async def start_http_server(
-    app, host: str = "127.0.0.1", port: int = 8000
+    app, host: str = "127.0.0.1", port: int = 8000, limits: HttpLimits | None = None
 ) -> tuple[HttpServer, int]:
-    """Serve the ASGI `app` on host:port (0: a free port) in this event loop; returns the
-    server and the bound port."""
+    """Serve the ASGI `app` on host:port (0: a free port) in this event loop, under `limits`;
+    returns the server and the bound port."""
     try:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.create_server((host, port), family=family)
@@ -343,8 +366,7 @@ async def start_http_server(
             f"cannot serve the HTTP API on {host}:{port} ({error}): the port is taken or the "
             "host is not local; pass another --http-port"
         ) from error
-    config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off")
-    server = _Server(config)
+    server = _Server(uvicorn_config(app, limits or HttpLimits()))
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started:  # uvicorn has no event to await for this
         if task.done():

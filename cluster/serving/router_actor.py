@@ -111,7 +111,8 @@ class RouterActor:
             self.config.limits,
             self.drain,
         )
-        self.http_server, bound_port = await start_http_server(api.app, host, port)
+        limits = self.config.server.http_limits
+        self.http_server, bound_port = await start_http_server(api.app, host, port, limits)
         return bound_port
 
     async def add_worker(

@@ -26,9 +26,10 @@ class RunningApi:
 
 @contextmanager
 def serve_openai(
-    model_dir, api_key: str | None = None, limits=None, drain=None
+    model_dir, api_key: str | None = None, limits=None, drain=None, http_limits=None
 ) -> Iterator[RunningApi]:
-    """Serve the checkpoint over gRPC and HTTP on free loopback ports until the block exits."""
+    """Serve the checkpoint over gRPC and HTTP on free loopback ports until the block exits
+    (`http_limits`: the server's HttpLimits, else the defaults)."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="api-servers", daemon=True)
     thread.start()
@@ -39,7 +40,7 @@ def serve_openai(
         grpc_server, grpc_port = await start_grpc_server(backend, port=0, api_key=api_key)
         model = await backend.model_info()
         api = OpenAIServer(backend, engine.engine.tokenizer, model, None, api_key, limits, drain)
-        http_server, http_port = await start_http_server(api.app, port=0)
+        http_server, http_port = await start_http_server(api.app, port=0, limits=http_limits)
         return grpc_server, grpc_port, http_server, http_port, model.model
 
     def run(coro):
