@@ -41,7 +41,8 @@ from halfmoon.router.profile import Profile
 from halfmoon.router.request import RouteRequest
 
 log = logging.getLogger(__name__)
-MAX_ATTEMPTS = 3  # tries per request when the workers it was sent to die
+MAX_ATTEMPTS = 3  # tries per request when the workers it was sent to die before any output
+MAX_MIGRATIONS = 2  # moves of a request whose workers die after some output was streamed
 
 Observer = Callable[[RequestTrace], None]
 
@@ -123,19 +124,30 @@ class ClusterBackend:
             left = max(info.max_model_len - len(token_ids), 1)
             req.params = request.params = dataclasses.replace(request.params, max_tokens=left)
         self.prompts.check_fits(len(token_ids), req.params.max_tokens)
+        req.asked, req.num_prompt_tokens = req.params, len(token_ids)
         req.trace.num_prompt_tokens = len(token_ids)
+        req.route = RouteRequest(
+            req.request_id, [], 0, 0, req.trace.arrived_s,
+            ttft_slo_s=request.ttft_slo_s, tbt_slo_s=request.tbt_slo_s,
+        )  # fmt: skip
+        self._key(req)
+
+    def _key(self, req: Request) -> None:
+        """Hash the request's block keys (once per prompt: a migration's prompt is longer) and
+        size what the Conductor places."""
+        info, token_ids = self.info, req.token_ids
         req.block_keys = block_keys(info.root_key, token_ids, info.block_size)
         # The engine stops at the context length, so no request holds KV beyond it.
         max_output_tokens = min(req.params.max_tokens, info.max_model_len - len(token_ids))
-        req.route = RouteRequest(
-            req.request_id, req.block_keys, len(token_ids), max_output_tokens,
-            req.trace.arrived_s, ttft_slo_s=request.ttft_slo_s, tbt_slo_s=request.tbt_slo_s,
+        req.route = dataclasses.replace(
+            req.route, block_keys=req.block_keys, num_prompt_tokens=len(token_ids),
+            max_output_tokens=max_output_tokens,
         )  # fmt: skip
 
     async def _serve(self, req: Request) -> AsyncIterator[TokenDelta]:
-        """Serve the request, moving it to other workers while a dead one (or one whose KV never
-        arrived) had streamed none of it (beyond the prefill's first token, which the next
-        decode worker continues from)."""
+        """Serve the request, moving it to other workers when one dies (or its KV never
+        arrives): retried while it had streamed nothing (beyond the prefill's first token,
+        which the next decode worker continues from), migrated once it had."""
         while True:
             try:
                 async for delta in self._attempt(req):
@@ -145,13 +157,41 @@ class ClusterBackend:
                 if req.aborted:
                     yield _aborted_delta(req.trace)
                     return
-                if not error.retryable or req.streamed or req.num_attempts >= MAX_ATTEMPTS:
+                if not error.retryable or not await self._recover(req, error):
                     raise
-                await self._retry(req, error)
             except WorkerDiedError as error:
-                if req.streamed or req.aborted or req.num_attempts >= MAX_ATTEMPTS:
+                if req.aborted or not await self._recover(req, error):
                     raise
-                await self._retry(req, error)
+            if req.streamed and req.tokens_left <= 0:  # died after the last token was out
+                yield _finished_delta(req.trace)
+                return
+
+    async def _recover(self, req: Request, why: Exception) -> bool:
+        """Start a fresh attempt on other workers; False when the request is out of them."""
+        if not req.streamed:
+            if req.num_attempts >= MAX_ATTEMPTS:
+                return False
+            await self._retry(req, why)
+            return True
+        if req.num_migrations >= MAX_MIGRATIONS:
+            return False
+        await self._migrate(req, why)
+        return True
+
+    async def _migrate(self, req: Request, why: Exception) -> None:
+        """Continue a request that streamed output on other workers: its prompt and the tokens
+        the client has are prefilled again (from the store's cached blocks where they are)."""
+        log.warning(
+            "migrating request %s after %d output tokens: %s",
+            req.request_id, len(req.output_ids), why,
+        )  # fmt: skip
+        await self.dispatch.end(req)
+        self.conductor.on_abandon(req.request_id, time.monotonic())
+        req.migrate()
+        req.trace.early_token = None
+        req.trace.mark(f"migrated after {len(req.output_ids)} output tokens")
+        if req.tokens_left > 0:
+            self._key(req)
 
     async def _retry(self, req: Request, why: Exception) -> None:
         """Give up the current attempt and start a fresh one on other workers."""
@@ -166,8 +206,10 @@ class ClusterBackend:
         early = trace.early_token
         if early is not None and not req.early_sent:  # out now, not after the hand-off
             req.early_sent = True
-            trace.num_output_tokens = 1
-            self._first_token_out(req)
+            trace.num_output_tokens += 1
+            req.output_ids.append(early[0])
+            if trace.first_token_s is None:
+                self._first_token_out(req)
             yield TokenDelta([early[0]], "", logprobs=[early[1]] if early[1] else [])
         async for out in self.dispatch.outputs(worker, stream, req.attempt):
             new_ids = out.new_token_ids
@@ -183,6 +225,7 @@ class ClusterBackend:
             for stage, wall_s in out.timeline:
                 trace.mark_wall(f"{role}: {stage}", wall_s)
         trace.num_output_tokens += len(new_ids)
+        req.output_ids += new_ids
         if out.finished:
             req.attempt.ended = True
             trace.outcome = "cancelled" if out.finish_reason == "abort" else "finished"
@@ -350,6 +393,12 @@ class ClusterBackend:
 
 def _usage(trace: RequestTrace) -> Usage:
     return Usage(trace.num_prompt_tokens, trace.num_output_tokens, trace.num_cached_tokens)
+
+
+def _finished_delta(trace: RequestTrace) -> TokenDelta:
+    """The end of a stream whose every token was out when its worker died."""
+    trace.outcome = "finished"
+    return TokenDelta([], "", finish_reason="length", usage=_usage(trace))
 
 
 def _aborted_delta(trace: RequestTrace) -> TokenDelta:

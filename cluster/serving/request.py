@@ -5,6 +5,7 @@ on the workers (decode pages, prefill job, store leases), given back once."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -49,12 +50,16 @@ class Request:
     request_id: str
     params: SamplingParams
     trace: RequestTrace
-    token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # the prompt (and, migrated, the output)
     block_keys: list[bytes] = field(default_factory=list)  # hashed once, for every attempt
     route: RouteRequest | None = None  # what the Conductor places (the same keys)
     decision: Decision | None = None
     attempt: Attempt = field(default_factory=Attempt)
     num_attempts: int = 1
+    asked: SamplingParams | None = None  # the client's, as checked (`params`: this attempt's)
+    num_prompt_tokens: int = 0  # of the client's prompt, however often it was migrated
+    output_ids: list[int] = field(default_factory=list)  # streamed to the client so far
+    num_migrations: int = 0
     early_sent: bool = False  # the prefill's first token reached the client
     streamed: bool = False  # decode output reached the client: a retry would repeat it
     aborted: bool = False  # the client asked to abort (the Abort call)
@@ -66,6 +71,20 @@ class Request:
         self.attempt = Attempt()
         self.num_attempts += 1
         return self.attempt
+
+    @property
+    def tokens_left(self) -> int:
+        """Output tokens the client may still get."""
+        return self.asked.max_tokens - len(self.output_ids)
+
+    def migrate(self) -> Attempt:
+        """A fresh attempt that continues from what the client already has: the prompt is the
+        client's followed by the output so far, with the tokens left to generate."""
+        self.token_ids = self.token_ids[: self.num_prompt_tokens] + self.output_ids
+        self.params = dataclasses.replace(self.asked, max_tokens=self.tokens_left)
+        self.early_sent = False
+        self.num_migrations += 1
+        return self.retry()
 
     async def close(self, release: Callable[[Request], Awaitable[None]]) -> None:
         """Run `release(self)` once however often this is called; wait for it unless cancelled."""

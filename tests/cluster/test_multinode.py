@@ -50,11 +50,10 @@ def test_a_worker_without_room_waits_without_blocking_the_controller(report):
     assert report["placement_after"]["decode-2"] == report["spare_node"]
 
 
-def test_losing_the_decode_node_fails_its_requests_cleanly_and_nothing_hangs(report):
+def test_losing_the_decode_node_moves_its_streams_to_the_spare_and_nothing_hangs(report):
     assert report["hung"] == []
-    for got, want in zip(report["during_outcomes"], report["expected_during"], strict=True):
-        assert got == want or got == "UNAVAILABLE"
-    assert "UNAVAILABLE" in report["during_outcomes"]
+    # Each stream cut by the node's loss migrates to the spare's decode worker and goes on.
+    assert report["during_outcomes"] == report["expected_during"]
     assert report["dead_removed"] is True
     assert report["decode_node"] not in report["stores_after"]
     assert report["outputs_while_pending"] == report["expected"]  # the spare's worker serves

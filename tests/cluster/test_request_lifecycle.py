@@ -204,7 +204,7 @@ def _pid(actor) -> int:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("pool", ["decode", "prefill"])
-def test_a_killed_worker_loses_no_request_that_streamed_nothing(tiny_model_dir, tiny_llm, pool):
+def test_a_killed_worker_loses_no_request_and_streams_go_on(tiny_model_dir, tiny_llm, pool):
     prompts = [f"{i} " + "k" * 150 for i in range(24)]
     max_tokens = 24
     settings = {
@@ -240,6 +240,7 @@ def test_a_killed_worker_loses_no_request_that_streamed_nothing(tiny_model_dir, 
         loader.start()
         _wait_until(lambda: sum(d >= 2 for d in deltas) >= 3, 300, "some streams under way")
         pid = _pid(victim.actor)
+        streaming = sum(1 for i, d in enumerate(deltas) if d >= 2 and results[i] is None)
         killed_at = time.monotonic()
         os.kill(pid, signal.SIGKILL)
         _wait_until(lambda: _health(address) == NOT_SERVING, 30, "NOT_SERVING")
@@ -265,17 +266,13 @@ def test_a_killed_worker_loses_no_request_that_streamed_nothing(tiny_model_dir, 
             "lent pages given back",
         )
     expected = _expected(tiny_llm, prompts, max_tokens)
-    failed = [i for i, r in enumerate(results) if isinstance(r, ServerError)]
-    for i in failed:  # only a request whose decode output was already streamed may be lost
-        assert results[i].code == "UNAVAILABLE", results[i]
-        assert deltas[i] >= 2, (i, deltas[i], results[i])
-    done = [i for i in range(len(prompts)) if i not in failed]
-    assert [results[i] for i in done] == [expected[i] for i in done]
+    # A request that had streamed nothing is retried; one that had (its decode worker died
+    # mid-stream) migrates: its stream goes on with no gap and no repeated token.
+    assert results == expected
     assert after.token_ids == expected[0]
     assert controller.num_restarts == 1
-    if pool == "prefill":
-        assert failed == []  # a prefill holds nothing streamed: every request moves on
     print(
-        f"\nkill -9 {victim.name}: {len(done)} completed, {len(failed)} lost after streaming; "
-        f"NOT_SERVING after {not_serving_s:.2f} s, SERVING again after {serving_s:.1f} s"
+        f"\nkill -9 {victim.name}: {len(prompts)}/{len(prompts)} completed, outputs as "
+        f"undisturbed ({streaming} were streaming when it died); NOT_SERVING after "
+        f"{not_serving_s:.2f} s, SERVING again after {serving_s:.1f} s"
     )
