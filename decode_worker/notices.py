@@ -73,10 +73,12 @@ class Notices:
         self.opening: dict[NoticeConn, asyncio.Future] = {}
         self.node_store = store  # this node's store, where notices' claims are released
         self.num_lenders = 0  # prefill workers' caches opened
+        self.num_notices = 0  # notices received from prefill workers
 
     def counters(self) -> dict:
         return {
             "num_lenders": self.num_lenders,
+            "num_notices": self.num_notices,
             "num_malformed_notices": self.listener.num_malformed if self.listener else 0,
         }
 
@@ -129,6 +131,7 @@ class Notices:
 
     def _on_notice(self, notice: Notice, conn: NoticeConn) -> None:
         """A notice from a prefill worker (the listener's callback, in the event loop)."""
+        self.num_notices += 1
         if isinstance(notice, Hello):
             self.opening[conn] = asyncio.get_running_loop().create_future()
             asyncio.get_running_loop().create_task(self._open_lender(conn))

@@ -152,10 +152,11 @@ def test_a_notified_request_joins_before_the_hand_off_and_returns_every_claim(pa
 def test_notices_that_overtake_the_reserve_wait_for_it(parts):
     decode = parts[3]
     prefill = Prefill(parts, "t2", "n2")
+    heard = counters(decode)["num_notices"]
     prefill.publish(0)  # the reserve was sent at the same time, and lands after these
     prefill.publish(1)
     prefill.first_token(11)
-    time.sleep(0.2)
+    wait_for(lambda: counters(decode)["num_notices"] >= heard + 3)
     ray.get(reserve(parts, "n2", "t2"))
     got = outputs(decode, "n2", 11)
     assert [t for out in got for t in out.new_token_ids][0] == 11 and got[-1].finished
@@ -283,12 +284,12 @@ class Lending:
 
     def connect(self, decode, peer) -> None:
         """Say hello; wait until the decode worker has opened (or tried to open) the cache."""
-        opened = counters(decode)["num_lenders"]
+        opened, heard = counters(decode)["num_lenders"], counters(decode)["num_notices"]
         self.sender.send(peer, TokenNotice("hello-only", 0))
         if self.engine.kv.export() is not None and ray.get(self.actor.kv_export.remote()):
             wait_for(lambda: counters(decode)["num_lenders"] > opened)
         else:
-            time.sleep(0.5)
+            wait_for(lambda: counters(decode)["num_notices"] > heard)
 
     def close(self) -> None:
         self.sender.close()

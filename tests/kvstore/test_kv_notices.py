@@ -123,7 +123,7 @@ def test_a_sender_reconnects_once_and_reports_a_peer_that_is_gone():
         # reconnects to the same socket and arrives.
         for conn in list(listener._conns):
             listener._drop(conn)
-        await asyncio.sleep(0.05)
+        await _until(lambda: not listener._conns)
         await asyncio.to_thread(sender.send, listener.peer, TokenNotice("a", 2))
         await _until(lambda: len(got) == 2)
         listener.close()
