@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from pathlib import Path
 
 import pytest
 from cluster_kit import running_cluster
@@ -23,6 +24,8 @@ from halfmoon.cluster.bench.workload import (
 from halfmoon.cluster.cli import main
 from halfmoon.engine.init_model import build_tokenizer
 
+# The first requests of Mooncake's conversation trace, kept in the repository (tests/data).
+TRACE_HEAD = Path(__file__).parents[1] / "data" / "conversation_head.jsonl"
 SYNTHETIC = [
     RequestResult(0.0, 10, ttft_s=0.1, itl_s=[0.02, 0.02, 0.02], e2el_s=0.16, num_output_tokens=4),
     RequestResult(0.5, 20, ttft_s=0.3, itl_s=[0.04], e2el_s=0.34, num_output_tokens=2),
@@ -106,9 +109,7 @@ def test_trace_workload_keeps_shared_prefixes_shared(tmp_path):
 
 
 def test_mooncake_trace_requests_share_their_common_first_block():
-    requests = trace_requests(
-        "/work/shared/traces/conversation_trace.jsonl", 5, 16, 1.0, range(6, 262)
-    )
+    requests = trace_requests(str(TRACE_HEAD), 5, 16, 1.0, range(6, 262))
     assert len({tuple(r.prompt_token_ids[:16]) for r in requests}) == 1  # all start at hash 0
     assert len({tuple(r.prompt_token_ids[16:32]) for r in requests}) == 5
 
