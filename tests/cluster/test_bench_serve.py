@@ -284,7 +284,8 @@ def test_grpc_errors_are_counted_by_code(cluster_address, capsys):
 @pytest.mark.slow
 @pytest.mark.timeout(480)  # the module cluster starts in the first test (90 s when busy)
 def test_live_capacity_runs_three_rates_against_the_simulator(cluster_address, capsys):
-    """`bench live-capacity` on this cluster: SLOs so loose that both sides meet them."""
+    """`bench live-capacity` on this cluster: SLOs so loose that both sides meet them, then
+    so tight that both miss them."""
     argv = ["bench", "live-capacity", "--server", cluster_address, "--json", "--disable-tqdm"]
     slos = ["--ttft-slo", "600", "--tbt-slo", "600", "--rates", "4,8,16"]
     assert main([*argv, "--num-prompts", "6", *SMALL[2:], *slos]) == 0
@@ -297,3 +298,8 @@ def test_live_capacity_runs_three_rates_against_the_simulator(cluster_address, c
         assert row["live_attainment"] == row["simulated_attainment"] == 1.0
         assert row["simulated_refit_attainment"] == 1.0
     assert report["all_agree"] is True
+    # SLOs no request can meet: both sides miss every one, and still agree.
+    tight = ["--ttft-slo", "0.001", "--tbt-slo", "0.0001", "--rates", "8"]
+    assert main([*argv, "--num-prompts", "6", *SMALL[2:], *tight]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["rates"]
+    assert row["live_attainment"] == row["simulated_attainment"] == 0.0
