@@ -8,6 +8,7 @@ import json
 import os
 import re
 import sys
+from pathlib import Path
 
 from halfmoon.cluster.frontend.auth import API_KEY_ENV
 from halfmoon.cluster.version import package_version
@@ -171,11 +172,34 @@ def _http_port(text: str) -> int | str:
 
 
 def _add_api_key(cmd, purpose: str) -> None:
-    cmd.add_argument(
+    key = cmd.add_mutually_exclusive_group()
+    key.add_argument(
         "--api-key",
         default=os.environ.get(API_KEY_ENV) or None,
-        help=f"{purpose} (default: ${API_KEY_ENV}; unset: none)",
+        help=f"{purpose} (default: ${API_KEY_ENV}; unset: none). Visible to every user in "
+        "`ps`: prefer --api-key-file or the variable",
     )
+    key.add_argument(
+        "--api-key-file",
+        action=_KeyFile,
+        dest="api_key",
+        default=argparse.SUPPRESS,
+        metavar="PATH",
+        help=f"read {purpose} from this file (its first line)",
+    )
+
+
+class _KeyFile(argparse.Action):
+    """Reads an API key from a file, so it never shows in the process list."""
+
+    def __call__(self, parser, namespace, path, option_string=None) -> None:
+        try:
+            lines = Path(path).read_text().splitlines()
+        except OSError as error:
+            parser.error(f"{option_string} {path}: {error.strerror}")
+        if not lines or not lines[0].strip():
+            parser.error(f"{option_string} {path}: the file is empty; put the key on line 1")
+        setattr(namespace, self.dest, lines[0].strip())
 
 
 def _add_tls_ca(cmd) -> None:
@@ -312,10 +336,9 @@ def _add_generate(commands) -> None:
 
 
 def _run_init_model(args) -> int:
-    from halfmoon.engine.init_model import BENCH_SHAPE, TinyModelShape, init_model
+    from halfmoon.engine.init_model import SHAPES, init_model
 
-    shape = BENCH_SHAPE if args.shape == "bench" else TinyModelShape()
-    path = init_model(args.dir, shape, seed=args.seed)
+    path = init_model(args.dir, SHAPES[args.shape], seed=args.seed)
     print(f"wrote a {args.shape} Llama checkpoint to {path}")
     return 0
 

@@ -67,3 +67,19 @@ def test_generate_without_a_server_says_how_to_start_one(capsys):
         f"halfmoon generate: error: no halfmoon server at {address} — "
         "start one with `halfmoon serve`\n"
     )
+
+
+def test_the_api_key_can_come_from_a_file_and_a_bad_file_is_named(tmp_path, capsys):
+    from halfmoon.cluster.cli import build_parser
+
+    key_file = tmp_path / "key"
+    key_file.write_text("from-a-file\n")
+    args = build_parser().parse_args(["status", "--api-key-file", str(key_file)])
+    assert args.api_key == "from-a-file"
+    (tmp_path / "empty").write_text("")
+    for bad, why in ((tmp_path / "missing", "No such file"), (tmp_path / "empty", "is empty")):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["status", "--api-key-file", str(bad)])
+        assert why in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # one or the other
+        build_parser().parse_args(["status", "--api-key", "k", "--api-key-file", str(key_file)])
