@@ -199,17 +199,17 @@ class KvStore:
         return self.host.leading_complete(keys)
 
     async def prefix_depths(self, keys: Sequence[bytes]) -> tuple[int, int]:
-        """(leading blocks of `keys` the host tier holds with every layer, blocks after them
-        that it or Redis holds with every layer): `get_layer` gives all of them, promoting
-        from Redis."""
-        host = depth = self.host.leading_complete(keys)
-        while self.redis is not None and depth < len(keys):
-            found = await self._redis_depth(keys[depth:])
-            if found == 0:
-                break
-            depth += found
-            depth += self.host.leading_complete(keys[depth:])
-        return host, depth - host
+        """(leading blocks of `keys` the host tier held with every layer, blocks after them it
+        holds once Redis's records of them are promoted into it): a prefix load then reads all
+        of them from the host tier, and a forged or corrupt record is a miss here, never a
+        load that waits for a layer that cannot come."""
+        host = self.host.leading_complete(keys)
+        if self.redis is None or host == len(keys):
+            return host, 0
+        depth = host + await self._redis_depth(keys[host:])
+        for layer in range(self.layout.num_layers if depth > host else 0):
+            await self._promote(list(keys[host:depth]), layer)
+        return host, self.host.leading_complete(keys) - host
 
     async def _redis_depth(self, keys: Sequence[bytes]) -> int:
         """How many leading blocks of `keys` Redis has a record of for every layer."""

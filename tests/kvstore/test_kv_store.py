@@ -200,11 +200,13 @@ async def test_an_idle_store_reports_an_expired_lease_as_gone() -> None:
     assert kv_store.stats().host.leased_blocks == 0
 
 
-async def test_prefix_depths_counts_the_host_tier_then_redis(redis_url: str) -> None:
+async def test_prefix_depths_promotes_what_only_redis_holds(redis_url: str) -> None:
     kv_store, keys = store(num_blocks=2, redis_url=redis_url), make_keys(4)
     await put_all_layers(kv_store, keys[:2])
     await put_all_layers(kv_store, keys[2:], seed=7)  # evicts the first two to Redis
     await kv_store.flush()
-    assert await kv_store.prefix_depths(keys) == (0, 4)
     assert await kv_store.prefix_depths(keys[2:]) == (2, 0)
+    # The first two are only in Redis: promoted into the host tier (which holds two blocks).
+    assert await kv_store.prefix_depths(keys) == (0, 2)
+    assert await kv_store.prefix_depths(keys[:2]) == (2, 0)
     assert await kv_store.prefix_depths(make_keys(2)) == (0, 0)
