@@ -25,6 +25,7 @@ class PrefixHits:
     best: tuple[Location, int] | None
     runner_up: tuple[Location, int] | None
     near_blocks: dict[Hashable, int] = field(default_factory=dict)
+    deepest: int = 0  # the most leading blocks any location holds, in any tier
 
     def with_nodes(self, views) -> PrefixHits:
         """These hits with the store of each prefill view's node (`view.node`) counted as
@@ -34,7 +35,7 @@ class PrefixHits:
             depth, own = local.get(view.node, 0), local.get(view.instance, 0)
             if depth > own:
                 local[view.instance], near[view.instance] = depth, depth - own
-        return PrefixHits(local, self.best, self.runner_up, near)
+        return PrefixHits(local, self.best, self.runner_up, near, self.deepest)
 
     def remote_for(self, instance: Hashable) -> tuple[Location, int] | None:
         """The deepest prefix held somewhere other than `instance`."""
@@ -50,6 +51,7 @@ def summarize_hits(locations: dict[Location, int]) -> PrefixHits:
     local: dict[Hashable, int] = {}
     best: tuple[Location, int] | None = None
     runner_up: tuple[Location, int] | None = None
+    deepest = max(locations.values(), default=0)
     for location, depth in locations.items():
         instance = location[0]
         if depth > local.get(instance, 0) and location[1] != SHARED_TIER:
@@ -62,7 +64,7 @@ def summarize_hits(locations: dict[Location, int]) -> PrefixHits:
             best = (location, depth)
         elif instance != best[0][0] and (runner_up is None or depth > runner_up[1]):
             runner_up = (location, depth)
-    return PrefixHits(local, best, runner_up)
+    return PrefixHits(local, best, runner_up, deepest=deepest)
 
 
 @dataclass(slots=True)

@@ -92,9 +92,9 @@ class Replicator:
 
         `locations` and `hits` are the index's answer for `keys`, `served_by` the prefill
         instance the request went to and `fetched` whether it fetches its prefix there."""
-        if hits.best is None:
+        if hits.deepest == 0:
             return None
-        hot = self.tracker.record(keys, hits.best[1], self.min_hits)
+        hot = self.tracker.record(keys, hits.deepest, self.min_hits)
         if hot == 0:
             return None
         last = keys[hot - 1]
