@@ -29,24 +29,13 @@ class TinyModelShape:
     max_position_embeddings: int = 4096
 
 
-BENCH_SHAPE = TinyModelShape(
-    hidden_size=512,
-    intermediate_size=1792,
-    num_hidden_layers=14,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    max_position_embeddings=4096,
-)
-
-# The ~0.9B shape the GPU figures in the issues were measured at (`bench engine --device cuda`).
-GPU_BENCH_SHAPE = TinyModelShape(
-    hidden_size=2048,
-    intermediate_size=5632,
-    num_hidden_layers=16,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    max_position_embeddings=4096,
-)
+# The checkpoints `init-model` and the benchmarks make, by name; columns: hidden, intermediate,
+# layers, attention heads, KV heads (every one with a 4k context).
+SHAPES = {
+    "tiny": TinyModelShape(),  # ~1M parameters: the serving default
+    "bench": TinyModelShape(512, 1792, 14, 8, 4),  # ~50M: the CPU benchmarks' model
+    "gpu": TinyModelShape(2048, 5632, 16, 32, 8),  # ~0.9B: the GPU issues' figures were measured at
+}
 
 
 def default_model_dir() -> Path:

@@ -10,11 +10,10 @@ import triton.language as tl
 
 from halfmoon.kernels.triton_paged import (
     LOG2_E,
+    attend_tiles,
     check_cache,
     dot_precision,
     head_dim_block,
-    load_kv_tile,
-    online_softmax_step,
 )
 
 BLOCK_N = 64
@@ -85,17 +84,12 @@ def _decode_split_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     row_max = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_G], dtype=tl.float32)
-    for tile_start in range(start, end, BLOCK_N):
-        tokens = tile_start + tl.arange(0, BLOCK_N)
-        token_mask = tokens < end
-        key, value = load_kv_tile(
-            k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt, tokens, token_mask,
-            dims, dim_mask, kv_head, block_size, stride_cp, stride_co, stride_ch,
-        )  # fmt: skip
-        acc, row_max, row_sum = online_softmax_step(
-            q, key, value, acc, row_max, row_sum, token_mask[None, :], scale_log2,
-            APPLY_MASK=True, DOT_PRECISION=DOT_PRECISION,
-        )  # fmt: skip
+    acc, row_max, row_sum = attend_tiles(
+        q, acc, row_max, row_sum, start, end, None, k_cache_ptr, v_cache_ptr,
+        block_tables_ptr + seq * stride_bt, dims, dim_mask, kv_head, block_size,
+        stride_cp, stride_co, stride_ch, scale_log2,
+        BLOCK_N, APPLY_MASK=True, CAUSAL=False, DOT_PRECISION=DOT_PRECISION,
+    )  # fmt: skip
     # A split past the end of a short sequence saw no tokens; the reduction skips it.
     safe_sum = tl.where(row_sum > 0, row_sum, 1.0)
     out = acc / safe_sum[:, None]

@@ -1,4 +1,4 @@
-"""Shared pieces of the paged attention kernels: KV tile gather and one online-softmax step."""
+"""Shared pieces of the paged attention kernels: a run of KV tiles folded into an online softmax."""
 
 from __future__ import annotations
 
@@ -10,12 +10,17 @@ LOG2_E = 1.4426950408889634
 
 
 @triton.jit
-def load_kv_tile(
+def attend_tiles(
+    q,
+    acc,
+    row_max,
+    row_sum,
+    start,
+    end,
+    positions,
     k_cache_ptr,
     v_cache_ptr,
     table_row_ptr,
-    tokens,
-    token_mask,
     dims,
     dim_mask,
     kv_head,
@@ -23,15 +28,31 @@ def load_kv_tile(
     stride_cp,
     stride_co,
     stride_ch,
+    scale_log2,
+    BLOCK_N: tl.constexpr,
+    APPLY_MASK: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
-    """K and V rows (`[BLOCK_N, BLOCK_D]`) of `tokens`, found page by page via a block table row."""
-    page = tl.load(table_row_ptr + tokens // block_size, mask=token_mask, other=0).to(tl.int64)
-    rows = page * stride_cp + (tokens % block_size) * stride_co + kv_head * stride_ch
-    offsets = rows[:, None] + dims[None, :]
-    mask = token_mask[:, None] & dim_mask[None, :]
-    key = tl.load(k_cache_ptr + offsets, mask=mask, other=0.0)
-    value = tl.load(v_cache_ptr + offsets, mask=mask, other=0.0)
-    return key, value
+    """Fold the keys in [start, end), found page by page via a block table row, into the running
+    softmax; `APPLY_MASK` hides keys past `end`, `CAUSAL` also those after each row's position."""
+    for tile_start in range(start, end, BLOCK_N):
+        tokens = tile_start + tl.arange(0, BLOCK_N)
+        token_mask = tokens < end
+        page = tl.load(table_row_ptr + tokens // block_size, mask=token_mask, other=0).to(tl.int64)
+        rows = page * stride_cp + (tokens % block_size) * stride_co + kv_head * stride_ch
+        offsets = rows[:, None] + dims[None, :]
+        mask = token_mask[:, None] & dim_mask[None, :]
+        key = tl.load(k_cache_ptr + offsets, mask=mask, other=0.0)
+        value = tl.load(v_cache_ptr + offsets, mask=mask, other=0.0)
+        allowed = token_mask[None, :]
+        if CAUSAL:
+            allowed = allowed & (tokens[None, :] <= positions[:, None])
+        acc, row_max, row_sum = online_softmax_step(
+            q, key, value, acc, row_max, row_sum, allowed, scale_log2,
+            APPLY_MASK=APPLY_MASK, DOT_PRECISION=DOT_PRECISION,
+        )  # fmt: skip
+    return acc, row_max, row_sum
 
 
 @triton.jit

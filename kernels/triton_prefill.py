@@ -8,11 +8,10 @@ import triton.language as tl
 
 from halfmoon.kernels.triton_paged import (
     LOG2_E,
+    attend_tiles,
     check_cache,
     dot_precision,
     head_dim_block,
-    load_kv_tile,
-    online_softmax_step,
 )
 
 BLOCK_M = 64
@@ -82,29 +81,16 @@ def _prefill_kernel(
         # Keys before this block's first query are visible to every row: no causal mask there.
         visible_end = (prefix + q_block * BLOCK_M) // BLOCK_N * BLOCK_N
         kv_end = prefix + tl.minimum((q_block + 1) * BLOCK_M, q_len)
-        for tile_start in range(0, visible_end, BLOCK_N):
-            kv_tokens = tile_start + tl.arange(0, BLOCK_N)
-            kv_mask = kv_tokens < visible_end
-            key, value = load_kv_tile(
-                k_cache_ptr, v_cache_ptr, table_row_ptr, kv_tokens, kv_mask, dims, dim_mask,
-                kv_head, block_size, stride_cp, stride_co, stride_ch,
-            )  # fmt: skip
-            acc, row_max, row_sum = online_softmax_step(
-                q, key, value, acc, row_max, row_sum, kv_mask[None, :], scale_log2,
-                APPLY_MASK=False, DOT_PRECISION=DOT_PRECISION,
-            )  # fmt: skip
-        for tile_start in range(visible_end, kv_end, BLOCK_N):
-            kv_tokens = tile_start + tl.arange(0, BLOCK_N)
-            kv_mask = kv_tokens < kv_end
-            key, value = load_kv_tile(
-                k_cache_ptr, v_cache_ptr, table_row_ptr, kv_tokens, kv_mask, dims, dim_mask,
-                kv_head, block_size, stride_cp, stride_co, stride_ch,
-            )  # fmt: skip
-            causal = kv_mask[None, :] & (kv_tokens[None, :] <= positions[:, None])
-            acc, row_max, row_sum = online_softmax_step(
-                q, key, value, acc, row_max, row_sum, causal, scale_log2,
-                APPLY_MASK=True, DOT_PRECISION=DOT_PRECISION,
-            )  # fmt: skip
+        acc, row_max, row_sum = attend_tiles(
+            q, acc, row_max, row_sum, 0, visible_end, positions, k_cache_ptr, v_cache_ptr,
+            table_row_ptr, dims, dim_mask, kv_head, block_size, stride_cp, stride_co, stride_ch,
+            scale_log2, BLOCK_N, APPLY_MASK=False, CAUSAL=False, DOT_PRECISION=DOT_PRECISION,
+        )  # fmt: skip
+        acc, row_max, row_sum = attend_tiles(
+            q, acc, row_max, row_sum, visible_end, kv_end, positions, k_cache_ptr, v_cache_ptr,
+            table_row_ptr, dims, dim_mask, kv_head, block_size, stride_cp, stride_co, stride_ch,
+            scale_log2, BLOCK_N, APPLY_MASK=True, CAUSAL=True, DOT_PRECISION=DOT_PRECISION,
+        )  # fmt: skip
         out = acc / row_sum[:, None]
         out_ptrs = out_ptr + tokens[:, None] * (num_q_heads * head_dim) + head * head_dim
         tl.store(out_ptrs + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=io_mask)

@@ -18,9 +18,10 @@ class PrefillTask(RequestTask):
     told of each layer directly when it is on this node; `fetch_from` is the store node of
     another node whose host tier the router found holds a deeper prefix than this node's:
     the prefix is loaded from there (layer by layer, like one from this node's store).
-    `layerwise=False` sends the KV only after the whole prompt (the transfer benchmark's baseline); `lend=False` never lends this
-    worker's pages; `arena_loads=False` reads a stored prefix as Ray objects even from this
-    node's store (the prefix-load benchmark's baseline)."""
+    `layerwise=False` sends the KV only after the whole prompt (the transfer benchmark's
+    baseline); `lend=False` never lends this worker's pages; `arena_loads=False` reads a
+    stored prefix as Ray objects even from this node's store (the prefix-load benchmark's
+    baseline)."""
 
     ticket: str | None = None
     kv_peer: KvPeer | None = None

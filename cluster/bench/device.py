@@ -7,7 +7,7 @@ import argparse
 
 import torch
 
-from halfmoon.engine.init_model import BENCH_SHAPE, GPU_BENCH_SHAPE, default_model_dir, ensure_model
+from halfmoon.engine.init_model import SHAPES, default_model_dir, ensure_model
 
 # Both workers on the one GPU, as in the GPU issues' measurements.
 SHARED_GPU_SETTINGS = {"engine.dtype": "bfloat16", "prefill.num_gpus": 0.3, "decode.num_gpus": 0.3}
@@ -31,10 +31,8 @@ def bench_model(device: str, model: str | None = None) -> str:
     cpu, the ~0.9B shape of the GPU issues on cuda."""
     if model:
         return model
-    name, shape = (
-        ("bench-0.9b", GPU_BENCH_SHAPE) if device == "cuda" else ("bench-50m", BENCH_SHAPE)
-    )
-    return str(ensure_model(default_model_dir().with_name(name), shape))
+    name, shape = ("bench-0.9b", "gpu") if device == "cuda" else ("bench-50m", "bench")
+    return str(ensure_model(default_model_dir().with_name(name), SHAPES[shape]))
 
 
 def int_list(parser: argparse.ArgumentParser, flag: str, text: str) -> list[int]:

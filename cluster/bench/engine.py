@@ -17,12 +17,7 @@ from pathlib import Path
 
 import torch
 
-from halfmoon.engine.init_model import (
-    BENCH_SHAPE,
-    GPU_BENCH_SHAPE,
-    default_model_dir,
-    ensure_model,
-)
+from halfmoon.engine.init_model import SHAPES, default_model_dir, ensure_model
 
 
 @dataclass(slots=True)
@@ -48,8 +43,8 @@ class Setup:
 
 
 SETUPS = {
-    "cpu": Setup("bench-50m", BENCH_SHAPE, torch.float32, 64, (32, 512), (16, 128)),
-    "cuda": Setup("bench-0.9b", GPU_BENCH_SHAPE, torch.bfloat16, 256, (128, 1024), (128, 128)),
+    "cpu": Setup("bench-50m", SHAPES["bench"], torch.float32, 64, (32, 512), (16, 128)),
+    "cuda": Setup("bench-0.9b", SHAPES["gpu"], torch.bfloat16, 256, (128, 1024), (128, 128)),
 }
 
 

@@ -232,9 +232,9 @@ def percentile(samples: list[float], q: float) -> float:
 def shape_layout(name: str, block_size: int) -> KvLayout:
     """The KV layout of a named checkpoint shape (tiny, bench or gpu), fp16."""
     # The shapes live with the checkpoint generator; only their sizes are read here.
-    from halfmoon.engine.init_model import BENCH_SHAPE, GPU_BENCH_SHAPE, TinyModelShape
+    from halfmoon.engine.init_model import SHAPES
 
-    shape = {"tiny": TinyModelShape(), "bench": BENCH_SHAPE, "gpu": GPU_BENCH_SHAPE}[name]
+    shape = SHAPES[name]
     head_dim = shape.hidden_size // shape.num_attention_heads
     return KvLayout(shape.num_hidden_layers, block_size, shape.num_key_value_heads, head_dim)
 

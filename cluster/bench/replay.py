@@ -101,12 +101,7 @@ def simulate(cluster: Cluster, profile, records, block_tokens: int, router_profi
         engine.max_num_batched_tokens, engine.max_num_seqs, router_profile,
     )  # fmt: skip
     summary = sim.run(records, progress=False)
-    figures = Figures(
-        summary.requests, summary.rejected, summary.ttft_mean_s, summary.ttft_p50_s,
-        summary.ttft_p90_s, summary.ttft_p99_s, summary.tbt_mean_s, summary.tbt_p99_s,
-        summary.slo_attainment, summary.hit_rate, summary.throughput_rps,
-    )  # fmt: skip
-    return Side(figures, simulated_views(sim))
+    return Side(Figures.of(summary), simulated_views(sim))
 
 
 def live_side(cluster: Cluster, address: str, records: list[TraceRecord], args) -> Side:
@@ -279,17 +274,11 @@ def build_parser():
 def print_figures(result: dict) -> None:
     """The headline figures of every side, one line each."""
     print(f"scale: {json.dumps(result['scale'])}")
-    print(
-        f"{'':>10} {'ttft_mean':>10} {'p50':>8} {'p90':>8} {'p99':>8} {'tbt_mean':>9} "
-        f"{'tbt_p99':>8} {'slo_met':>8} {'hit_rate':>8} {'rejected':>8} {'req/s':>6}"
+    print_sides(
+        f"{'ttft_mean':>10} {'p50':>8} {'p90':>8} {'p99':>8} {'tbt_mean':>9} "
+        f"{'tbt_p99':>8} {'slo_met':>8} {'hit_rate':>8} {'rejected':>8} {'req/s':>6}",
+        [figures_row(Figures(**result[side])) for side in SIDES],
     )
-    for name, side in zip(("live", "sim", "sim@start"), SIDES, strict=True):
-        f = Figures(**result[side])
-        print(
-            f"{name:>10} {f.ttft_mean_s:>10.4f} {f.ttft_p50_s:>8.4f} {f.ttft_p90_s:>8.4f} "
-            f"{f.ttft_p99_s:>8.4f} {f.tbt_mean_s:>9.5f} {f.tbt_p99_s:>8.4f} "
-            f"{f.slo_attainment:>8.3f} {f.hit_rate:>8.3f} {f.rejected:>8} {f.throughput_rps:>6.2f}"
-        )
     profiles = result["profiles"]
     print(
         f"sim: instances timed by the profile fitted to the {profiles['steps_observed']} live "
@@ -305,18 +294,35 @@ def print_predictions(predictions: dict) -> None:
         f"TTFT predicted vs measured over the {predictions['live']['requests']} requests every "
         "side reports (error = |pred - meas| / meas; bias: median (pred - meas) / meas):"
     )
-    print(
-        f"{'':>10} {'predicted':>9} {'err_p50':>8} {'err_p90':>8} {'bias_p50':>8} "
-        f"{'queued':>6} {'bypassed':>8} {'cached_tok':>10} {'fetches':>8} {'fetch_tok':>9}"
+    print_sides(
+        f"{'predicted':>9} {'err_p50':>8} {'err_p90':>8} {'bias_p50':>8} "
+        f"{'queued':>6} {'bypassed':>8} {'cached_tok':>10} {'fetches':>8} {'fetch_tok':>9}",
+        [predictions_row(PredictionFigures(**predictions[side])) for side in SIDES],
     )
-    for name, side in zip(("live", "sim", "sim@start"), SIDES, strict=True):
-        p = PredictionFigures(**predictions[side])
-        print(
-            f"{name:>10} {p.predicted:>9} {p.error_p50:>8.3f} {p.error_p90:>8.3f} "
-            f"{p.bias_p50:>8.3f} {'-' if p.queued is None else p.queued:>6} {p.bypassed:>8} "
-            f"{p.cached_tokens:>10} {p.fetches:>8} {p.fetched_tokens:>9}"
-        )
     print(f"cache-hit tokens live / sim = {predictions['cached_live_over_sim']:.3f}")
+
+
+def print_sides(header: str, rows: list[str]) -> None:
+    """A table with one row per side, each led by the side's short name."""
+    print(f"{'':>10} {header}")
+    for name, row in zip(("live", "sim", "sim@start"), rows, strict=True):
+        print(f"{name:>10} {row}")
+
+
+def figures_row(f: Figures) -> str:
+    return (
+        f"{f.ttft_mean_s:>10.4f} {f.ttft_p50_s:>8.4f} {f.ttft_p90_s:>8.4f} "
+        f"{f.ttft_p99_s:>8.4f} {f.tbt_mean_s:>9.5f} {f.tbt_p99_s:>8.4f} "
+        f"{f.slo_attainment:>8.3f} {f.hit_rate:>8.3f} {f.rejected:>8} {f.throughput_rps:>6.2f}"
+    )
+
+
+def predictions_row(p: PredictionFigures) -> str:
+    return (
+        f"{p.predicted:>9} {p.error_p50:>8.3f} {p.error_p90:>8.3f} "
+        f"{p.bias_p50:>8.3f} {'-' if p.queued is None else p.queued:>6} {p.bypassed:>8} "
+        f"{p.cached_tokens:>10} {p.fetches:>8} {p.fetched_tokens:>9}"
+    )
 
 
 def write_rows(path: str, rows: list[dict]) -> None:

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 from halfmoon.router.decision import Decision
 from halfmoon.router.sim.simulation import Simulation
-from halfmoon.router.sim.summary import percentile
+from halfmoon.router.sim.summary import SimSummary, percentile
 from halfmoon.router.sim.trace import TraceRecord
 
 
@@ -28,6 +28,11 @@ class Figures:
     slo_attainment: float
     hit_rate: float
     throughput_rps: float
+
+    @classmethod
+    def of(cls, summary: SimSummary) -> Figures:
+        """A simulated run's figures, taken from its summary."""
+        return cls(**{f.name: getattr(summary, f.name) for f in fields(cls)})
 
 
 @dataclass(slots=True)

@@ -21,13 +21,18 @@ import ray
 import torch
 from tqdm import tqdm
 
-from halfmoon.cluster.bench.device import SHARED_GPU_SETTINGS, add_device_options, check_device
+from halfmoon.cluster.bench.device import (
+    SHARED_GPU_SETTINGS,
+    add_device_options,
+    bench_model,
+    check_device,
+)
 from halfmoon.cluster.bench.engine import sync_device
 from halfmoon.cluster.bench.options import bench_parser
 from halfmoon.cluster.client.grpc_client import AsyncClient
 from halfmoon.cluster.config import ClusterConfig, load_config
 from halfmoon.cluster.control.launcher import Cluster
-from halfmoon.engine.init_model import GPU_BENCH_SHAPE, default_model_dir, ensure_model
+from halfmoon.engine.init_model import ensure_model
 from halfmoon.engine.llm_engine import LLMEngine
 from halfmoon.engine.sampling_params import SamplingParams
 from halfmoon.router.sim.summary import percentile
@@ -215,12 +220,10 @@ def main(argv: list[str] | None = None) -> int:
     check_device(parser, args.device)
     if args.requests < 1 or args.prompt_tokens < 1 or args.max_tokens < 1:
         parser.error("--requests, --prompt-tokens and --max-tokens must be at least 1")
-    if args.model:
-        model = args.model
-    elif args.device == "cuda":
-        model = str(ensure_model(default_model_dir().with_name("bench-0.9b"), GPU_BENCH_SHAPE))
+    if args.model or args.device == "cuda":
+        model = bench_model(args.device, args.model)
     else:
-        model = str(ensure_model())
+        model = str(ensure_model())  # the tiny serving default, not the ~50M bench model
     modes = ["disaggregated", "colocated"] if args.mode == "both" else [args.mode]
     configs = [cluster_config(model, mode, args.device) for mode in modes]
     limit = configs[0].engine.max_model_len

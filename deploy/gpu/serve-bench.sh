@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 12's serving benchmark and issue 17's live capacity check, on one GPU, in one run:
-# `halfmoon serve` with the ~0.9B bf16 bench model (GPU_BENCH_SHAPE), disaggregated 1P+1D and
+# `halfmoon serve` with the ~0.9B bf16 bench model (SHAPES['gpu']), disaggregated 1P+1D and
 # then colocated with 2 workers (num_gpus 0.3 each); in each mode `bench serve` at 2 and 8 req/s
 # (48 requests, prompts 512-2048 tokens, 128 output tokens, Poisson) and `bench live-capacity`
 # at three rates (fractions of the simulated capacity). JSON and logs go to $OUT (default
@@ -114,9 +114,9 @@ YAML
 if [ "$model" != null ] && [ ! -f "$model/config.json" ]; then
   step 30 120 init-model "$HALFMOON_PY" -c "
 import torch
-from halfmoon.engine.init_model import GPU_BENCH_SHAPE, init_model
+from halfmoon.engine.init_model import SHAPES, init_model
 torch.set_default_dtype(torch.bfloat16)  # written in bf16: half the bytes to write and load
-print(init_model('$model', GPU_BENCH_SHAPE))" || exit 1
+print(init_model('$model', SHAPES['gpu']))" || exit 1
 fi
 
 for mode in disaggregated colocated; do

@@ -18,6 +18,7 @@ from halfmoon.kvstore.index import PrefixIndex
 from halfmoon.router.profile import Profile
 from halfmoon.router.sim.decode_instance import Finished, SimDecode
 from halfmoon.router.sim.prefill_instance import SimPrefill
+from halfmoon.router.sim.step_engine import next_chunk
 
 
 @dataclass(slots=True)
@@ -127,9 +128,7 @@ class SimColocated:
         return True
 
     def _chunk(self, job: ColocatedJob, budget: int, chunks: list, jobs: list) -> int:
-        size = min(job.num_prompt_tokens - job.computed, budget)
-        if self.cost.chunk_tokens:
-            size = min(size, self.cost.chunk_tokens - job.computed % self.cost.chunk_tokens)
+        size = next_chunk(job.num_prompt_tokens, job.computed, budget, self.cost.chunk_tokens)
         chunks.append((size, job.computed))
         jobs.append(job)
         return size

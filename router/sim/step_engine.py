@@ -14,6 +14,15 @@ from halfmoon.router.cost_model import CostModel
 from halfmoon.router.sim.decode_instance import Finished
 
 
+def next_chunk(num_prompt_tokens: int, computed: int, budget: int, chunk_tokens: int | None) -> int:
+    """Tokens of a prompt's next prefill chunk: what is left, within the step's token budget,
+    ending on a multiple of `chunk_tokens` (when the engine chunks)."""
+    size = min(num_prompt_tokens - computed, budget)
+    if chunk_tokens:
+        size = min(size, chunk_tokens - computed % chunk_tokens)
+    return size
+
+
 @dataclass(slots=True)
 class StepJob:
     """A prompt being prefilled here; after its first token it may go on decoding here."""
@@ -103,9 +112,7 @@ class SimEngine:
                 break
             if job.ready_s > now:
                 continue
-            size = min(job.num_prompt_tokens - job.computed, budget)
-            if self.chunk_tokens:
-                size = min(size, self.chunk_tokens - job.computed % self.chunk_tokens)
+            size = next_chunk(job.num_prompt_tokens, job.computed, budget, self.chunk_tokens)
             chunks.append((size, job.computed))
             jobs.append(job)
             budget -= size

@@ -10,36 +10,27 @@ there layer by layer. Writes what it saw as JSON for the test to judge."""
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 
 import ray
 from ray.cluster_utils import Cluster as RayCluster
-from scenario_kit import NODE, pool_settings
+from scenario_kit import NODE, pool_settings, started, write_report
 
 from halfmoon.cluster.client.grpc_client import Client
-from halfmoon.cluster.config import load_config
 from halfmoon.cluster.control.launcher import Cluster
 from halfmoon.engine import LLM, SamplingParams
 
 PREFIX = "The long system prompt that every request of this tenant starts with. " * 40
 QUESTIONS = ["What comes first?", "And what comes next?"]
 MAX_TOKENS = 6
-
-
-def settings(model: str) -> dict:
-    return pool_settings(
-        model,
-        **{
-            "engine.num_pages": 256,
-            "engine.prefill_chunk_size": 64,
-            "engine.max_num_batched_tokens": 256,
-            "prefill.replicas": 2,
-            # The shipped CPU profile: fetching this prefix beats computing it.
-            "router.profile": "cpu-tiny",
-        },
-    )
+SETTINGS = {
+    "engine.prefill_chunk_size": 64,
+    "engine.max_num_batched_tokens": 256,
+    "prefill.replicas": 2,
+    # The shipped CPU profile: fetching this prefix beats computing it.
+    "router.profile": "cpu-tiny",
+}
 
 
 def main(model: str, out_path: str) -> None:
@@ -51,19 +42,11 @@ def main(model: str, out_path: str) -> None:
     nodes = RayCluster(initialize_head=True, head_node_args={**NODE, "resources": {"decode": 1}})
     first, second = (nodes.add_node(**NODE, resources={"prefill": 1}) for _ in range(2))
     nodes.wait_for_nodes()
-    ray.init(address=nodes.address, namespace="halfmoon", log_to_driver=False)
-    cluster = Cluster(load_config(None, settings(model)))
-    try:
-        ports = cluster.start()
+    with started(nodes, pool_settings(model, **SETTINGS)) as (cluster, ports):
         with Client(f"127.0.0.1:{ports['grpc_port']}") as client:
             report.update(serve(cluster, client, prompts))
         report["prefill_nodes"] = sorted([first.node_id, second.node_id])
-    finally:
-        cluster.stop()
-        ray.shutdown()
-        nodes.shutdown()
-    with open(out_path, "w") as file:
-        json.dump(report, file)
+    write_report(out_path, report)
 
 
 def serve(cluster: Cluster, client: Client, prompts: list[str]) -> dict:

@@ -7,7 +7,6 @@ spare `decode` node. Writes what it saw as JSON for the test to judge."""
 
 from __future__ import annotations
 
-import json
 import sys
 import threading
 import time
@@ -16,10 +15,9 @@ import urllib.request
 import ray
 from prometheus_client.parser import text_string_to_metric_families
 from ray.cluster_utils import Cluster as RayCluster
-from scenario_kit import NODE, pool_settings
+from scenario_kit import NODE, pool_settings, started, write_report
 
 from halfmoon.cluster.client.grpc_client import Client
-from halfmoon.cluster.config import load_config
 from halfmoon.cluster.control.controller import Controller
 from halfmoon.cluster.control.launcher import Cluster
 from halfmoon.cluster.frontend.grpc_errors import ServerError
@@ -31,20 +29,13 @@ MAX_TOKENS = 8
 DURING_REMOVAL = [f"{i} request in flight when its node dies " * 2 for i in range(4)]
 DURING_MAX_TOKENS = 384  # still streaming when the node dies: 96 tokens could end first
 CALL_TIMEOUT_S = 120.0
-
-
-def settings(model: str) -> dict:
-    return pool_settings(
-        model,
-        **{
-            "engine.num_pages": 256,
-            "engine.prefill_chunk_size": 32,
-            "engine.max_num_batched_tokens": 128,
-            "store.get_timeout_s": 10.0,
-            "health.timeout_s": 5.0,
-            "health.unresponsive_s": 10.0,
-        },
-    )
+SETTINGS = {
+    "engine.prefill_chunk_size": 32,
+    "engine.max_num_batched_tokens": 128,
+    "store.get_timeout_s": 10.0,
+    "health.timeout_s": 5.0,
+    "health.unresponsive_s": 10.0,
+}
 
 
 def greedy(client: Client, prompt: str, max_tokens: int) -> list[int] | str:
@@ -143,17 +134,14 @@ def main(model: str, out_path: str) -> None:
     prefill_node = nodes.add_node(**NODE, resources={"prefill": 1})
     decode_node = nodes.add_node(**NODE, resources={"decode": 1})
     nodes.wait_for_nodes()
-    ray.init(address=nodes.address, namespace="halfmoon", log_to_driver=False)
     report: dict = {
-        "head": ray.get_runtime_context().get_node_id(),
         "prefill_node": prefill_node.node_id,
         "decode_node": decode_node.node_id,
         "expected": expected,
         "expected_during": expected_during,
     }
-    cluster = Cluster(load_config(None, settings(model)))
-    try:
-        ports = cluster.start()
+    with started(nodes, pool_settings(model, **SETTINGS)) as (cluster, ports):
+        report["head"] = ray.get_runtime_context().get_node_id()
         report["placement"] = placement(cluster)
         report["router_node"] = ray.get(cluster.router.node_id.remote())
         report["memory"] = {n["NodeID"]: n["Resources"]["memory"] for n in ray.nodes()}
@@ -194,12 +182,7 @@ def main(model: str, out_path: str) -> None:
             report["placement_after"] = placement(cluster)
             report["stores_after"] = sorted(cluster.stores)
             report["outputs_after"] = [greedy(client, p, MAX_TOKENS) for p in PROMPTS]
-    finally:
-        cluster.stop()
-        ray.shutdown()
-        nodes.shutdown()
-    with open(out_path, "w") as file:
-        json.dump(report, file)
+    write_report(out_path, report)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,15 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+import ray
+from ray.cluster_utils import Cluster as RayCluster
+
+from halfmoon.cluster.config import load_config
+from halfmoon.cluster.control.launcher import Cluster
 
 GiB = 1 << 30
 # One small Ray node of a scenario's cluster (the machine has 2 cores).
@@ -27,10 +35,11 @@ def run_scenario(script: Path, model_dir, out_dir: Path, timeout_s: float) -> di
 
 
 def pool_settings(model: str, **more) -> dict:
-    """A scenario cluster's settings: each pool on the nodes that carry its resource, every
-    prompt through a prefill worker, no Redis."""
+    """A scenario cluster's settings: 256 pages a worker, each pool on the nodes that carry its
+    resource, every prompt through a prefill worker, no Redis."""
     return {
         "model": model,
+        "engine.num_pages": 256,
         "server.grpc_port": 0,
         "server.metrics_port": 0,
         "prefill.num_cpus": 1,
@@ -42,3 +51,22 @@ def pool_settings(model: str, **more) -> dict:
         "router.bypass_threshold_tokens": 0,  # every prompt goes through prefill -> decode
         **more,
     }
+
+
+@contextmanager
+def started(nodes: RayCluster, settings: dict) -> Iterator[tuple[Cluster, dict]]:
+    """halfmoon with `settings` on the Ray nodes `nodes`, and its ports; after, everything
+    stopped, the nodes too."""
+    ray.init(address=nodes.address, namespace="halfmoon", log_to_driver=False)
+    cluster = Cluster(load_config(None, settings))
+    try:
+        yield cluster, cluster.start()
+    finally:
+        cluster.stop()
+        ray.shutdown()
+        nodes.shutdown()
+
+
+def write_report(path: str, report: dict) -> None:
+    with open(path, "w") as file:
+        json.dump(report, file)

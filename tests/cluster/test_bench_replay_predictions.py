@@ -3,9 +3,11 @@ error, the cache-use sums, and live and simulated requests matched by trace orde
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
+from router_testkit import simple_profile
 
 from halfmoon.cluster.bench import replay, replay_predictions
 from halfmoon.cluster.bench.replay_predictions import PredictionFigures, RequestView
@@ -133,14 +135,5 @@ def test_workers_share_the_cores_when_they_outnumber_them(monkeypatch):
 
 def profile() -> Profile:
     """Prefill 0.1 ms a token in 64-token chunks; decode steps 4 ms."""
-    return Profile(
-        name="test",
-        cost=CostModel((0.001, 1e-4, 0.0, 0.0), (0.004, 1e-4, 0.0), chunk_tokens=64),
-        kv_bytes_per_token=1000,
-        num_layers=4,
-        network_bytes_per_s=1e12,
-        host_to_device_bytes_per_s=1e12,
-        transfer_latency_s=0.0,
-        decode_kv_capacity_tokens=1_000_000,
-        cache_bytes_per_instance=1e9,
-    )
+    cost = CostModel((0.001, 1e-4, 0.0, 0.0), (0.004, 1e-4, 0.0), chunk_tokens=64)
+    return dataclasses.replace(simple_profile(), cost=cost, num_layers=4)

@@ -1,4 +1,5 @@
-"""Builders for router tests: a simple profile and a conductor over named instances."""
+"""Builders for tests of the router and its simulator (tests/router, the replay benchmark's):
+a simple profile and a conductor over named instances."""
 
 from __future__ import annotations
 
