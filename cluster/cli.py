@@ -5,12 +5,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import os
 import re
 import sys
-from pathlib import Path
 
-from halfmoon.cluster.frontend.auth import API_KEY_ENV
+from halfmoon.cluster.client.cli_options import add_api_key, add_tls_ca
 from halfmoon.cluster.version import package_version
 
 BENCHMARKS = {
@@ -142,7 +140,7 @@ def _add_serve(commands) -> None:
         metavar="PORT|off",
         help="OpenAI-compatible HTTP API port (default 8000; 0 picks a free one; off: none)",
     )
-    _add_api_key(
+    add_api_key(
         cmd,
         "require this key from clients: `Authorization: Bearer KEY` on HTTP, the same "
         "`authorization` metadata on gRPC (prefer the environment variable: flags show in ps)",
@@ -171,47 +169,12 @@ def _http_port(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"{text!r} is not a port number or off") from None
 
 
-def _add_api_key(cmd, purpose: str) -> None:
-    key = cmd.add_mutually_exclusive_group()
-    key.add_argument(
-        "--api-key",
-        default=os.environ.get(API_KEY_ENV) or None,
-        help=f"{purpose} (default: ${API_KEY_ENV}; unset: none). Visible to every user in "
-        "`ps`: prefer --api-key-file or the variable",
-    )
-    key.add_argument(
-        "--api-key-file",
-        action=_KeyFile,
-        dest="api_key",
-        default=argparse.SUPPRESS,
-        metavar="PATH",
-        help=f"read {purpose} from this file (its first line)",
-    )
-
-
-class _KeyFile(argparse.Action):
-    """Reads an API key from a file, so it never shows in the process list."""
-
-    def __call__(self, parser, namespace, path, option_string=None) -> None:
-        try:
-            lines = Path(path).read_text().splitlines()
-        except OSError as error:
-            parser.error(f"{option_string} {path}: {error.strerror}")
-        if not lines or not lines[0].strip():
-            parser.error(f"{option_string} {path}: the file is empty; put the key on line 1")
-        setattr(namespace, self.dest, lines[0].strip())
-
-
-def _add_tls_ca(cmd) -> None:
-    cmd.add_argument("--tls-ca", help="PEM CA certificate: connect over TLS, trusting this CA")
-
-
 def _add_status(commands) -> None:
     cmd = commands.add_parser(
         "status", help="show workers, their load and the KV store of a running server"
     )
     cmd.add_argument("--server", default="127.0.0.1:50051", help="server host:port")
-    _add_tls_ca(cmd)
+    add_tls_ca(cmd)
     cmd.add_argument("--json", action="store_true", help="print the raw JSON")
     cmd.add_argument(
         "--explain",
@@ -219,7 +182,7 @@ def _add_status(commands) -> None:
         help="show the router's candidates, predictions and choice for a request (its id "
         "from `generate`, or the X-Request-Id header of an HTTP response)",
     )
-    _add_api_key(cmd, "the server's API key")
+    add_api_key(cmd, "the server's API key")
     cmd.set_defaults(run=_run_status)
 
 
@@ -317,7 +280,7 @@ def _add_generate(commands) -> None:
     cmd.add_argument("--local", action="store_true", help="run the engine in this process")
     cmd.add_argument("--model", help="checkpoint directory for --local (default: tiny model)")
     cmd.add_argument("--server", default="127.0.0.1:50051", help="server host:port")
-    _add_tls_ca(cmd)
+    add_tls_ca(cmd)
     cmd.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (64)")
     cmd.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     cmd.add_argument("--top-p", type=float, default=1.0)
@@ -325,7 +288,7 @@ def _add_generate(commands) -> None:
     cmd.add_argument("--seed", type=int, default=None)
     cmd.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     cmd.add_argument("--ignore-eos", action="store_true")
-    _add_api_key(cmd, "the server's API key")
+    add_api_key(cmd, "the server's API key")
     cmd.add_argument(
         "--json",
         action="store_true",

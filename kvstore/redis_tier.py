@@ -189,6 +189,16 @@ class RedisTier:
         self._mark_up()
         return [bool(count) for count in found]
 
+    async def leading_depth(self, keys: Sequence[bytes]) -> int:
+        """How many leading blocks of `keys` have a record for every layer (not validated)."""
+        depth = len(keys)
+        for layer in range(self.layout.num_layers):
+            found = await self.exists(keys[:depth], layer)
+            depth = found.index(False) if False in found else depth
+            if depth == 0:
+                break
+        return depth
+
     async def close(self) -> None:
         await self._client.aclose()
 

@@ -206,20 +206,10 @@ class KvStore:
         host = self.host.leading_complete(keys)
         if self.redis is None or host == len(keys):
             return host, 0
-        depth = host + await self._redis_depth(keys[host:])
+        depth = host + await self.redis.leading_depth(keys[host:])
         for layer in range(self.layout.num_layers if depth > host else 0):
             await self._promote(list(keys[host:depth]), layer)
         return host, self.host.leading_complete(keys) - host
-
-    async def _redis_depth(self, keys: Sequence[bytes]) -> int:
-        """How many leading blocks of `keys` Redis has a record of for every layer."""
-        depth = len(keys)
-        for layer in range(self.layout.num_layers):
-            found = await self.redis.exists(keys[:depth], layer)
-            depth = found.index(False) if False in found else depth
-            if depth == 0:
-                break
-        return depth
 
     def lease(self, keys: Sequence[bytes], ttl_s: float | None = None) -> int:
         """Protect the host blocks of `keys` from eviction until released or `ttl_s` passes."""

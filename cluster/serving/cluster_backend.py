@@ -4,7 +4,6 @@ worker, and the decode worker's token stream is relayed back to the client."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import random
@@ -17,19 +16,19 @@ import ray
 from halfmoon.cluster.serving.attempt import Dispatcher
 from halfmoon.cluster.serving.backend import (
     GenerateInput,
-    ModelInfo,
     RejectedError,
     TokenDelta,
     Usage,
     WorkerDiedError,
     delta_from_output,
 )
+from halfmoon.cluster.serving.backend_views import BackendViews
 from halfmoon.cluster.serving.prompts import PromptTokenizer
 from halfmoon.cluster.serving.registry import RequestRegistry
 from halfmoon.cluster.serving.request import Request
 from halfmoon.cluster.serving.trace import RequestTrace
 from halfmoon.cluster.serving.workers import PollReport, Worker, WorkerPool
-from halfmoon.engine.errors import InvalidRequestError, RequestNotFoundError
+from halfmoon.engine.errors import InvalidRequestError
 from halfmoon.engine.llm_engine import RequestOutput
 from halfmoon.engine.sampling_params import SamplingParams
 from halfmoon.engine.worker_errors import WorkerCallError
@@ -47,7 +46,7 @@ MAX_MIGRATIONS = 2  # moves of a request whose workers die after some output was
 Observer = Callable[[RequestTrace], None]
 
 
-class ClusterBackend:
+class ClusterBackend(BackendViews):
     """Routes with the Conductor (disaggregated) or least-loaded (colocated) and relays tokens."""
 
     def __init__(
@@ -294,31 +293,6 @@ class ClusterBackend:
         await self.dispatch.abort(req)
         return True
 
-    def timeline(self, request_id: str) -> list[tuple[str, float]]:
-        """(stage, seconds since arrival) of a request in flight or recently finished."""
-        req = self.requests.get(request_id)
-        if req is None:
-            raise RequestNotFoundError(request_id)
-        return sorted(req.trace.timeline, key=lambda item: item[1])
-
-    def summaries(self, request_ids: list[str]) -> list[dict]:
-        """`RequestTrace.summary` of each request still kept (in flight or among the last
-        finished); unknown ids are left out."""
-        found = ((rid, self.requests.get(rid)) for rid in request_ids)
-        return [req.trace.summary(rid) for rid, req in found if req is not None]
-
-    async def explain(self, request_id: str) -> str:
-        """The Conductor's decision (disaggregated) and the request's timeline, if still kept."""
-        parts = []
-        with contextlib.suppress(KeyError):
-            parts.append(self.conductor.explain(request_id))
-        req = self.requests.get(request_id)
-        if req is not None:
-            parts.append(req.trace.explain_timeline())
-        if not parts:
-            raise RequestNotFoundError(request_id)
-        return "\n".join(parts)
-
     def in_flight_on(self, name: str) -> int:
         """Requests in flight that worker `name` has a part in (to drain before removal)."""
         return self.requests.on_worker(name)
@@ -358,37 +332,6 @@ class ClusterBackend:
             compute_s = self.conductor.prefill_time_s(num_tokens)
         handoff_s = trace.handoff_s or 0.0
         return trace.first_token_s - trace.arrived_s - compute_s - handoff_s
-
-    def profile(self) -> Profile:
-        """The Conductor's profile as it stands (measured, calibrated, refit online)."""
-        return self.conductor.current_profile()
-
-    async def model_info(self) -> ModelInfo:
-        info = self.info
-        return ModelInfo(
-            self.model_name, info.architecture, info.vocab_size, info.max_model_len, info.block_size
-        )
-
-    async def server_info(self) -> dict:
-        snapshot = self.conductor.snapshot()
-        return {
-            "mode": self.pool.mode,
-            "model": self.model_name,
-            "model_path": self.info.model,
-            "workers": await self.pool.loads_info(),
-            "stores": await self.pool.stores_info(),
-            "policy": snapshot["policy"],
-            "in_flight": self.requests.num_in_flight(),
-            "health": dict(zip(("ok", "reason"), await self.health(), strict=True)),
-            "ttft_prediction_error": snapshot["ttft_prediction_error"],
-            # What a simulator needs to mirror this cluster (`halfmoon bench live-capacity`):
-            # the router's settings and its profile as it stands (measured, refit online).
-            "router": snapshot["router"],
-            "profile": snapshot["profile"],
-        }
-
-    async def health(self) -> tuple[bool, str]:
-        return self.pool.health()
 
 
 def _usage(trace: RequestTrace) -> Usage:
