@@ -115,10 +115,12 @@ class Cluster:
         if self.config.router.profile is not None:
             return self._profile_file(self.config.router.profile)
         by_kind = {w.kind: w for w in self.workers.values()}
-        decode = ray.get(by_kind["decode"].actor.profile.remote())
-        prefill = (
-            ray.get(by_kind["prefill"].actor.profile.remote()) if "prefill" in by_kind else decode
-        )
+        # Every worker at once, as they will serve: workers sharing a node's cores are timed
+        # sharing them (one at a time, each would look faster than it serves).
+        samples = {name: w.actor.profile.remote() for name, w in self.workers.items()}
+        decode = ray.get(samples[by_kind["decode"].name])
+        prefill = ray.get(samples[by_kind["prefill"].name]) if "prefill" in by_kind else decode
+        ray.get(list(samples.values()))
         return measured_profile(self.info, prefill, decode, self.config.store.host_capacity_bytes)
 
     def _profile_file(self, path: str) -> Profile:
