@@ -149,7 +149,7 @@ class Conductor:
     def on_prefill_done(self, request_id: str, now: float) -> None:
         """The prefill finished (its first token is out): the work queued behind it on its
         instance is still to do, from `now`."""
-        hold = getattr(self.placed.holding(request_id), "hold", None)
+        hold = self.placed.hold_of(request_id)
         if hold is not None and self._counted(hold):
             hold.queue.finish(hold.job, now)
             hold.queue = None
@@ -166,11 +166,9 @@ class Conductor:
 
     def on_decode_join(self, request_id: str, now: float) -> None:
         """The request's KV landed and it joined the decode batch."""
-        placed = self.placed.holding(request_id)
-        if placed is None:
-            return
-        hold = placed.hold
-        hold.decode.join(hold.admitted, now)
+        hold = self.placed.hold_of(request_id)
+        if hold is not None:
+            hold.decode.join(hold.admitted, now)
 
     def report_decode(self, instance: Hashable, batch_size: int, kv_tokens: int) -> None:
         """A decode worker's report of its running batch (ignored once it was removed)."""

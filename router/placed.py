@@ -65,6 +65,11 @@ class PlacedRequests:
             )
         return decision.explain()
 
+    def hold_of(self, request_id: str) -> Hold | None:
+        """What the request still holds, or None."""
+        entry = self._by_id.get(request_id)
+        return None if entry is None else entry.hold
+
     def holding(self, request_id: str) -> Placed | None:
         """The entry of a request that still holds something, else None."""
         entry = self._by_id.get(request_id)
