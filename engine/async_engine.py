@@ -51,10 +51,15 @@ class AsyncEngine:
         params: SamplingParams,
         request_id: str,
         block_keys: list[bytes] | None = None,
+        *,
+        num_prior_output_tokens: int = 0,
     ) -> None:
         """Queue a request; its outputs go to `stream(request_id)`."""
         with self._work:
-            self.engine.add_request(prompt, params, request_id, block_keys)
+            self.engine.add_request(
+                prompt, params, request_id, block_keys,
+                num_prior_output_tokens=num_prior_output_tokens,
+            )  # fmt: skip
             self._open_stream(request_id)
             self._work.notify()
 
@@ -64,10 +69,15 @@ class AsyncEngine:
         params: SamplingParams,
         request_id: str,
         block_keys: list[bytes] | None = None,
+        *,
+        num_prior_output_tokens: int = 0,
     ) -> list[int]:
         """Hold pages for a prompt whose KV arrives from outside; see `LLMEngine.reserve`."""
         with self._lock:
-            pages = self.engine.reserve(prompt, params, request_id, block_keys)
+            pages = self.engine.reserve(
+                prompt, params, request_id, block_keys,
+                num_prior_output_tokens=num_prior_output_tokens,
+            )  # fmt: skip
             self._open_stream(request_id)
             return pages
 
@@ -117,9 +127,13 @@ class AsyncEngine:
         params: SamplingParams,
         request_id: str,
         block_keys: list[bytes] | None = None,
+        *,
+        num_prior_output_tokens: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Add a request and stream its outputs (`block_keys`: the prompt's, when hashed)."""
-        self.add_request(prompt, params, request_id, block_keys)
+        self.add_request(
+            prompt, params, request_id, block_keys, num_prior_output_tokens=num_prior_output_tokens
+        )
         async with contextlib.aclosing(self.stream(request_id)) as outputs:
             async for out in outputs:
                 yield out

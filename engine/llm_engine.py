@@ -113,10 +113,14 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         block_keys: list[bytes] | None = None,
+        *,
+        num_prior_output_tokens: int = 0,
     ) -> str:
         """Validate and queue a request; returns its id. Raises `InvalidRequestError`.
-        `block_keys`: the prompt's full-block keys when already hashed (else hashed here)."""
+        `block_keys`: the prompt's full-block keys when already hashed (else hashed here);
+        `num_prior_output_tokens`: see `RequestTask`."""
         seq = self._new_sequence(prompt, params, request_id, block_keys)
+        seq.num_prior_output_tokens = num_prior_output_tokens
         self.requests[seq.request_id] = seq
         self.scheduler.add(seq)
         return seq.request_id
@@ -127,12 +131,15 @@ class LLMEngine:
         params: SamplingParams,
         request_id: str,
         block_keys: list[bytes] | None = None,
+        *,
+        num_prior_output_tokens: int = 0,
     ) -> list[int]:
         """Hold pages for a prompt whose KV will be written from outside (disaggregated decode).
 
         Returns the pages, in block order. Raises `OutOfPagesError` when they are not free.
         """
         seq = self._new_sequence(prompt, params, request_id, block_keys)
+        seq.num_prior_output_tokens = num_prior_output_tokens
         if not self.pool.can_grow(seq, len(seq)):
             raise OutOfPagesError(self.pool.pages_needed(seq, len(seq)), self.pool.num_free_pages)
         self.pool.grow(seq, len(seq))
@@ -159,7 +166,7 @@ class LLMEngine:
         block_keys: list[bytes] | None,
     ) -> Sequence:
         params = params or SamplingParams()
-        params.validate()
+        params.validate(self.model_config.vocab_size)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise InvalidRequestError(

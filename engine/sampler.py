@@ -1,4 +1,5 @@
-"""Batched token sampling on the logits' device: greedy, temperature, top-k, top-p, min-p."""
+"""Batched token sampling on the logits' device: biases and penalties, then greedy, temperature,
+top-k, top-p, min-p."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from halfmoon.engine.device_copy import device_tensor
+from halfmoon.engine.penalties import apply_penalties
 from halfmoon.engine.sequence import Sequence, TokenLogprobs
 
 
@@ -19,12 +21,15 @@ class SamplerOutput:
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
     """One token per row of `logits` ([N, vocab], fp32), by each row's sequence's parameters."""
     params = [seq.params for seq in seqs]
-    greedy_ids = logits.argmax(dim=-1)
+    processed = apply_penalties(logits, seqs)
+    greedy_ids = processed.argmax(dim=-1)
     if all(p.greedy for p in params):
         token_ids = greedy_ids
     else:
-        token_ids = _sample_random(logits, seqs, greedy_ids)
+        token_ids = _sample_random(processed, seqs, greedy_ids)
     ids = token_ids.tolist()
+    # Logprobs of the model's own distribution, before biases, penalties and temperature:
+    # vLLM's default (`logprobs_mode="raw_logprobs"`).
     return SamplerOutput(ids, _logprobs(logits, seqs, ids))
 
 

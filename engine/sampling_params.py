@@ -9,6 +9,9 @@ from halfmoon.engine.errors import InvalidRequestError
 
 # torch.Generator.manual_seed takes a signed 64-bit value: 2**63 and above overflow.
 SEED_LIMIT = 2**63
+# OpenAI's ranges for the penalties and the biases.
+PENALTY_LIMIT = 2.0
+BIAS_LIMIT = 100.0
 
 
 @dataclass(slots=True)
@@ -25,6 +28,10 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -33,8 +40,23 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def validate(self) -> None:
-        """Raise `InvalidRequestError` naming the first field out of range."""
+    @property
+    def penalized(self) -> bool:
+        """Whether any bias or penalty changes the logits before sampling."""
+        return bool(self.logit_bias) or self.repeats_penalized
+
+    @property
+    def repeats_penalized(self) -> bool:
+        """Whether a penalty depends on the tokens seen so far."""
+        return (
+            self.frequency_penalty != 0
+            or self.presence_penalty != 0
+            or self.repetition_penalty != 1
+        )
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise `InvalidRequestError` naming the first field out of range; token ids are
+        checked against `vocab_size` when given (the engine knows it, a frontend may not)."""
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise InvalidRequestError("max_tokens", self.max_tokens, "must be an integer >= 1")
         if not _is_real(self.temperature) or self.temperature < 0:
@@ -53,13 +75,45 @@ class SamplingParams:
             raise InvalidRequestError("logprobs", self.logprobs, "must be None or an integer >= 0")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequestError("stop", self.stop, "must be a list of non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        limit = math.inf if vocab_size is None else vocab_size
+        if any(not _is_int_in(t, 0, limit) for t in self.stop_token_ids):
+            raise InvalidRequestError("stop_token_ids", self.stop_token_ids, _ids_in(vocab_size))
+        self._validate_penalties()
+        _validate_logit_bias(self.logit_bias, vocab_size)
+
+    def _validate_penalties(self) -> None:
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not -PENALTY_LIMIT <= value <= PENALTY_LIMIT:
+                raise InvalidRequestError(name, value, "must be in [-2, 2]")
+        if not _is_real(self.repetition_penalty) or self.repetition_penalty <= 0:
             raise InvalidRequestError(
-                "stop_token_ids", self.stop_token_ids, "must be non-negative token ids"
+                "repetition_penalty", self.repetition_penalty, "must be finite and > 0 (1 is off)"
             )
 
 
-def _is_int_in(value: object, low: int, limit: int) -> bool:
+def _validate_logit_bias(bias: object, vocab_size: int | None) -> None:
+    if not isinstance(bias, dict):
+        raise InvalidRequestError("logit_bias", bias, "must be a dict of token id to bias")
+    limit = math.inf if vocab_size is None else vocab_size
+    for token_id, value in bias.items():
+        if not _is_int_in(token_id, 0, limit):
+            raise InvalidRequestError("logit_bias", {token_id: value}, _ids_in(vocab_size))
+        if not _is_real(value) or not -BIAS_LIMIT <= value <= BIAS_LIMIT:
+            raise InvalidRequestError(
+                "logit_bias", {token_id: value}, "biases must be in [-100, 100]"
+            )
+
+
+def _ids_in(vocab_size: int | None) -> str:
+    return (
+        "token ids must be >= 0"
+        if vocab_size is None
+        else f"token ids must be in [0, {vocab_size})"
+    )
+
+
+def _is_int_in(value: object, low: int, limit: float) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and low <= value < limit
 
 

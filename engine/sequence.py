@@ -53,6 +53,9 @@ class Sequence:
     read_offset: int = 0
     utf8: codecs.IncrementalDecoder | None = None  # byte-level detokenization's pending bytes
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # Of the prompt, how many trailing tokens an earlier attempt generated (a migrated request
+    # is prefilled again with its output so far): frequency and presence penalties count them.
+    num_prior_output_tokens: int = 0
 
     def __len__(self) -> int:
         return len(self.token_ids)

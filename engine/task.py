@@ -16,3 +16,6 @@ class RequestTask:
     token_ids: list[int]
     params: SamplingParams
     block_keys: list[bytes]
+    # The prompt's last tokens that an earlier attempt generated (a migrated request is
+    # prefilled again with its output so far): frequency and presence penalties count them.
+    num_prior_output_tokens: int = 0

@@ -101,7 +101,10 @@ class PrefillWorker(EngineWorker, KVHooks):
         first = dataclasses.replace(
             task.params, max_tokens=1, stop=[], stop_token_ids=[], ignore_eos=True
         )
-        outputs = self._engine().generate(task.token_ids, first, task.request_id, task.block_keys)
+        outputs = self._engine().generate(
+            task.token_ids, first, task.request_id, task.block_keys,
+            num_prior_output_tokens=task.num_prior_output_tokens,
+        )  # fmt: skip
         last = None
         async for out in outputs:
             last = out

@@ -94,7 +94,8 @@ class Dispatcher:
         attempt.reserve = decode.handle.reserve.remote(reserve)
         task = PrefillTask(
             rid, request.token_ids, request.params, request.block_keys,
-            ticket=attempt.ticket, kv_peer=peer, fetch_from=_fetch_store(decision, prefill),
+            request.num_prior_output_tokens, ticket=attempt.ticket, kv_peer=peer,
+            fetch_from=_fetch_store(decision, prefill),
         )  # fmt: skip
         prefilled = prefill.handle.prefill.remote(task)
         trace.prefill_started_s = time.monotonic()
@@ -257,8 +258,8 @@ def _decode_task(
 ) -> DecodeTask:
     return DecodeTask(
         request.request_id, request.token_ids, request.params, request.block_keys,
-        store_name=store_name, ticket=request.attempt.ticket, direct=direct,
-        first_token_id=first_token_id,
+        request.num_prior_output_tokens, store_name=store_name, ticket=request.attempt.ticket,
+        direct=direct, first_token_id=first_token_id,
     )  # fmt: skip
 
 

@@ -73,6 +73,11 @@ class Request:
         return self.attempt
 
     @property
+    def num_prior_output_tokens(self) -> int:
+        """Of this attempt's prompt, the tokens earlier attempts generated (after a migration)."""
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
     def tokens_left(self) -> int:
         """Output tokens the client may still get."""
         return self.asked.max_tokens - len(self.output_ids)
