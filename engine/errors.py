@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 
 class HalfmoonError(Exception):
     """Base of every error halfmoon raises on purpose."""
@@ -14,6 +16,13 @@ class InvalidRequestError(HalfmoonError, ValueError):
         super().__init__(f"{field}={value!r} is invalid: {allowed}")
         self.field = field
         self.value = value
+        self.allowed = allowed
+
+    def renamed(self, field: str) -> InvalidRequestError:
+        """The same error under `field`, the name a client gave the field (an API's own name for
+        an engine field), in the message's explanation too."""
+        allowed = re.sub(rf"\b{re.escape(self.field)}\b", field, self.allowed)
+        return InvalidRequestError(field, self.value, allowed)
 
 
 class ModelLoadError(HalfmoonError):
@@ -21,7 +30,15 @@ class ModelLoadError(HalfmoonError):
 
 
 class RequestNotFoundError(HalfmoonError, KeyError):
-    """No request with this id is known to the engine."""
+    """No request with this id is known where it was looked up; `known` says what was searched."""
+
+    def __init__(self, request_id: str, known: str = "in flight") -> None:
+        super().__init__(request_id, known)
+        self.request_id = request_id
+        self.known = known
+
+    def __str__(self) -> str:  # KeyError's own str() is only repr(request_id)
+        return f"no request {self.request_id!r} is {self.known}"
 
 
 class OutOfPagesError(HalfmoonError):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 
@@ -13,7 +15,12 @@ log = logging.getLogger(__name__)
 
 
 class ShuttingDownError(NoWorkerError):
-    """The server is draining for shutdown and takes no new requests: UNAVAILABLE."""
+    """The server is draining for shutdown and takes no new requests: UNAVAILABLE.
+    `retry_after_s`: until the drain ends (the HTTP API's Retry-After)."""
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class Drain:
@@ -21,6 +28,7 @@ class Drain:
 
     def __init__(self) -> None:
         self.draining = False
+        self.ends_at = 0.0  # time.monotonic() at which a drain stops waiting
         self.active = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -33,7 +41,13 @@ class Drain:
     def check_open(self) -> None:
         """Raise `ShuttingDownError` while draining."""
         if self.draining:
-            raise ShuttingDownError("the server is shutting down; send the request elsewhere")
+            raise ShuttingDownError(
+                "the server is shutting down; send the request elsewhere", self.seconds_left()
+            )
+
+    def seconds_left(self) -> int:
+        """Whole seconds until the drain stops waiting, at least 1."""
+        return max(1, math.ceil(self.ends_at - time.monotonic()))
 
     @contextmanager
     def track(self) -> Iterator[None]:
@@ -50,6 +64,7 @@ class Drain:
     async def drain(self, timeout_s: float) -> int:
         """Refuse new requests and wait up to `timeout_s` for the rest; returns those left."""
         self.draining = True
+        self.ends_at = time.monotonic() + timeout_s
         for callback in self._on_drain:
             await callback()
         log.info("draining: %d requests in flight, waiting up to %.0f s", self.active, timeout_s)

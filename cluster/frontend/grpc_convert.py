@@ -31,8 +31,13 @@ OPTIONAL_SAMPLING_FIELDS = (
     "seed",
     "ignore_eos",
     "logprobs",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
 )
 REPEATED_SAMPLING_FIELDS = ("stop", "stop_token_ids")
+MAP_SAMPLING_FIELDS = ("logit_bias",)
+SAMPLING_FIELDS = OPTIONAL_SAMPLING_FIELDS + REPEATED_SAMPLING_FIELDS + MAP_SAMPLING_FIELDS
 
 
 def input_from_proto(
@@ -71,11 +76,10 @@ def request_to_proto(
     tbt_slo_s: float | None = None,
 ) -> pb.GenerateRequest:
     """A `GenerateRequest`; `sampling` holds SamplingParams fields, None meaning unset."""
-    unknown = set(sampling) - set(OPTIONAL_SAMPLING_FIELDS) - set(REPEATED_SAMPLING_FIELDS)
+    unknown = set(sampling) - set(SAMPLING_FIELDS)
     if unknown:
         raise TypeError(
-            f"unknown sampling parameters {sorted(unknown)}; known: "
-            f"{', '.join(OPTIONAL_SAMPLING_FIELDS + REPEATED_SAMPLING_FIELDS)}"
+            f"unknown sampling parameters {sorted(unknown)}; known: {', '.join(SAMPLING_FIELDS)}"
         )
     set_fields = {name: value for name, value in sampling.items() if value is not None}
     request = pb.GenerateRequest(
@@ -186,6 +190,7 @@ def _messages(chat: pb.ChatMessages) -> list[dict]:
 def _sampling_params(proto: pb.SamplingParams) -> SamplingParams:
     kwargs = {n: getattr(proto, n) for n in OPTIONAL_SAMPLING_FIELDS if proto.HasField(n)}
     kwargs |= {n: list(v) for n in REPEATED_SAMPLING_FIELDS if (v := getattr(proto, n))}
+    kwargs |= {n: dict(v) for n in MAP_SAMPLING_FIELDS if (v := getattr(proto, n))}
     if kwargs.get("logprobs", 0) > MAX_LOGPROBS:
         raise InvalidRequestError("logprobs", kwargs["logprobs"], f"must be at most {MAX_LOGPROBS}")
     return SamplingParams(**kwargs)

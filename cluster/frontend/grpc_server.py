@@ -85,10 +85,8 @@ class HalfmoonServicer(pb_grpc.HalfmoonServicer):
 
     @_mapped_errors
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
-        if not request.request_id:
-            raise InvalidRequestError("request_id", "", "name the request to abort")
-        check_request_id(request.request_id, self.limits)
-        return pb.AbortResponse(aborted=await self.backend.abort(request.request_id))
+        request_id = self._named(request.request_id, "abort")
+        return pb.AbortResponse(aborted=await self.backend.abort(request_id))
 
     @_mapped_errors
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.ModelInfo:
@@ -106,9 +104,16 @@ class HalfmoonServicer(pb_grpc.HalfmoonServicer):
 
     @_mapped_errors
     async def ExplainDecision(self, request: pb.ExplainRequest, context) -> pb.Explanation:
-        check_request_id(request.request_id, self.limits)
-        text = await self.backend.explain(request.request_id)
-        return pb.Explanation(request_id=request.request_id, text=text)
+        request_id = self._named(request.request_id, "explain")
+        text = await self.backend.explain(request_id)
+        return pb.Explanation(request_id=request_id, text=text)
+
+    def _named(self, request_id: str, action: str) -> str:
+        """The id of the request a call acts on: required, and within the request-id limits."""
+        if not request_id:
+            raise InvalidRequestError("request_id", "", f"name the request to {action}")
+        check_request_id(request_id, self.limits)
+        return request_id
 
 
 async def start_grpc_server(

@@ -6,7 +6,11 @@ from __future__ import annotations
 import grpc
 
 from halfmoon.cluster.frontend.grpc_errors import status_for
-from halfmoon.cluster.serving.backend import ModelNotFoundError, UnauthenticatedError
+from halfmoon.cluster.serving.backend import (
+    ModelNotFoundError,
+    NoWorkerError,
+    UnauthenticatedError,
+)
 from halfmoon.engine.errors import InvalidRequestError
 
 # gRPC status -> (HTTP status, OpenAI error type).
@@ -23,6 +27,12 @@ HTTP_BY_STATUS: dict[grpc.StatusCode, tuple[int, str]] = {
 }
 # OpenAI's own codes where one exists; otherwise the gRPC status name.
 CODE_BY_ERROR = {ModelNotFoundError: "model_not_found", UnauthenticatedError: "invalid_api_key"}
+# Statuses that say "try again later": their answers carry a Retry-After header.
+RETRY_STATUSES = (429, 503)
+# A pool without a live worker waited router.pool_wait_s already: a restart takes seconds.
+NO_WORKER_RETRY_AFTER_S = 5
+# Load (an SLO rejection, a full KV cache, the connection cap) moves within a request's TTFT.
+LOAD_RETRY_AFTER_S = 1
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None):
@@ -37,3 +47,19 @@ def http_error(error: BaseException) -> tuple[int, dict]:
     param = error.field if isinstance(error, InvalidRequestError) else None
     name = CODE_BY_ERROR.get(type(error), code.name.lower())
     return status, error_body(message, type_, param, name)
+
+
+def retry_after(
+    status: int, error: BaseException | None = None, seconds: int | None = None
+) -> dict[str, str]:
+    """The Retry-After header (whole seconds) of a 429 or 503 answer, none for the others:
+    `seconds`, else what `error` knows (`retry_after_s`, e.g. the time left in a drain), else
+    by the kind of error."""
+    if status not in RETRY_STATUSES:
+        return {}
+    if seconds is None:
+        seconds = getattr(error, "retry_after_s", None)
+    if seconds is None:
+        no_worker = isinstance(error, NoWorkerError)
+        seconds = NO_WORKER_RETRY_AFTER_S if no_worker else LOAD_RETRY_AFTER_S
+    return {"Retry-After": str(seconds)}

@@ -23,7 +23,7 @@ import uvicorn
 from starlette.responses import JSONResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from halfmoon.cluster.frontend.http_errors import error_body
+from halfmoon.cluster.frontend.http_errors import error_body, retry_after
 from halfmoon.cluster.frontend.http_limits import HttpLimits
 from halfmoon.cluster.frontend.rate_limited_log import RateLimitedLog, install
 
@@ -58,7 +58,7 @@ REQUEST_TIMEOUT = _request_timeout()
 REFUSAL = JSONResponse(
     error_body("too many connections; retry later", "service_unavailable_error"),
     status_code=503,
-    headers={"connection": "close"},
+    headers={"connection": "close"} | retry_after(503),
 )
 
 

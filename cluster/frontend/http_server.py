@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP API (FastAPI on uvicorn), served beside gRPC from the same
-`Backend`: /v1/models, /v1/completions, /v1/chat/completions (SSE streams), /health, /metrics."""
+`Backend`: /v1/models[/{id}], /v1/completions, /v1/chat/completions (SSE streams), /health,
+/metrics."""
 
 from __future__ import annotations
 
@@ -16,15 +17,27 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from pydantic import ValidationError
+from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect
 
 from halfmoon.cluster.frontend.auth import UNAUTHENTICATED_MESSAGE, bearer_matches
 from halfmoon.cluster.frontend.drain import Drain
-from halfmoon.cluster.frontend.http_errors import error_body, http_error
+from halfmoon.cluster.frontend.http_errors import (
+    NO_WORKER_RETRY_AFTER_S,
+    error_body,
+    http_error,
+    retry_after,
+)
 from halfmoon.cluster.frontend.http_limits import HttpLimits
 from halfmoon.cluster.frontend.http_protocol import uvicorn_config
+from halfmoon.cluster.frontend.http_request import (
+    REQUEST_ID_HEADER,
+    ClientGone,
+    check_json,
+    parse,
+    read_body,
+    request_id_of,
+)
 from halfmoon.cluster.frontend.openai_responses import CHAT, COMPLETION, ResponseShape
 from halfmoon.cluster.frontend.openai_schema import (
     ChatCompletionRequest,
@@ -34,7 +47,6 @@ from halfmoon.cluster.frontend.openai_schema import (
 from halfmoon.cluster.frontend.request_limits import (
     RequestLimits,
     check_prompt,
-    check_request_id,
     check_stops,
 )
 from halfmoon.cluster.serving.backend import (
@@ -48,14 +60,9 @@ from halfmoon.cluster.serving.backend import (
 from halfmoon.engine.errors import HalfmoonError, InvalidRequestError
 
 log = logging.getLogger(__name__)
-REQUEST_ID_HEADER = "X-Request-Id"
 CLIENT_GONE_STATUS = 499  # nginx's "client closed request"; nobody reads it
 END = object()
 BODY_OVERHEAD_BYTES = 1 << 20  # JSON fields around the prompt: sampling options, stops, ids
-
-
-class ClientGone(Exception):
-    """The HTTP client disconnected before its response was ready."""
 
 
 class Relay:
@@ -107,6 +114,26 @@ class EventStream(StreamingResponse):
             await self.body_iterator.aclose()
 
 
+class RequestIdHeader:
+    """ASGI middleware: every response carries an X-Request-Id, a new one where the route set
+    none (an unknown path or method, /health, /metrics)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_id(message) -> None:
+            if message["type"] == "http.response.start":
+                MutableHeaders(scope=message).setdefault(REQUEST_ID_HEADER, uuid.uuid4().hex)
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
 class OpenAIServer:
     """The routes of the OpenAI API over one backend; `app` is the ASGI application."""
 
@@ -133,15 +160,20 @@ class OpenAIServer:
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="halfmoon OpenAI-compatible API", docs_url=None, redoc_url=None)
         app.add_api_route("/v1/models", self.models, methods=["GET"])
+        app.add_api_route("/v1/models/{model_id:path}", self.model_card, methods=["GET"])
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/metrics", self.metrics, methods=["GET"])
         app.add_exception_handler(HTTPException, _http_exception)
+        app.add_middleware(RequestIdHeader)
         return app
 
     async def models(self, request: Request) -> Response:
         return await self._answer(request, self._models)
+
+    async def model_card(self, request: Request, model_id: str) -> Response:
+        return await self._answer(request, lambda rid: self._model_card(model_id))
 
     async def completions(self, request: Request) -> Response:
         return await self._answer(request, lambda rid: self._generate(request, rid, COMPLETION))
@@ -154,7 +186,9 @@ class OpenAIServer:
         if self.drain.draining:
             ok, reason = False, "shutting down"
         body = {"status": "ok" if ok else "unavailable", "reason": reason}
-        return JSONResponse(body, status_code=200 if ok else 503)
+        status = 200 if ok else 503
+        wait_s = self.drain.seconds_left() if self.drain.draining else NO_WORKER_RETRY_AFTER_S
+        return JSONResponse(body, status, headers=retry_after(status, seconds=wait_s))
 
     async def metrics(self) -> Response:
         if self.registry is None:
@@ -167,13 +201,13 @@ class OpenAIServer:
         request_id = uuid.uuid4().hex
         try:
             self._authorize(request)  # first: nothing of an unauthenticated call is judged
-            request_id = _request_id(request, self.limits) or request_id
+            request_id = request_id_of(request, self.limits) or request_id
             response = await handler(request_id)
         except ClientGone:
             response = Response(status_code=CLIENT_GONE_STATUS)
         except Exception as error:  # noqa: BLE001 - every error gets a status, internals hidden
             status, body = http_error(error)
-            response = JSONResponse(body, status_code=status)
+            response = JSONResponse(body, status, headers=retry_after(status, error))
         response.headers[REQUEST_ID_HEADER] = request_id
         return response
 
@@ -182,26 +216,45 @@ class OpenAIServer:
             raise UnauthenticatedError(UNAUTHENTICATED_MESSAGE)
 
     async def _models(self, request_id: str) -> Response:
-        card = {
+        return JSONResponse({"object": "list", "data": [self._card()]})
+
+    async def _model_card(self, model_id: str) -> Response:
+        self._check_model(model_id)
+        return JSONResponse(self._card())
+
+    def _card(self) -> dict:
+        return {
             "id": self.model.model,
             "object": "model",
             "created": self.created,
             "owned_by": "halfmoon",
             "max_model_len": self.model.max_model_len,
         }
-        return JSONResponse({"object": "list", "data": [card]})
 
     async def _generate(self, request: Request, request_id: str, kind: str) -> Response:
         schema = ChatCompletionRequest if kind == CHAT else CompletionRequest
         self.drain.check_open()
-        raw = await _read_body(request, self.limits.max_prompt_bytes + BODY_OVERHEAD_BYTES)
-        body = _parse(schema, raw)
+        raw = await read_body(request, self.limits.max_prompt_bytes + BODY_OVERHEAD_BYTES)
+        check_json(request.headers.get("content-type"))
+        body = parse(schema, raw)
+        try:
+            return await self._serve(request, request_id, kind, body)
+        except InvalidRequestError as error:
+            raise body.as_sent(error) from None
+
+    async def _serve(
+        self, request: Request, request_id: str, kind: str, body: OpenAIRequest
+    ) -> Response:
+        """Check `body` against the model and the limits, run it, answer (whole or streamed)."""
         self._check_model(body.model)
-        generate_input = body.to_input(request_id, body.to_prompt(), self.model.max_model_len)
+        prompt = body.to_prompt()
+        check_prompt(prompt, self.limits)
+        generate_input = body.to_input(request_id, prompt, self.model)
         params = generate_input.params
-        check_prompt(generate_input.prompt, self.limits)
         check_stops(params.stop, len(params.stop_token_ids), self.limits)
         shape = ResponseShape(kind, request_id, self.model.model, self.tokenizer)
+        if isinstance(body, CompletionRequest):
+            shape.echo = body.echo_text(prompt, self.tokenizer)
         relay = Relay(self.backend, generate_input, self.drain)
         if not body.stream:
             deltas = await _unless_client_gone(request, relay, relay.collect())
@@ -243,33 +296,6 @@ def _event(body: dict) -> str:
     return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
 
 
-async def _read_body(request: Request, max_bytes: int) -> bytes:
-    """The body, refused once it is known to exceed `max_bytes`: by its Content-Length before
-    any of it is read, else (chunked) as soon as the bytes read so far exceed it."""
-    declared = request.headers.get("content-length")
-    if declared is not None and int(declared) > max_bytes:
-        raise _body_too_large(f"<{declared} bytes>", max_bytes)
-    chunks, size = [], 0
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > max_bytes:
-                raise _body_too_large(f"<more than {max_bytes} bytes>", max_bytes)
-            chunks.append(chunk)
-    except ClientDisconnect:
-        raise ClientGone from None
-    return b"".join(chunks)
-
-
-def _body_too_large(value: str, max_bytes: int) -> InvalidRequestError:
-    return InvalidRequestError(
-        "body",
-        value,
-        f"at most {max_bytes} bytes allowed (limits.max_prompt_bytes plus room for the other "
-        "fields)",
-    )
-
-
 async def _unless_client_gone(request: Request, relay: Relay, work: Awaitable):
     """Await `work`; if the client disconnects first, cancel the request and raise ClientGone."""
     work_task = asyncio.ensure_future(work)
@@ -291,47 +317,11 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def _request_id(request: Request, limits: RequestLimits) -> str | None:
-    request_id = request.headers.get(REQUEST_ID_HEADER)
-    if request_id is None:
-        return None
-    check_request_id(request_id, limits, REQUEST_ID_HEADER)
-    if not request_id or not request_id.isprintable():
-        raise InvalidRequestError(
-            REQUEST_ID_HEADER, request_id[:32], "must be printable characters, at least one"
-        )
-    return request_id
-
-
-def _parse(schema: type[OpenAIRequest], body: bytes) -> OpenAIRequest:
-    """The request body as `schema`; the first problem as an `InvalidRequestError`."""
-    try:
-        return schema.model_validate_json(body)
-    except ValidationError as exc:
-        error = exc.errors()[0]
-        cause = (error.get("ctx") or {}).get("error")
-        if isinstance(cause, InvalidRequestError):
-            raise cause from None
-        where = ".".join(str(part) for part in error["loc"]) or "body"
-        value = error["input"] if error["type"] != "missing" else None
-        message = error["msg"]
-        if error["type"] == "json_invalid":
-            value = "<not JSON>"
-            if "hex escape" in message:  # what the JSON parser says of a lone surrogate
-                message = (
-                    f"{message}: a \\u escape is incomplete or a lone surrogate "
-                    "(\\ud800-\\udfff), which is not Unicode; send the character itself or a "
-                    "whole surrogate pair"
-                )
-        elif error["type"] == "extra_forbidden":
-            message = "unknown field (the accepted ones are listed in docs/openai.md)"
-        raise InvalidRequestError(where, value, message) from None
-
-
 async def _http_exception(request: Request, exc: HTTPException) -> Response:
     """Unknown paths and methods answer with an OpenAI error object too."""
     body = error_body(str(exc.detail), "invalid_request_error", code=str(exc.status_code))
-    return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+    headers = retry_after(exc.status_code) | dict(exc.headers or {})
+    return JSONResponse(body, status_code=exc.status_code, headers=headers)
 
 
 class _Server(uvicorn.Server):

@@ -33,12 +33,13 @@ class ResponseShape:
     model: str
     tokenizer: object
     include_usage: bool = False
+    echo: str = ""  # completions with `echo`: the prompt's text, before the completion
     created: int = field(default_factory=lambda: int(time.time()))
     text_offset: int = 0  # completions logprobs: characters of the tokens so far
 
     def response(self, deltas: list[TokenDelta]) -> dict:
         """The whole (non-streamed) response."""
-        text = "".join(d.text for d in deltas)
+        text = self.echo + "".join(d.text for d in deltas)
         logprobs = [lp for d in deltas for lp in d.logprobs]
         choice = {"index": 0, "logprobs": self._logprobs(logprobs, bool(logprobs))}
         if self.kind == CHAT:
@@ -52,10 +53,11 @@ class ResponseShape:
         return body
 
     def first_chunk(self) -> dict | None:
-        """The chunk before any token: a chat stream opens with the assistant's role."""
-        if self.kind != CHAT:
-            return None
-        return self._chunk({"role": "assistant", "content": ""}, None, None)
+        """The chunk before any token: a chat stream opens with the assistant's role, a
+        completion with `echo` with the prompt."""
+        if self.kind == CHAT:
+            return self._chunk({"role": "assistant", "content": ""}, None, None)
+        return self._chunk(self.echo, None, None) if self.echo else None
 
     def chunk(self, delta: TokenDelta) -> dict | None:
         """The stream chunk for `delta`; None when it carries nothing a client would see."""

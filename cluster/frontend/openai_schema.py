@@ -1,63 +1,123 @@
 """The OpenAI request bodies halfmoon accepts, and their translation into a `GenerateInput`.
 
-Unknown fields are errors. OpenAI fields halfmoon does not implement are accepted only at
-their neutral value (e.g. `presence_penalty: 0`), so a client relying on one learns it at once.
+Fields of OpenAI and vLLM that halfmoon does not implement pass only where they ask for
+nothing (`openai_fields`); any other unknown field is an error naming it.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    Strict,
+    ValidationError,
+    WrapValidator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from halfmoon.cluster.frontend.grpc_convert import MAX_LOGPROBS
-from halfmoon.cluster.serving.backend import GenerateInput
+from halfmoon.cluster.frontend.openai_fields import (
+    CHAT_NEUTRAL,
+    COMMON_NEUTRAL,
+    COMPLETION_NEUTRAL,
+    check_tools,
+    take_extras,
+)
+from halfmoon.cluster.serving.backend import GenerateInput, ModelInfo
 from halfmoon.engine.errors import InvalidRequestError
 from halfmoon.engine.sampling_params import SamplingParams
 from halfmoon.engine.tokenizer import Prompt
 
-# Unimplemented OpenAI fields and the values that ask for nothing.
-NEUTRAL_VALUES: dict[str, tuple] = {
-    "frequency_penalty": (0, 0.0),
-    "presence_penalty": (0, 0.0),
-    "logit_bias": ({},),
-    "echo": (False,),
-    "suffix": ("",),
-    "best_of": (1,),
-    "tools": ([],),
-    "tool_choice": ("none", "auto"),
-    "parallel_tool_calls": (True, False),
-    "functions": ([],),
-    "function_call": ("none", "auto"),
-    "response_format": ({"type": "text"},),
-    "store": (False,),
-}
-# SamplingParams fields a request may set directly (halfmoon extras beside OpenAI's).
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos")
+# SamplingParams fields a request may set directly (halfmoon and vLLM extras beside OpenAI's).
+SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "ignore_eos",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+)
+# Every model is strict: a JSON type is never coerced ("2" is no integer, true no number, "yes"
+# no boolean); an integer is still a number.
+STRICT = ConfigDict(extra="forbid", strict=True)
+
+
+def _json_integer(value: Any) -> Any:
+    if isinstance(value, str | bool):
+        raise PydanticCustomError("int_type", "Input should be a valid integer")
+    return value
+
+
+# A JSON number with no fractional part: 2.0 is 2 (JSON, like JSON Schema, does not tell them
+# apart), 2.5 and "2" are refused.
+Integer = Annotated[int, Strict(False), BeforeValidator(_json_integer)]
+
+
+def _one_of(accepted: str) -> WrapValidator:
+    """A union field's error says what the field accepts; pydantic's is one error per member,
+    each under the member's name (`prompt.str`), the first saying only what that one wants."""
+
+    def validate(value: Any, handler) -> Any:
+        try:
+            return handler(value)
+        except ValidationError:
+            raise PydanticCustomError("union_type", accepted) from None
+
+    return WrapValidator(validate)
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage in every chunk
+
+    @model_validator(mode="after")
+    def _supported(self) -> StreamOptions:
+        if self.continuous_usage_stats:
+            raise InvalidRequestError(
+                "stream_options.continuous_usage_stats",
+                True,
+                "not supported; include_usage sends the usage in a last chunk",
+            )
+        return self
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     type: Literal["text"]
     text: str
+
+
+PromptField = Annotated[
+    str | list[Integer] | list[str] | list[list[Integer]],
+    _one_of("must be a string, a list of token ids, or a list of one of those"),
+]
+StopField = Annotated[str | list[str], _one_of("must be a string or a list of strings")]
+ContentField = Annotated[
+    str | list[TextPart],
+    _one_of('must be a string or a list of text parts ({"type": "text", "text": "..."})'),
+]
 
 
 class ChatMessage(BaseModel):
     """One message; content is text or a list of text parts. Fields a client echoes back from
     an earlier response (tool calls, refusal) are ignored."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     role: str = Field(min_length=1)
-    content: str | list[TextPart] | None = None
+    content: ContentField | None = None
     name: str | None = None
 
     def text(self) -> str:
@@ -67,40 +127,44 @@ class ChatMessage(BaseModel):
 
 
 class OpenAIRequest(BaseModel):
-    """Fields both endpoints share, halfmoon's extras included."""
+    """Fields both endpoints share, halfmoon's and vLLM's extras included."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     logprobs_field: ClassVar[str] = "logprobs"  # the field that counts top tokens
 
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = None
+    max_tokens: Integer | None = None
     temperature: float | None = None
     top_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    n: int = 1
-    user: str | None = None
-    metadata: dict[str, str] | None = None
-    # halfmoon extras (OpenAI clients send them with `extra_body`)
-    top_k: int | None = None
+    seed: Integer | None = None
+    stop: StopField | None = None
+    n: Integer = 1
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM's and halfmoon's extras (OpenAI clients send them with `extra_body`)
+    repetition_penalty: float | None = None
+    top_k: Integer | None = None
     min_p: float | None = None
     ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Integer] | None = None
     ttft_slo_s: float | None = None
     tbt_slo_s: float | None = None
-    # OpenAI fields halfmoon does not implement: only their neutral values pass.
-    frequency_penalty: Any = None
-    presence_penalty: Any = None
-    logit_bias: Any = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _take_extras(cls, data: Any) -> Any:
+        return cls.without_extras(data)
+
+    @classmethod
+    def without_extras(cls, data: Any) -> Any:
+        """The body without the fields taken and ignored (`openai_fields`)."""
+        return take_extras(data, COMMON_NEUTRAL)
 
     @model_validator(mode="after")
     def _supported(self) -> OpenAIRequest:
-        for name, neutral in NEUTRAL_VALUES.items():
-            value = getattr(self, name, None)
-            if value is not None and value not in neutral:
-                raise InvalidRequestError(name, value, "not supported by halfmoon; leave it unset")
         if self.n != 1:
             raise InvalidRequestError(
                 "n", self.n, "only n=1 is supported; send one request per choice"
@@ -121,12 +185,24 @@ class OpenAIRequest(BaseModel):
     def wanted_logprobs(self) -> int | None:
         return None
 
-    def to_input(self, request_id: str, prompt: Prompt, max_model_len: int) -> GenerateInput:
-        """The backend's request; without a token limit, generate up to the context length."""
+    def sent_name(self, field: str) -> str:
+        """This request's name for an engine field (SamplingParams', the tokenizer's)."""
+        return field
+
+    def as_sent(self, error: InvalidRequestError) -> InvalidRequestError:
+        """`error` naming the field as this request sent it."""
+        name = self.sent_name(error.field)
+        return error if name == error.field else error.renamed(name)
+
+    def to_input(self, request_id: str, prompt: Prompt, model: ModelInfo) -> GenerateInput:
+        """The backend's request, checked against `model` (token ids within its vocabulary);
+        without a token limit, generate up to the context length."""
+        params = self._sampling_params(model.max_model_len)
+        params.validate(model.vocab_size)
         return GenerateInput(
             request_id=request_id,
             prompt=prompt,
-            params=self._sampling_params(max_model_len),
+            params=params,
             ttft_slo_s=_slo("ttft_slo_s", self.ttft_slo_s),
             tbt_slo_s=_slo("tbt_slo_s", self.tbt_slo_s),
             to_context_end=self.wanted_max_tokens() is None,
@@ -146,6 +222,7 @@ class OpenAIRequest(BaseModel):
             stop=stop or [],
             stop_token_ids=self.stop_token_ids or [],
             logprobs=logprobs,
+            logit_bias=_token_biases(self.logit_bias or {}),
             **kwargs,
         )
 
@@ -153,14 +230,31 @@ class OpenAIRequest(BaseModel):
 class CompletionRequest(OpenAIRequest):
     """`POST /v1/completions`: a text prompt or token ids; `logprobs` is a count of top tokens."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = None
-    echo: Any = None
-    suffix: Any = None
-    best_of: Any = None
+    prompt: PromptField
+    logprobs: Integer | None = None
+    echo: bool = False
+
+    @classmethod
+    def without_extras(cls, data: Any) -> Any:
+        return take_extras(data, COMPLETION_NEUTRAL)
 
     def wanted_logprobs(self) -> int | None:
+        if self.echo and self.logprobs is not None:
+            raise InvalidRequestError(
+                "echo", True, "not with logprobs: prompt log-probabilities are not computed"
+            )
         return self.logprobs
+
+    def sent_name(self, field: str) -> str:
+        return "prompt" if field == "prompt_token_ids" else field
+
+    def echo_text(self, prompt: Prompt, tokenizer) -> str:
+        """What `echo` puts before the completion: the prompt, as text."""
+        if not self.echo:
+            return ""
+        if isinstance(prompt, str):
+            return prompt
+        return tokenizer.decode(prompt, skip_special_tokens=True)
 
     def to_prompt(self) -> Prompt:
         prompt = self.prompt
@@ -180,21 +274,23 @@ class ChatCompletionRequest(OpenAIRequest):
 
     logprobs_field: ClassVar[str] = "top_logprobs"
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Integer | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
-    tools: Any = None
-    tool_choice: Any = None
-    parallel_tool_calls: Any = None
-    functions: Any = None
-    function_call: Any = None
-    response_format: Any = None
-    store: Any = None
+    top_logprobs: Integer | None = None
+
+    @classmethod
+    def without_extras(cls, data: Any) -> Any:
+        return check_tools(take_extras(data, CHAT_NEUTRAL))
 
     def wanted_max_tokens(self) -> int | None:
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens
         return self.max_tokens
+
+    def sent_name(self, field: str) -> str:
+        if field == "max_tokens" and self.max_completion_tokens is not None:
+            return "max_completion_tokens"  # it wins over max_tokens
+        return field
 
     def wanted_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -203,6 +299,16 @@ class ChatCompletionRequest(OpenAIRequest):
 
     def to_prompt(self) -> Prompt:
         return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+def _token_biases(biases: dict[str, float]) -> dict[int, float]:
+    """OpenAI's `logit_bias` keys are token ids written as decimal strings."""
+    for key in biases:
+        if not (key.isascii() and key.isdigit()):
+            raise InvalidRequestError(
+                "logit_bias", {key: biases[key]}, "keys must be token ids as decimal strings"
+            )
+    return {int(key): bias for key, bias in biases.items()}
 
 
 def _slo(name: str, value: float | None) -> float | None:

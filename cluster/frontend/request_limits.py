@@ -33,11 +33,19 @@ class RequestLimits(BaseModel):
 
 
 def check_request_id(request_id: str, limits: RequestLimits, field: str = "request_id") -> None:
+    """A client's request id: at most `max_request_id_chars` printable characters (it goes into
+    log lines and the X-Request-Id header, where a control character would break or forge one)."""
     if len(request_id) > limits.max_request_id_chars:
         raise InvalidRequestError(
             field,
             _preview(request_id),
             f"is {len(request_id)} characters; at most {limits.max_request_id_chars} allowed",
+        )
+    if not request_id.isprintable():
+        raise InvalidRequestError(
+            field,
+            _preview(request_id),
+            "must be printable characters: no tab, newline or other control character",
         )
 
 

@@ -14,6 +14,8 @@ from halfmoon.engine.worker_info import WorkerInfo
 from halfmoon.router.conductor import Conductor
 from halfmoon.router.profile import Profile
 
+KEPT = "in flight or among the recently finished ones"  # what the registry keeps
+
 
 class BackendViews:
     """The read-only calls of `ClusterBackend`, over its registry, pool and Conductor."""
@@ -28,7 +30,7 @@ class BackendViews:
         """(stage, seconds since arrival) of a request in flight or recently finished."""
         req = self.requests.get(request_id)
         if req is None:
-            raise RequestNotFoundError(request_id)
+            raise RequestNotFoundError(request_id, KEPT)
         return sorted(req.trace.timeline, key=lambda item: item[1])
 
     def summaries(self, request_ids: list[str]) -> list[dict]:
@@ -46,7 +48,7 @@ class BackendViews:
         if req is not None:
             parts.append(req.trace.explain_timeline())
         if not parts:
-            raise RequestNotFoundError(request_id)
+            raise RequestNotFoundError(request_id, KEPT)
         return "\n".join(parts)
 
     def profile(self) -> Profile:

@@ -27,6 +27,12 @@ from halfmoon.engine.worker_errors import WorkerCallError, WorkerError
         (RejectedError("TTFT breaks the SLO"), "RESOURCE_EXHAUSTED", "TTFT breaks the SLO"),
         (NoWorkerError("no decode worker is alive"), "UNAVAILABLE", "no decode worker is alive"),
         (OutOfPagesError(4, 1), "UNAVAILABLE", "needs 4 free KV pages, 1 are free"),
+        (RequestNotFoundError("r"), "NOT_FOUND", "no request 'r' is in flight"),
+        (
+            RequestNotFoundError("r", "among the recent ones"),
+            "NOT_FOUND",
+            "no request 'r' is among the recent ones",
+        ),
         (TimeoutError(), "DEADLINE_EXCEEDED", "the request's deadline expired before it finished"),
         (asyncio.CancelledError(), "CANCELLED", "the request was cancelled"),
         (DuplicateRequestError("request_id='a' is in flight"), "ALREADY_EXISTS", None),
@@ -45,6 +51,16 @@ def test_a_workers_error_becomes_data_that_keeps_its_status():
     assert WorkerError.of(invalid) == WorkerError("INVALID_ARGUMENT", str(invalid))
     assert WorkerError.of(OutOfPagesError(4, 1)).code == "UNAVAILABLE"
     assert WorkerError.of(RequestNotFoundError("r")).code == "NOT_FOUND"
+
+
+def test_a_renamed_error_names_the_field_as_the_client_sent_it():
+    error = InvalidRequestError("max_tokens", 9, "prompt plus max_tokens must fit; max_tokens_x")
+    renamed = error.renamed("max_completion_tokens")
+    assert (renamed.field, renamed.value) == ("max_completion_tokens", 9)
+    assert str(renamed) == (
+        "max_completion_tokens=9 is invalid: prompt plus max_completion_tokens must fit; "
+        "max_tokens_x"
+    )
 
 
 def test_unexpected_errors_are_internal_and_do_not_leak_details():

@@ -147,6 +147,41 @@ def test_completion_logprobs_count_top_tokens_and_text_offsets(oai, tiny_llm):
     assert logprobs.text_offset == [sum(lengths[:i]) for i in range(len(lengths))]
 
 
+def test_penalties_and_biases_over_http_and_grpc_equal_the_offline_engine(served, oai, tiny_llm):
+    """Disaggregated: the decode worker samples with the penalties' counts as a colocated
+    engine does (repetition counts the prompt too)."""
+    _, client, _ = served
+    sampling = {"frequency_penalty": 0.5, "presence_penalty": 0.5, "repetition_penalty": 1.3}
+    bias = {226: -100.0, 7: 3.0}
+    want = tiny_llm.generate(PROMPTS[1], greedy(12, ignore_eos=True, logit_bias=bias, **sampling))
+    chat_want = tiny_llm.generate([MESSAGES], greedy(12, ignore_eos=True, **sampling))[0]
+    extra = {"ignore_eos": True, "repetition_penalty": sampling["repetition_penalty"]}
+    http = oai.completions.create(
+        model=MODEL,
+        prompt=PROMPTS[1],
+        max_tokens=12,
+        temperature=0,
+        frequency_penalty=0.5,
+        presence_penalty=0.5,
+        logit_bias={str(t): b for t, b in bias.items()},
+        extra_body=extra,
+    )
+    grpc = client.complete(
+        PROMPTS[1], max_tokens=12, temperature=0.0, ignore_eos=True, logit_bias=bias, **sampling
+    )
+    assert http.choices[0].text == grpc.text == want[0].text
+    chat = oai.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=12,
+        temperature=0,
+        frequency_penalty=0.5,
+        presence_penalty=0.5,
+        extra_body=extra,
+    )
+    assert chat.choices[0].message.content == chat_want.text
+
+
 def test_usage_counts_cached_prompt_tokens(oai):
     prompt = list(range(3, 43))  # 40 tokens: two full blocks of 16 can come from the cache
     first = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
@@ -180,6 +215,7 @@ def test_bad_requests_get_openai_error_objects(oai, kwargs, status, param):
     assert error.response.headers["x-request-id"]
     if status == 404:
         assert error.body["code"] == "model_not_found" and "'tiny'" in error.body["message"]
+    assert error.response.headers.get("retry-after") == ("1" if status == 429 else None)
     assert oai.completions.create(model=MODEL, prompt="still serving", max_tokens=2)
 
 
@@ -200,6 +236,7 @@ def test_request_id_header_is_the_cluster_request_id(served, oai):
 def test_models_health_and_metrics(served, oai):
     cluster, _, base = served
     assert [(m.id, m.owned_by) for m in oai.models.list().data] == [(MODEL, "halfmoon")]
+    assert oai.models.retrieve(MODEL).id == MODEL
     health = httpx.get(base + "/health")
     assert (health.status_code, health.json()["status"]) == (200, "ok")
     metrics = httpx.get(base + "/metrics")
@@ -209,7 +246,7 @@ def test_models_health_and_metrics(served, oai):
         unhealthy = httpx.get(base + "/health")
     finally:
         ray.get(cluster.router.set_draining.remote("decode-1", False))
-    assert unhealthy.status_code == 503
+    assert (unhealthy.status_code, unhealthy.headers["retry-after"]) == (503, "5")
     assert unhealthy.json()["reason"] == "no live decode worker (1 prefill, 0 decode)"
     assert httpx.get(base + "/health").status_code == 200
 

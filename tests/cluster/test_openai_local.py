@@ -76,6 +76,20 @@ def test_a_lone_surrogate_escape_is_named_as_such(keyed):
     assert "lone surrogate" in answer.json()["error"]["message"]
 
 
+def test_every_http_answer_carries_a_request_id(keyed):
+    root = keyed.base_url.removesuffix("/v1")
+    answers = [
+        httpx.get(root + "/health"),
+        httpx.get(root + "/metrics"),
+        httpx.get(root + "/v1/nope"),
+        httpx.get(keyed.base_url + "/completions"),
+        httpx.post(keyed.base_url + "/completions", json={}),  # 401 before anything is judged
+    ]
+    statuses = [answer.status_code for answer in answers]
+    assert statuses == [200, 404, 404, 405, 401]
+    assert all(len(answer.headers["x-request-id"]) == 32 for answer in answers)
+
+
 def test_http_with_the_api_key_is_served(keyed):
     chunks = _openai(keyed, KEY).chat.completions.create(
         model=keyed.model,
