@@ -25,6 +25,7 @@ BENCHMARKS = {
     "capacity": "halfmoon.cluster.bench.capacity",
     "ttft": "halfmoon.cluster.bench.ttft",
     "live-capacity": "halfmoon.cluster.bench.live_capacity",
+    "chaos": "halfmoon.cluster.bench.chaos",
 }
 # Commands whose own parser lives in their module; everything after the name is theirs.
 FORWARDED = {

@@ -167,6 +167,8 @@ class ClusterBackend(BackendViews):
 
     async def _recover(self, req: Request, why: Exception) -> bool:
         """Start a fresh attempt on other workers; False when the request is out of them."""
+        if req.streamed and req.tokens_left <= 0:  # nothing left to move: `_serve` finishes it
+            return True
         if not req.streamed:
             if req.num_attempts >= MAX_ATTEMPTS:
                 return False
