@@ -81,7 +81,7 @@ def cluster_config(model: str, mode: str, device: str) -> ClusterConfig:
 
 def engine_prefill_times(config: ClusterConfig, prompts: list[list[int]]) -> list[float]:
     """Seconds from add_request to the first token, one prompt at a time, in this process."""
-    engine_config = Cluster(config)._engine_config(config.model)
+    engine_config = config.engine.engine_config(config.model)
     engine = LLMEngine(engine_config)
     params = SamplingParams(max_tokens=1, temperature=0.0)
     times = []

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import argparse
 
-from halfmoon.cluster.bench.ttft import ModeResult, make_prompts, report
+from halfmoon.cluster.bench.ttft import (
+    ModeResult,
+    cluster_config,
+    engine_prefill_times,
+    make_prompts,
+    report,
+)
 
 
 def test_the_report_orders_stage_medians_and_checks_the_goal_against_the_engine():
@@ -28,3 +34,9 @@ def test_prompts_are_distinct_so_nothing_is_served_from_a_cache():
     prompts = make_prompts(8, 32, 256, seed=0)
     assert len({tuple(p[:16]) for p in prompts}) == 8
     assert all(len(p) == 32 and min(p) >= 6 for p in prompts)
+
+
+def test_the_engine_baseline_times_each_prompt_in_process(tiny_model_dir):
+    config = cluster_config(str(tiny_model_dir), "disaggregated", "cpu")
+    times = engine_prefill_times(config, make_prompts(2, 40, 200, seed=1))
+    assert len(times) == 2 and all(t > 0 for t in times)

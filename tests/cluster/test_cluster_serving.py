@@ -159,71 +159,66 @@ def test_cancel_and_deadline_release_every_page_and_lease(tiny_model_dir):
         assert ray.get(store.stats.remote()).host.leased_blocks == 0
 
 
-def test_fifty_concurrent_streams_complete_and_bad_requests_are_invalid(tiny_model_dir):
-    with running_cluster(tiny_model_dir) as (_, client):
-        results = _generate_concurrently(client, [f"request {i}" for i in range(50)], max_tokens=4)
-        assert all(len(r.token_ids) == 4 for r in results)
-        for bad in ({"max_tokens": 0}, {"top_p": 2.0}, {"temperature": -1.0}):
-            with pytest.raises(ServerError) as caught:
-                client.complete("fine", **bad)
-            assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT.name
-            assert next(iter(bad)) in caught.value.message
+@pytest.fixture(scope="module")
+def default_cluster(tiny_model_dir):
+    """One cluster of the default shape for the tests that only send requests to it."""
+    with running_cluster(tiny_model_dir) as started:
+        yield started
+
+
+def test_fifty_concurrent_streams_complete_and_bad_requests_are_invalid(default_cluster):
+    _, client = default_cluster
+    results = _generate_concurrently(client, [f"request {i}" for i in range(50)], max_tokens=4)
+    assert all(len(r.token_ids) == 4 for r in results)
+    for bad in ({"max_tokens": 0}, {"top_p": 2.0}, {"temperature": -1.0}):
         with pytest.raises(ServerError) as caught:
-            client.complete("")
+            client.complete("fine", **bad)
         assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT.name
-        assert len(client.complete("still serving", max_tokens=3, ignore_eos=True).token_ids) == 3
+        assert next(iter(bad)) in caught.value.message
+    with pytest.raises(ServerError) as caught:
+        client.complete("")
+    assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT.name
+    assert len(client.complete("still serving", max_tokens=3, ignore_eos=True).token_ids) == 3
 
 
-def test_metrics_scrape_counts_what_was_sent(tiny_model_dir):
+def test_metrics_scrape_counts_what_was_sent(default_cluster):
     import json
     import urllib.request
     from pathlib import Path
 
     from prometheus_client.parser import text_string_to_metric_families
 
-    with running_cluster(tiny_model_dir) as (cluster, client):
-        results = _generate_concurrently(client, [f"metric {i}" for i in range(6)], max_tokens=5)
-        with pytest.raises(ServerError):
-            client.complete("bad", top_p=3.0)
-        url = f"http://127.0.0.1:{cluster.ports['metrics_port']}/metrics"
+    cluster, client = default_cluster
+    url = f"http://127.0.0.1:{cluster.ports['metrics_port']}/metrics"
 
-        def scrape() -> dict:
-            text = urllib.request.urlopen(url, timeout=10).read().decode()
-            samples = {}
-            for family in text_string_to_metric_families(text):
-                for sample in family.samples:
-                    key = (sample.name, tuple(sorted(sample.labels.items())))
-                    samples[key] = sample.value
-            return samples, text
+    def scrape() -> dict:
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
+        samples = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                key = (sample.name, tuple(sorted(sample.labels.items())))
+                samples[key] = sample.value
+        return samples, text
 
-        wait_until(
-            lambda: (
-                scrape()[0].get(
-                    ("halfmoon_requests_total", (("outcome", "finished"), ("reason", "")))
-                )
-                == 6
-            )
-        )
-        wait_until(
-            lambda: (
-                scrape()[0].get(
-                    (
-                        "halfmoon_worker_running_requests",
-                        (("kind", "decode"), ("worker", "decode-1")),
-                    )
-                )
-                is not None
-            )
-        )
-        transfer_key = ("halfmoon_kv_transfer_bytes_total", (("path", "store"),))
-        wait_until(lambda: scrape()[0].get(transfer_key, 0) > 0)
-        samples, text = scrape()
-    assert samples[("halfmoon_generated_tokens_total", ())] == sum(
-        len(r.token_ids) for r in results
-    )
-    assert samples[("halfmoon_time_to_first_token_seconds_count", ())] == 6
-    queried = samples[("halfmoon_prefix_cache_queried_tokens_total", (("tier", "device"),))]
-    assert queried == sum(r.usage.prompt_tokens for r in results)
+    finished = ("halfmoon_requests_total", (("outcome", "finished"), ("reason", "")))
+    generated = ("halfmoon_generated_tokens_total", ())
+    ttfts = ("halfmoon_time_to_first_token_seconds_count", ())
+    queried = ("halfmoon_prefix_cache_queried_tokens_total", (("tier", "device"),))
+    # The module's cluster has served other tests' requests: count what this test adds.
+    before = scrape()[0]
+    results = _generate_concurrently(client, [f"metric {i}" for i in range(6)], max_tokens=5)
+    with pytest.raises(ServerError):
+        client.complete("bad", top_p=3.0)
+    wait_until(lambda: scrape()[0].get(finished, 0) == before.get(finished, 0) + 6)
+    running = ("halfmoon_worker_running_requests", (("kind", "decode"), ("worker", "decode-1")))
+    wait_until(lambda: scrape()[0].get(running) is not None)
+    transfer_key = ("halfmoon_kv_transfer_bytes_total", (("path", "store"),))
+    wait_until(lambda: scrape()[0].get(transfer_key, 0) > 0)
+    samples, text = scrape()
+    added = {key: samples.get(key, 0) - before.get(key, 0) for key in (generated, ttfts, queried)}
+    assert added[generated] == sum(len(r.token_ids) for r in results)
+    assert added[ttfts] == 6
+    assert added[queried] == sum(r.usage.prompt_tokens for r in results)
     dashboard = json.loads(Path("deploy/grafana/halfmoon.json").read_text())
     names = _dashboard_metric_names(dashboard)
     missing = [n for n in names if n not in text]

@@ -31,9 +31,13 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 DISAGGREGATED = {"router.bypass_threshold_tokens": 0, "engine.num_pages": 512}
 
 
-def _expected(tiny_llm, prompts, max_tokens):
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+def _expected(tiny_llm, prompts, max_tokens, **penalties):
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, **penalties)
     return [out.token_ids for out in tiny_llm.generate(prompts, params)]
+
+
+# Penalties over the generated tokens: a migrated stream must count what it generated before.
+PENALTIES = {"frequency_penalty": 0.4, "presence_penalty": 0.3}
 
 
 def _wait_until(condition, timeout_s: float = 60.0, what: str = "condition"):
@@ -101,6 +105,7 @@ async def _meet(client: AsyncClient, prompt: str, fate: str, rng: random.Random)
 @pytest.mark.timeout(600)
 def test_cancels_and_deadlines_at_random_points_leave_nothing_held(tiny_model_dir):
     rng = random.Random(15)
+    num_requests = int(os.environ.get("HALFMOON_LEAK_REQUESTS", "150"))  # 1,000 for the goal
     # Admission off lets all 150 in (with the default queue bound about half would be turned
     # away, the `rejected` fate, which holds nothing either: 83 of 150 when last run). On a
     # slow 2-core run the last prefills start more than `store.get_timeout_s` (30 s) after
@@ -111,34 +116,45 @@ def test_cancels_and_deadlines_at_random_points_leave_nothing_held(tiny_model_di
 
         async def run() -> list:
             async with AsyncClient(address) as aclient:
-                return await asyncio.gather(*[_one(aclient, i, rng) for i in range(150)])
+                return await asyncio.gather(*[_one(aclient, i, rng) for i in range(num_requests)])
 
         started = time.monotonic()
         fates = asyncio.run(run())
-        deadline = time.monotonic() + 60
+        ended = time.monotonic()
+        # With no request sent, the idle workers give back what aborts left (issue 35: within
+        # 2 s of the last answer; 60 s here for a slowed machine, the figure is printed).
+        deadline = ended + 60
         while any((held := _idle(cluster, client.server_info)).values()):
             assert time.monotonic() < deadline, f"still held after 60 s: {held}"
             time.sleep(0.2)
-        elapsed_s = time.monotonic() - started
+        idle_s = time.monotonic() - ended
         assert len(client.complete("after", max_tokens=3, ignore_eos=True).token_ids) == 3
-    print(f"\nleak test: {dict((f, fates.count(f)) for f in set(fates))} idle in {elapsed_s:.1f} s")
+    counts = {f: fates.count(f) for f in sorted(set(fates))}
+    print(f"\nleak test: {counts} in {ended - started:.1f} s; idle {idle_s:.2f} s after the last")
+
+
+@pytest.fixture(scope="module")
+def default_cluster(tiny_model_dir):
+    """One cluster of the default shape for the tests that only send requests to it."""
+    with running_cluster(tiny_model_dir) as started:
+        yield started
 
 
 @pytest.mark.timeout(600)
-def test_a_live_duplicate_id_is_refused_and_the_first_request_goes_on(tiny_model_dir, tiny_llm):
+def test_a_live_duplicate_id_is_refused_and_the_first_request_goes_on(default_cluster, tiny_llm):
     prompt = "The first one keeps its id " * 3
-    with running_cluster(tiny_model_dir) as (_, client):
-        stream = client.generate(prompt, max_tokens=40, temperature=0.0, request_id="dup")
-        tokens = list(next(iter(stream)).token_ids)
-        with pytest.raises(ServerError) as caught:
-            client.complete("the intruder", max_tokens=3, request_id="dup")
-        tokens += [t for delta in stream for t in delta.token_ids]
-        again = client.complete(prompt, max_tokens=40, temperature=0.0, request_id="dup")
-        aborted = client.generate(prompt, max_tokens=400, ignore_eos=True, request_id="gone")
-        next(iter(aborted))
-        assert client.abort("gone") is True
-        rest = list(aborted)
-        assert client.abort("gone") is False
+    _, client = default_cluster
+    stream = client.generate(prompt, max_tokens=40, temperature=0.0, request_id="dup")
+    tokens = list(next(iter(stream)).token_ids)
+    with pytest.raises(ServerError) as caught:
+        client.complete("the intruder", max_tokens=3, request_id="dup")
+    tokens += [t for delta in stream for t in delta.token_ids]
+    again = client.complete(prompt, max_tokens=40, temperature=0.0, request_id="dup")
+    aborted = client.generate(prompt, max_tokens=400, ignore_eos=True, request_id="gone")
+    next(iter(aborted))
+    assert client.abort("gone") is True
+    rest = list(aborted)
+    assert client.abort("gone") is False
     assert rest[-1].finish_reason == "abort"
     assert caught.value.code == "ALREADY_EXISTS"
     assert "dup" in caught.value.message
@@ -147,15 +163,15 @@ def test_a_live_duplicate_id_is_refused_and_the_first_request_goes_on(tiny_model
 
 
 @pytest.mark.timeout(600)
-def test_max_tokens_beyond_the_context_is_invalid_at_once(tiny_model_dir):
-    with running_cluster(tiny_model_dir) as (_, client):
-        context = client.model_info().max_model_len
-        started = time.monotonic()
-        with pytest.raises(ServerError) as caught:
-            client.complete("hello", max_tokens=2**31, timeout=60)
-        elapsed_s = time.monotonic() - started
-        with client.generate("hello", max_tokens=context - 5) as fits:  # the most that fits
-            first = next(iter(fits))
+def test_max_tokens_beyond_the_context_is_invalid_at_once(default_cluster):
+    _, client = default_cluster
+    context = client.model_info().max_model_len
+    started = time.monotonic()
+    with pytest.raises(ServerError) as caught:
+        client.complete("hello", max_tokens=2**31, timeout=60)
+    elapsed_s = time.monotonic() - started
+    with client.generate("hello", max_tokens=context - 5) as fits:  # the most that fits
+        first = next(iter(fits))
     assert caught.value.code == "INVALID_ARGUMENT"
     assert str(context) in caught.value.message and "max_tokens" in caught.value.message
     assert f"at most {context - 5} tokens" in caught.value.message  # "hello" is 5 tokens
@@ -164,27 +180,28 @@ def test_max_tokens_beyond_the_context_is_invalid_at_once(tiny_model_dir):
 
 
 @pytest.mark.timeout(600)
-def test_an_abort_that_overtakes_its_reserve_or_prefill_still_frees_them(tiny_model_dir):
+def test_an_abort_that_overtakes_its_reserve_or_prefill_still_frees_them(default_cluster):
     token_ids = list(range(10, 90))
     params = SamplingParams(max_tokens=4)
-    with running_cluster(tiny_model_dir) as (cluster, _):
-        decode, prefill = worker(cluster, "decode-1"), worker(cluster, "prefill-0")
-        store_name = ray.get(prefill.store_name.remote())
-        assert ray.get(decode.abort.remote("late", "ticket-1")) is False
-        info = ray.get(prefill.info.remote())
-        keys = block_keys(info.root_key, token_ids, info.block_size)
-        task = DecodeTask("late", token_ids, params, keys, store_name=store_name, ticket="ticket-1")
-        reserve = decode.reserve.remote(task)
-        late_reserve = ray.get(reserve)
-        assert ray.get(prefill.abort.remote("late", "ticket-1")) is False
-        late_task = PrefillTask("late", token_ids, params, keys, ticket="ticket-1")
-        late_prefill = ray.get(prefill.prefill.remote(late_task))
-        held = [counters(cluster, name)["num_used_pages"] for name in ("decode-1", "prefill-0")]
-        # The same id with a new ticket (a later request reusing it) is served as usual.
-        task = DecodeTask("late", token_ids, params, keys, store_name=store_name, ticket="ticket-2")
-        pages = ray.get(decode.reserve.remote(task))
-        assert ray.get(decode.abort.remote("late", "ticket-2")) is True
-        freed = counters(cluster, "decode-1")["num_used_pages"]
+    cluster, client = default_cluster
+    _wait_until(lambda: not any(_idle(cluster, client.server_info).values()), 30, "idle")
+    decode, prefill = worker(cluster, "decode-1"), worker(cluster, "prefill-0")
+    store_name = ray.get(prefill.store_name.remote())
+    assert ray.get(decode.abort.remote("late", "ticket-1")) is False
+    info = ray.get(prefill.info.remote())
+    keys = block_keys(info.root_key, token_ids, info.block_size)
+    task = DecodeTask("late", token_ids, params, keys, store_name=store_name, ticket="ticket-1")
+    reserve = decode.reserve.remote(task)
+    late_reserve = ray.get(reserve)
+    assert ray.get(prefill.abort.remote("late", "ticket-1")) is False
+    late_task = PrefillTask("late", token_ids, params, keys, ticket="ticket-1")
+    late_prefill = ray.get(prefill.prefill.remote(late_task))
+    held = [counters(cluster, name)["num_used_pages"] for name in ("decode-1", "prefill-0")]
+    # The same id with a new ticket (a later request reusing it) is served as usual.
+    task = DecodeTask("late", token_ids, params, keys, store_name=store_name, ticket="ticket-2")
+    pages = ray.get(decode.reserve.remote(task))
+    assert ray.get(decode.abort.remote("late", "ticket-2")) is True
+    freed = counters(cluster, "decode-1")["num_used_pages"]
     assert late_reserve == WorkerError("CANCELLED", "request late was aborted")
     assert late_prefill == WorkerError("CANCELLED", "request late was aborted")
     assert held == [0, 0]
@@ -223,7 +240,9 @@ def test_a_killed_worker_loses_no_request_and_streams_go_on(tiny_model_dir, tiny
 
         async def request(aclient, i):
             try:
-                stream = aclient.generate(prompts[i], max_tokens=max_tokens, temperature=0.0)
+                stream = aclient.generate(
+                    prompts[i], max_tokens=max_tokens, temperature=0.0, **PENALTIES
+                )
                 tokens = []
                 async for delta in stream:
                     deltas[i] += 1
@@ -256,7 +275,7 @@ def test_a_killed_worker_loses_no_request_and_streams_go_on(tiny_model_dir, tiny
         finally:
             stop.set()
             watcher.join()
-        after = client.complete(prompts[0], max_tokens=max_tokens, temperature=0.0)
+        after = client.complete(prompts[0], max_tokens=max_tokens, temperature=0.0, **PENALTIES)
         # Pages the prefill workers lent to a killed decode worker went back when its
         # connection ended (and none are held for the requests that completed).
         prefills = [name for name, w in cluster.workers.items() if w.kind == "prefill"]
@@ -265,9 +284,10 @@ def test_a_killed_worker_loses_no_request_and_streams_go_on(tiny_model_dir, tiny
             30,
             "lent pages given back",
         )
-    expected = _expected(tiny_llm, prompts, max_tokens)
+    expected = _expected(tiny_llm, prompts, max_tokens, **PENALTIES)
     # A request that had streamed nothing is retried; one that had (its decode worker died
-    # mid-stream) migrates: its stream goes on with no gap and no repeated token.
+    # mid-stream) migrates: its stream goes on with no gap and no repeated token, and its
+    # penalties count the tokens generated before the migration.
     assert results == expected
     assert after.token_ids == expected[0]
     assert controller.num_restarts == 1
