@@ -112,7 +112,9 @@ class Conductor:
         placement = self._place(ctx, ask.tbt_slo_s)
         handoff_s = 0.0 if placement.bypass else self.profile.handoff_s
         fill_decision(decision, placement, self.profile.request_overhead_s + handoff_s)
-        decision.reason = ask.rejection(self.config, placement, self.predictor, decision)
+        decision.reason = ask.rejection(
+            self.config, placement, self.predictor, decision, self._shortfall()
+        )
         decision.rejected = bool(decision.reason)
         if decision.rejected:
             return self._remember(decision)
@@ -122,6 +124,11 @@ class Conductor:
             copy = plan_replication(self.replicator, ctx, placement, locations, own, self.prefill)
             decision.replications += [copy] if copy is not None else []
         return self._remember(decision, hold)
+
+    def _shortfall(self) -> float:
+        """How much recent TTFT predictions of a quarter of the bound or more fell short."""
+        bound_s = self.config.max_ttft_s
+        return 1.0 if bound_s is None else self.errors.shortfall(bound_s / 4)
 
     def on_replicated(self, replication: Replication) -> None:
         """A copy planned by `route` landed (or failed); the index learns of it from events."""

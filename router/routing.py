@@ -42,12 +42,19 @@ class RouteAsk:
         )
 
     def rejection(
-        self, config: RouterConfig, placement: Placement, predictor: Predictor, decision: Decision
+        self,
+        config: RouterConfig,
+        placement: Placement,
+        predictor: Predictor,
+        decision: Decision,
+        shortfall: float = 1.0,
     ) -> str:
         """Why the request placed as `decision` must be rejected at arrival, or "": the
-        router's TTFT bound, then the admission mode's SLOs."""
+        router's TTFT bound (its prediction scaled by the recent `shortfall`), then the
+        admission mode's SLOs."""
         predicted_s = decision.predicted_ttft_s
-        return bound_reason(placement, predicted_s, config.max_ttft_s) or admission_reason(
+        bound = config.max_ttft_s
+        return bound_reason(placement, predicted_s, bound, shortfall) or admission_reason(
             config.admission, placement, predictor, self.decode_tokens, self.ttft_slo_s,
             self.tbt_slo_s, predicted_s - placement.ttft_s,
         )  # fmt: skip
