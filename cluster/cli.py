@@ -26,6 +26,7 @@ BENCHMARKS = {
     "ttft": "halfmoon.cluster.bench.ttft",
     "live-capacity": "halfmoon.cluster.bench.live_capacity",
     "chaos": "halfmoon.cluster.bench.chaos",
+    "structured": "halfmoon.cluster.bench.structured",
 }
 # Commands whose own parser lives in their module; everything after the name is theirs.
 FORWARDED = {

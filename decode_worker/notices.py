@@ -36,11 +36,12 @@ RECENT_KEYS = 4096
 class Reservation:
     """One reserved request: what the prefill worker's notices call it, its first token (from
     the reserve of a retry, the prefill worker's notice, or `generate`, whichever comes
-    first), and, when the prefill worker tells this worker directly, the layers it said are
-    in the arena and the claims this worker owes the store a release of; when the prefill
-    worker lends its own pages, the layers it said are in them, and the connections this
-    worker owes a `ReleaseNotice` (`lenders`) or has refused (`refused`: their later page
-    notices are refused too, as the prefill worker may have taken the pages back)."""
+    first; a list, one per sequence, when `n` > 1: no notice carries those), and, when the
+    prefill worker tells this worker directly, the layers it said are in the arena and the
+    claims this worker owes the store a release of; when the prefill worker lends its own
+    pages, the layers it said are in them, and the connections this worker owes a
+    `ReleaseNotice` (`lenders`) or has refused (`refused`: their later page notices are
+    refused too, as the prefill worker may have taken the pages back)."""
 
     key: str
     first_token: asyncio.Future
@@ -90,7 +91,7 @@ class Notices:
         return self.listener.peer
 
     def add(
-        self, request_id: str, key: str, direct: bool, first_token_id: int | None
+        self, request_id: str, key: str, direct: bool, first_token_id: int | list[int] | None
     ) -> Reservation:
         """A new reservation, given the notices that came for it before it."""
         reservation = Reservation(key, asyncio.get_running_loop().create_future())

@@ -17,9 +17,9 @@ class DecodeTask(RequestTask):
     `ticket` names the attempt for `abort`. `direct`: the prefill worker was given this
     worker's notice socket, so on one node the layers come from its notices.
     `first_token_id`: the request's first token when already known (a retry): it joins the
-    batch as soon as its KV is in."""
+    batch as soon as its KV is in; with `params.n` > 1, a list of each sequence's."""
 
     store_name: str | None = None
     ticket: str | None = None
     direct: bool = False
-    first_token_id: int | None = None
+    first_token_id: int | list[int] | None = None

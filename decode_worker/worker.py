@@ -108,10 +108,11 @@ class DecodeWorker(EngineWorker):
         return len(pages)
 
     async def generate(
-        self, request_id: str, first_token_id: int
+        self, request_id: str, first_token_id: int | list[int]
     ) -> AsyncIterator[RequestOutput | WorkerError]:
-        """Wait for the last layer, join the batch, and stream the request's outputs; a
-        failure is the last item, as a `WorkerError`."""
+        """Wait for the last layer, join the batch after the first token (with `n` > 1 a list,
+        one per sequence: the request forks into them here), and stream the request's
+        outputs; a failure is the last item, as a `WorkerError`."""
         called_at = time.time()
         receive = self.receives.pop(request_id, None)
         if receive is None:

@@ -81,25 +81,21 @@ class AsyncEngine:
             self._open_stream(request_id)
             return pages
 
-    def join(self, request_id: str, first_token_id: int) -> None:
-        """Start decoding a reserved request; outputs (the first token's too) go to its stream."""
+    def join(self, request_id: str, first_token_ids: int | list[int]) -> None:
+        """Start decoding a reserved request after its first token (one per sequence when
+        `n` > 1); outputs (the first tokens' too) go to its stream."""
         with self._work:
-            out = self.engine.join(request_id, first_token_id)
-            self._deliver(out)
+            for out in self.engine.join(request_id, first_token_ids):
+                self._deliver(out)
             self._work.notify()
 
     def abort(self, request_id: str) -> bool:
         """End a request wherever it is; its stream ends with finish reason `abort`."""
         with self._lock:
-            seq = self.engine.requests.get(request_id)
-            if seq is None:
+            if request_id not in self.engine.requests:
                 return False
-            self.engine.abort(request_id)
-            self._deliver(
-                RequestOutput(
-                    request_id, [], "", True, "abort", seq.num_prompt_tokens, seq.num_cached_tokens
-                )
-            )
+            for out in self.engine.abort(request_id):
+                self._deliver(out)
             return True
 
     async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:

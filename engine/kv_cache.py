@@ -264,6 +264,14 @@ class PagedKvCache:
         copied.record(stream)
         return LayerWrite(copied)
 
+    def copy_within(self, src_pages: Sequence[int], dst_pages: Sequence[int]) -> None:
+        """Copy every layer of `src_pages` into `dst_pages` (pairwise) of this cache, on the
+        current stream, so the step queued next reads them (copies on write)."""
+        src, dst = self._index(src_pages), self._index(dst_pages)
+        for k_cache, v_cache in self.layers:
+            ops.scatter_pages(k_cache, dst, ops.gather_pages(k_cache, src))
+            ops.scatter_pages(v_cache, dst, ops.gather_pages(v_cache, src))
+
     def wait_writes(self) -> None:
         """Block until every write issued so far has landed (before its pages are freed)."""
         if self._write_stream is not None:

@@ -16,9 +16,10 @@ from halfmoon.engine.tokenizer import Prompt
 
 @dataclass(slots=True)
 class CompletionOutput:
-    """The whole result of one prompt."""
+    """The whole result of one prompt (of one of its sequences, `index`, when `n` > 1)."""
 
     request_id: str
+    index: int = 0
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
@@ -42,7 +43,8 @@ class LLM:
         params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = False,
     ) -> list[CompletionOutput]:
-        """One output per prompt, in order. A single prompt may be passed bare."""
+        """One output per prompt, in order; a prompt whose params ask for `n` > 1 gives `n` in
+        a row (`index` 0 to n-1). A single prompt may be passed bare."""
         if isinstance(prompts, str) or _is_single_non_text(prompts):
             prompts = [prompts]
         params_list = (
@@ -50,21 +52,23 @@ class LLM:
         )
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params_list, strict=True)]
-        results = {rid: CompletionOutput(rid) for rid in ids}
-        with tqdm(total=len(ids), disable=not use_tqdm, desc="generate") as bar:
+        results: dict[tuple[str, int], CompletionOutput] = {}
+        for prompt, sp in zip(prompts, params_list, strict=True):
+            rid = self.engine.add_request(prompt, sp)
+            results |= {(rid, index): CompletionOutput(rid, index) for index in range(sp.n)}
+        with tqdm(total=len(results), disable=not use_tqdm, desc="generate") as bar:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
-                    result = results[out.request_id]
+                    result = results[out.request_id, out.index]
                     result.token_ids.extend(out.new_token_ids)
                     result.text += out.new_text
                     result.logprobs.extend(out.new_logprobs)
                     result.num_prompt_tokens = out.num_prompt_tokens
                     result.num_cached_tokens = out.num_cached_tokens
-                    if out.finished:
+                    if out.finish_reason is not None:
                         result.finish_reason = out.finish_reason
                         bar.update()
-        return [results[rid] for rid in ids]
+        return list(results.values())
 
 
 def _is_single_non_text(prompts) -> bool:

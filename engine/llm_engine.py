@@ -6,22 +6,21 @@ import itertools
 import logging
 import time
 from collections import deque
-from pathlib import Path
-
-import torch
 
 from halfmoon.engine.config import EngineConfig
-from halfmoon.engine.detokenizer import TextDecoder, append_text, emit_text, find_stop, flush_text
+from halfmoon.engine.detokenizer import TextDecoder
 from halfmoon.engine.errors import (
     InvalidRequestError,
-    ModelLoadError,
     OutOfPagesError,
     RequestNotFoundError,
 )
+from halfmoon.engine.forks import Forks
+from halfmoon.engine.grammar import Grammars
 from halfmoon.engine.hooks import KVHooks
+from halfmoon.engine.intake import Intake
 from halfmoon.engine.kv_cache import PagedKvCache
 from halfmoon.engine.kv_sizing import size_kv
-from halfmoon.engine.loader import model_identity, pick_device, pick_dtype
+from halfmoon.engine.loader import model_directory, model_identity, pick_device, pick_dtype
 from halfmoon.engine.model_config import load_model_config
 from halfmoon.engine.model_facts import ModelFacts
 from halfmoon.engine.model_runner import ModelRunner
@@ -31,7 +30,8 @@ from halfmoon.engine.sampler import sample
 from halfmoon.engine.sampling_params import SamplingParams
 from halfmoon.engine.scheduler import Scheduler
 from halfmoon.engine.sequence import Sequence, SequenceStatus, TokenLogprobs
-from halfmoon.engine.tokenizer import Prompt, load_tokenizer, tokenize_prompt
+from halfmoon.engine.stopping import Stopping
+from halfmoon.engine.tokenizer import Prompt, load_tokenizer
 from halfmoon.kvstore.keys import model_root_key
 from halfmoon.kvstore.layout import LayerKV
 
@@ -45,12 +45,11 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, hooks: KVHooks | None = None) -> None:
         self.config = config
         self.hooks = hooks
-        model_dir = _model_dir(config.model)
+        model_dir = model_directory(config.model)
         self.model_config = cfg = load_model_config(model_dir)
         self.device = pick_device(config.device)
         self.dtype = pick_dtype(config.dtype, model_dir, self.device)
         self.tokenizer = load_tokenizer(model_dir)
-        self.decode_text = TextDecoder(self.tokenizer)
         self.runner = ModelRunner(model_dir, cfg, config.block_size, self.dtype, self.device)
         self.num_pages, self.max_model_len = size_kv(
             config, cfg, self.dtype, self.device, self.runner.weights_bytes
@@ -73,9 +72,18 @@ class LLMEngine:
             self.pool, config.max_num_batched_tokens, config.max_num_seqs,
             config.prefill_chunk_size, hooks,
         )  # fmt: skip
+        self.forks = Forks(self.pool, self.scheduler, self.device)
         self.eos_token_ids = set(cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.grammars = Grammars(self.tokenizer, cfg.vocab_size, sorted(self.eos_token_ids))
+        self.stopping = Stopping(
+            TextDecoder(self.tokenizer), self.eos_token_ids, self.max_model_len
+        )
+        self.intake = Intake(
+            self.tokenizer, cfg.vocab_size, self.max_model_len, config.max_num_seqs,
+            config.block_size, self.forks, self.grammars,
+        )  # fmt: skip
         self._start_books()
         if self.device.type == "cuda":
             from halfmoon.engine.warmup import warm_up_cuda
@@ -122,7 +130,8 @@ class LLMEngine:
         seq = self._new_sequence(prompt, params, request_id, block_keys)
         seq.num_prior_output_tokens = num_prior_output_tokens
         self.requests[seq.request_id] = seq
-        self.scheduler.add(seq)
+        if not self.grammars.park([seq]):  # a grammar still compiling: it waits, not the batch
+            self.scheduler.add(seq)
         return seq.request_id
 
     def reserve(
@@ -147,16 +156,27 @@ class LLMEngine:
         self.reserved[request_id] = seq
         return list(seq.block_table)
 
-    def join(self, request_id: str, first_token_id: int) -> RequestOutput:
-        """A reserved prompt's KV is all in its pages: start decoding after `first_token_id`."""
-        seq = self.reserved.pop(request_id, None)
+    def join(self, request_id: str, first_token_ids: int | list[int]) -> list[RequestOutput]:
+        """A reserved prompt's KV is all in its pages: start decoding after its first token,
+        one per sequence of the request (a list when `n` > 1, which forks it here)."""
+        ids = first_token_ids if isinstance(first_token_ids, list) else [first_token_ids]
+        seq = self.reserved.get(request_id)
         if seq is None:
             raise RequestNotFoundError(request_id)
+        if len(ids) != seq.num_forks:
+            raise InvalidRequestError(
+                "first_token_ids", ids, f"must be one per sequence: n = {seq.num_forks}"
+            )
+        del self.reserved[request_id]
         seq.num_computed_tokens = seq.num_prompt_tokens
         seq.status = SequenceStatus.RUNNING
         self.pool.cache_full_blocks(seq)
         self.scheduler.running.append(seq)
-        return self._append_token(seq, first_token_id, None)
+        group = self.forks.fork(seq) if seq.num_forks > 1 else [seq]
+        if self.grammars.park(group):  # decodes once its grammar is compiled
+            for s in group:
+                self.scheduler.running.remove(s)
+        return [self._append_token(s, t, None) for s, t in zip(group, ids, strict=True)]
 
     def _new_sequence(
         self,
@@ -172,18 +192,7 @@ class LLMEngine:
             raise InvalidRequestError(
                 "request_id", request_id, "must be unique among live requests"
             )
-        token_ids = tokenize_prompt(self.tokenizer, prompt, self.model_config.vocab_size)
-        if len(token_ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                "prompt",
-                f"<{len(token_ids)} tokens>",
-                f"must be shorter than the context length of {self.max_model_len} tokens",
-            )
-        seq = Sequence(request_id, token_ids, len(token_ids), params, time.monotonic())
-        seq.block_keys = _checked_keys(block_keys, len(token_ids), self.facts.block_size)
-        if params.seed is not None:
-            seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        return seq
+        return self.intake.sequence(prompt, params, request_id, block_keys)
 
     def record_page_events(self) -> None:
         """Keep the events `take_page_events` returns (a prefill worker reports its pages)."""
@@ -229,25 +238,33 @@ class LLMEngine:
             self.kv.write_layer(layer, pages, LayerKV(kv.k[rows], kv.v[rows]))
         return len(adopted)
 
-    def abort(self, request_id: str) -> None:
-        """Stop a request now and free its pages."""
+    def abort(self, request_id: str) -> list[RequestOutput]:
+        """Stop a request now and free its pages; returns the last output of each of its
+        sequences still running (finish reason `abort`)."""
         seq = self.requests.pop(request_id, None)
         if seq is None:
             raise RequestNotFoundError(request_id)
         self.reserved.pop(request_id, None)
-        self.scheduler.finish(seq, "abort")
+        live = [s for s in seq.group if not s.finished]
+        for s in live:
+            self.scheduler.finish(s, "abort")
+        return [_aborted(s, last=s is live[-1]) for s in live]
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self.grammars.parked)
 
     def step(self) -> list[RequestOutput]:
         """Run one batch; return what each request that progressed produced."""
         started = time.perf_counter()
         self.pool.drain_unholds()
+        self._admit_compiled()
         batch = self.scheduler.schedule()
         if not batch:
+            self.grammars.wait()
             self._busy_since = None
             return []
+        if copies := self.pool.take_copies():
+            self.kv.copy_within(*zip(*copies, strict=True))
         self.num_steps += 1
         chunks, decode_seqs, decode_kv = [], 0, 0
         for item in batch:
@@ -266,6 +283,7 @@ class LLMEngine:
             self.pool.cache_full_blocks(item.seq)
         outputs = []
         if sampled:
+            logits, sampled = self.forks.fork_sampled(logits, sampled)
             result = sample(logits, sampled)
             for seq, token_id, logprobs in zip(
                 sampled, result.token_ids, result.logprobs, strict=True
@@ -280,6 +298,15 @@ class LLMEngine:
         )
         self._busy_since = ended if self.scheduler.has_work() else None
         return outputs
+
+    def _admit_compiled(self) -> None:
+        """Sequences parked while their grammar compiled go on: new ones to the queue, joined
+        ones (their prompt's KV in) to the batch."""
+        for seq in self.grammars.unpark():
+            if seq.status is SequenceStatus.WAITING:
+                self.scheduler.add(seq)
+            else:
+                self.scheduler.running.append(seq)
 
     def stats(self) -> EngineStats:
         self.pool.drain_unholds()
@@ -299,58 +326,22 @@ class LLMEngine:
     def _append_token(
         self, seq: Sequence, token_id: int, logprobs: TokenLogprobs | None
     ) -> RequestOutput:
-        seq.token_ids.append(token_id)
+        reason, new_text = self.stopping.append(seq, token_id, logprobs)
         self.num_generated_tokens += 1
-        if logprobs is not None:
-            seq.logprobs.append(logprobs)
-        params = seq.params
-        stop_token = token_id in params.stop_token_ids or (
-            not params.ignore_eos and token_id in self.eos_token_ids
-        )
-        reason = "stop" if stop_token else None
-        if not stop_token:
-            added = append_text(self.decode_text, seq)
-            if params.stop and (cut := find_stop(seq.text, added, params.stop)) is not None:
-                seq.text = seq.text[:cut]
-                reason = "stop"
-        if reason is None and (
-            seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_model_len
-        ):
-            reason = "length"
-            flush_text(self.decode_text, seq)
-        new_text = emit_text(seq, finished=reason is not None)
         if reason is not None:
             self.scheduler.finish(seq, reason)
+        finished = reason is not None and all(s.finished for s in seq.group)
+        if finished:
             del self.requests[seq.request_id]
         return RequestOutput(
-            seq.request_id,
-            [token_id],
-            new_text,
-            reason is not None,
-            reason,
-            seq.num_prompt_tokens,
-            seq.num_cached_tokens,
-            [logprobs] if logprobs else [],
-        )
+            seq.request_id, [token_id], new_text, finished, reason, seq.num_prompt_tokens,
+            seq.num_cached_tokens, [logprobs] if logprobs else [], index=seq.index,
+        )  # fmt: skip
 
 
-def _checked_keys(keys: list[bytes] | None, num_tokens: int, block_size: int) -> list[bytes]:
-    """A copy of the prompt's given keys (the engine appends to it), one per full block at most."""
-    if keys is not None and len(keys) > num_tokens // block_size:
-        raise InvalidRequestError(
-            "block_keys",
-            f"<{len(keys)} keys>",
-            f"must be at most one per full block of {block_size}",
-        )
-    return list(keys or [])
-
-
-def _model_dir(model: str) -> Path:
-    """The checkpoint directory, or a ModelLoadError that says how to get one."""
-    model_dir = Path(model)
-    if not model_dir.is_dir():
-        raise ModelLoadError(
-            f"model directory {model!r} does not exist: pass a Hugging Face checkpoint "
-            "directory, or run `halfmoon init-model DIR` to create the default tiny model"
-        )
-    return model_dir
+def _aborted(seq: Sequence, last: bool) -> RequestOutput:
+    """The output that ends an aborted sequence (`last`: the request's last one)."""
+    return RequestOutput(
+        seq.request_id, [], "", last, "abort", seq.num_prompt_tokens, seq.num_cached_tokens,
+        index=seq.index,
+    )  # fmt: skip

@@ -24,6 +24,17 @@ _FUSED = {
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.(weight|bias)$")
 
 
+def model_directory(model: str) -> Path:
+    """The checkpoint directory, or a ModelLoadError that says how to get one."""
+    model_dir = Path(model)
+    if not model_dir.is_dir():
+        raise ModelLoadError(
+            f"model directory {model!r} does not exist: pass a Hugging Face checkpoint "
+            "directory, or run `halfmoon init-model DIR` to create the default tiny model"
+        )
+    return model_dir
+
+
 def checkpoint_files(model_dir: Path) -> list[Path]:
     """The safetensors files of a checkpoint: the index's shards, or the single file."""
     index = model_dir / "model.safetensors.index.json"

@@ -26,7 +26,9 @@ class StepTiming(NamedTuple):
 
 @dataclass(slots=True)
 class RequestOutput:
-    """What one step added to one request; the last one has `finished=True`."""
+    """What one step added to one sequence (`index`) of a request. `finish_reason` is set on
+    each sequence's last output, and `finished` on the request's last (all its `n` sequences
+    are done): with n=1 they come together."""
 
     request_id: str
     new_token_ids: list[int]
@@ -39,6 +41,7 @@ class RequestOutput:
     # (stage, wall clock) pairs for the router's per-request trace: the engine step that made
     # this output (`AsyncEngine`), and on a stream's first output the worker's own stages.
     timeline: tuple[tuple[str, float], ...] = ()
+    index: int = 0  # which of the request's `n` sequences
 
 
 @dataclass(slots=True)

@@ -2,6 +2,11 @@
 
 A page whose block is full is registered under its block key. When its last reader lets
 go it stays cached, on an LRU list, until a new allocation needs it.
+
+The sequences of one request (`n` > 1) share the prompt's pages (`fork`): one reference each.
+The last page, when partial, is copied on write: a sequence about to decode into a page that
+another still reads takes a fresh page instead (`grow`), and the engine copies the KV over
+(`take_copies`) before the step runs; the last one left writes in place.
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ class PagePool:
         self.num_held_pages = 0
         self._unholds: deque[list[int]] = deque()
         self._unholds_lock = threading.Lock()
+        # (source, destination) of the copies on write since the last `take_copies`.
+        self._copies: list[tuple[int, int]] = []
 
     @property
     def num_free_pages(self) -> int:
@@ -46,15 +53,50 @@ class PagePool:
         return self.num_pages - self.num_free_pages
 
     def pages_needed(self, seq: Sequence, num_tokens: int) -> int:
-        return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
+        new = max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
+        return new + (self._shared_write_page(seq) is not None)
 
     def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
         return self.pages_needed(seq, num_tokens) <= self.num_free_pages
 
     def grow(self, seq: Sequence, num_tokens: int) -> None:
-        """Give `seq` enough pages to hold `num_tokens` tokens."""
-        for _ in range(self.pages_needed(seq, num_tokens)):
+        """Give `seq` enough pages to hold `num_tokens` tokens, and a page of its own for the
+        one it writes next if a sibling still reads that one (copy on write)."""
+        index = self._shared_write_page(seq)
+        if index is not None:
+            shared, own = seq.block_table[index], self._allocate()
+            # A new list, never an edit: the decode graphs mirror block tables by identity.
+            seq.block_table = [*seq.block_table[:index], own, *seq.block_table[index + 1 :]]
+            self._drop(shared)
+            self._copies.append((shared, own))
+        for _ in range(-(-num_tokens // self.block_size) - len(seq.block_table)):
             seq.block_table.append(self._allocate())
+
+    def fork(self, seq: Sequence, sibling: Sequence) -> None:
+        """Give `sibling` every page of `seq` (its prompt), one more reference each."""
+        for page in seq.block_table:
+            self._acquire(page)
+        sibling.block_table = list(seq.block_table)
+        sibling.num_cached_blocks = seq.num_cached_blocks
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """(source, destination) pages whose KV must be copied before the next step runs:
+        the copies on write `grow` made since the last call."""
+        # A page given up and taken again within one step keeps only its last copy.
+        latest = {dst: src for src, dst in self._copies}
+        self._copies = []
+        return [(src, dst) for dst, src in latest.items()]
+
+    def _shared_write_page(self, seq: Sequence) -> int | None:
+        """Index in `seq`'s block table of the page its next decode token goes to, when
+        another sequence holds it too (a sibling's shared prompt tail); else None. Prompt
+        writes are never copied: the only pages a prompt shares are whole cached blocks and
+        pages lent while it computes (`hold`)."""
+        position = seq.num_computed_tokens
+        index = position // self.block_size
+        if position < seq.num_prompt_tokens or index >= len(seq.block_table):
+            return None
+        return index if self.ref_counts[seq.block_table[index]] > 1 else None
 
     def attach_cached_prefix(self, seq: Sequence) -> int:
         """Point `seq` at the cached pages of its longest cached prefix; returns tokens reused.

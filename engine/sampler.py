@@ -1,5 +1,5 @@
-"""Batched token sampling on the logits' device: biases and penalties, then greedy, temperature,
-top-k, top-p, min-p."""
+"""Batched token sampling on the logits' device: biases and penalties, grammar masks, then greedy,
+temperature, top-k, top-p, min-p."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from halfmoon.engine.device_copy import device_tensor
+from halfmoon.engine.grammar import mask_logits
 from halfmoon.engine.penalties import apply_penalties
 from halfmoon.engine.sequence import Sequence, TokenLogprobs
 
@@ -22,6 +23,10 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
     """One token per row of `logits` ([N, vocab], fp32), by each row's sequence's parameters."""
     params = [seq.params for seq in seqs]
     processed = apply_penalties(logits, seqs)
+    if any(seq.grammar is not None for seq in seqs):
+        if processed is logits:  # keep the model's own logits for the logprobs
+            processed = logits.clone()
+        mask_logits(processed, seqs)
     greedy_ids = processed.argmax(dim=-1)
     if all(p.greedy for p in params):
         token_ids = greedy_ids

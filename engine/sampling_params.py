@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from halfmoon.engine.errors import InvalidRequestError
+from halfmoon.engine.structured_output import StructuredOutput
 
 # torch.Generator.manual_seed takes a signed 64-bit value: 2**63 and above overflow.
 SEED_LIMIT = 2**63
@@ -32,6 +33,10 @@ class SamplingParams:
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # Sequences sampled from the one prompt (OpenAI's choices); sequence i draws with seed + i.
+    n: int = 1
+    # The grammar the output must match (JSON schema, regex, choice...; engine/grammar.py).
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -69,6 +74,8 @@ class SamplingParams:
             raise InvalidRequestError("top_p", self.top_p, "must be in (0, 1]")
         if not _is_real(self.min_p) or not 0 <= self.min_p <= 1:
             raise InvalidRequestError("min_p", self.min_p, "must be in [0, 1]")
+        if not _is_int_in(self.n, 1, math.inf):
+            raise InvalidRequestError("n", self.n, "must be an integer >= 1")
         if self.seed is not None and not _is_int_in(self.seed, 0, SEED_LIMIT):
             raise InvalidRequestError("seed", self.seed, "must be an integer in [0, 2**63)")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
@@ -80,6 +87,8 @@ class SamplingParams:
             raise InvalidRequestError("stop_token_ids", self.stop_token_ids, _ids_in(vocab_size))
         self._validate_penalties()
         _validate_logit_bias(self.logit_bias, vocab_size)
+        if self.structured_output is not None:
+            self.structured_output.validate()
 
     def _validate_penalties(self) -> None:
         for name in ("frequency_penalty", "presence_penalty"):

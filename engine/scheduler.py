@@ -58,9 +58,9 @@ class Scheduler:
             batch.append(ScheduledSeq(seq, num_new))
             budget -= num_new
         while self.waiting and budget > 0 and not preempted:
-            if len(self.running) >= self.max_num_seqs:
-                break
             seq = self.waiting[0]
+            if len(self.running) + seq.num_forks > self.max_num_seqs:  # room for all n
+                break
             self.pool.attach_cached_prefix(seq)
             first_external = len(seq.block_table)
             num_external = self._external_prefix_blocks(seq)

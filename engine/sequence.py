@@ -5,10 +5,14 @@ from __future__ import annotations
 import codecs
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
 import torch
 
 from halfmoon.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from halfmoon.engine.grammar import GrammarState
 
 
 class SequenceStatus(Enum):
@@ -56,6 +60,14 @@ class Sequence:
     # Of the prompt, how many trailing tokens an earlier attempt generated (a migrated request
     # is prefilled again with its output so far): frequency and presence penalties count them.
     num_prior_output_tokens: int = 0
+    # The request's grammar when its output is constrained (shared by its `n` sequences).
+    grammar: GrammarState | None = None
+    # Of the request's `params.n` sequences, which one this is; `num_forks`: how many it
+    # becomes once its prompt is computed (`params.n`, then 1). Forked, all of them share one
+    # `siblings` list (index order) and the prompt's pages (engine/page_pool.py).
+    index: int = 0
+    num_forks: int = 1
+    siblings: list[Sequence] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -63,3 +75,12 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def group(self) -> list[Sequence]:
+        """Every sequence of this one's request: its siblings once forked, else itself."""
+        return self.siblings or [self]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

@@ -33,11 +33,11 @@ class PrefillTask(RequestTask):
 
 @dataclass(slots=True)
 class PrefillResult:
-    """The first token and where the prefill's time went (wall-clock seconds since epoch)."""
+    """The first token (of each of the request's `n` sequences) and where the prefill's time
+    went (wall-clock seconds since epoch)."""
 
     request_id: str
-    first_token_id: int
-    logprobs: TokenLogprobs | None
+    first_tokens: list[tuple[int, TokenLogprobs | None]]  # (token, its logprobs) by sequence
     num_prompt_tokens: int
     num_local_cached_tokens: int
     num_loaded_tokens: int
@@ -47,3 +47,7 @@ class PrefillResult:
     computed_at: float  # the engine produced the first token
     finished_at: float  # the call returned (its last layers may still be on their way)
     last_layer_published_at: float
+
+    @property
+    def first_token_id(self) -> int:
+        return self.first_tokens[0][0]

@@ -75,8 +75,8 @@ class PrefillWorker(EngineWorker, KVHooks):
         try:
             if self._was_aborted(task.ticket):  # aborted while the prefix lookup was in flight
                 return aborted(task.request_id)
-            last = await self._first_output(task)
-            if last.finish_reason == "abort":
+            firsts = await self._first_outputs(task)
+            if firsts[-1].finish_reason == "abort":
                 return aborted(task.request_id)
             computed_at = time.time()
         except HalfmoonError as error:
@@ -87,7 +87,7 @@ class PrefillWorker(EngineWorker, KVHooks):
             if job.lend is not None:  # after the job's last layer: its pages can go once read
                 self.publisher.end(job)
         self.publisher.flush_later(job.key, job)
-        return _result(task, job, last, arrived_at, computed_at)
+        return _result(task, job, firsts, arrived_at, computed_at)
 
     def _new_job(self, task: PrefillTask) -> Job:
         units = self._plan_transfer(task.request_id, task.token_ids, task.block_keys)
@@ -97,7 +97,9 @@ class PrefillWorker(EngineWorker, KVHooks):
         key = task.ticket or task.request_id
         return Job(units, task.block_keys, key, peer, task.layerwise, task.arena_loads)
 
-    async def _first_output(self, task: PrefillTask) -> RequestOutput:
+    async def _first_outputs(self, task: PrefillTask) -> list[RequestOutput]:
+        """The output of each of the request's `n` sequences, each its first token (or the
+        abort's, last)."""
         first = dataclasses.replace(
             task.params, max_tokens=1, stop=[], stop_token_ids=[], ignore_eos=True
         )
@@ -105,10 +107,7 @@ class PrefillWorker(EngineWorker, KVHooks):
             task.token_ids, first, task.request_id, task.block_keys,
             num_prior_output_tokens=task.num_prior_output_tokens,
         )  # fmt: skip
-        last = None
-        async for out in outputs:
-            last = out
-        return last
+        return [out async for out in outputs]
 
     async def kv_export(self):
         """How a decode worker on this node opens this worker's KV cache to copy lent pages
@@ -174,19 +173,22 @@ class PrefillWorker(EngineWorker, KVHooks):
         (the decode worker joins once it and every layer are in, in either order): sent from
         here when that cannot wait, else by a publishing thread."""
         job = self.jobs.get(seq.request_id)
-        if job is None or job.peer is None:
+        if job is None or job.peer is None or seq.params.n > 1:  # a notice carries one token
             return
         if not self.lender.notices.try_send(job.peer, TokenNotice(job.key, token_id)):
             self.publisher.token(job, token_id)
 
 
 def _result(
-    task: PrefillTask, job: Job, last: RequestOutput, arrived_at: float, computed_at: float
+    task: PrefillTask, job: Job, firsts: list[RequestOutput], arrived_at: float, computed_at: float
 ) -> PrefillResult:
+    last = firsts[-1]
     return PrefillResult(
         request_id=task.request_id,
-        first_token_id=last.new_token_ids[0],
-        logprobs=last.new_logprobs[0] if last.new_logprobs else None,
+        first_tokens=[
+            (out.new_token_ids[0], out.new_logprobs[0] if out.new_logprobs else None)
+            for out in sorted(firsts, key=lambda out: out.index)
+        ],
         num_prompt_tokens=len(task.token_ids),
         num_local_cached_tokens=last.num_cached_tokens - job.num_loaded_tokens,
         num_loaded_tokens=job.num_loaded_tokens,

@@ -252,7 +252,7 @@ class OpenAIServer:
         generate_input = body.to_input(request_id, prompt, self.model)
         params = generate_input.params
         check_stops(params.stop, len(params.stop_token_ids), self.limits)
-        shape = ResponseShape(kind, request_id, self.model.model, self.tokenizer)
+        shape = ResponseShape(kind, request_id, self.model.model, self.tokenizer, n=params.n)
         if isinstance(body, CompletionRequest):
             shape.echo = body.echo_text(prompt, self.tokenizer)
         relay = Relay(self.backend, generate_input, self.drain)
@@ -276,7 +276,7 @@ async def _events(relay: Relay, delta: TokenDelta | None, shape: ResponseShape):
     """The SSE body: one `data:` line per chunk, an error object if the stream fails, [DONE]."""
     try:
         usage = None
-        if (opening := shape.first_chunk()) is not None:
+        for opening in shape.first_chunks():
             yield _event(opening)
         while delta is not None:
             if (chunk := shape.chunk(delta)) is not None:

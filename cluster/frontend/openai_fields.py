@@ -27,7 +27,10 @@ IGNORED_FIELDS = frozenset(
     }
 )
 
-STRUCTURED = "structured outputs are not supported yet; leave it unset"
+STRUCTURED = (
+    "not supported; constrain the output with response_format or structured_outputs "
+    "(json, regex, choice, grammar)"
+)
 # name -> (the value that asks for nothing, why any other is refused); null always passes, so
 # None here means "only null".
 COMMON_NEUTRAL: dict[str, tuple[Any, str]] = {
@@ -48,14 +51,7 @@ COMMON_NEUTRAL: dict[str, tuple[Any, str]] = {
     "allowed_token_ids": (None, "not supported; logit_bias -100 bans single tokens"),
     "bad_words": ([], "not supported; logit_bias -100 bans single tokens"),
     "logits_processors": ([], "custom logits processors are not supported"),
-    "response_format": ({"type": "text"}, STRUCTURED),
-    "guided_json": (None, STRUCTURED),
-    "guided_regex": (None, STRUCTURED),
-    "guided_choice": (None, STRUCTURED),
-    "guided_grammar": (None, STRUCTURED),
     "structural_tag": (None, STRUCTURED),
-    "structured_outputs": (None, STRUCTURED),
-    "guided_decoding_backend": (None, STRUCTURED),
     "guided_whitespace_pattern": (None, STRUCTURED),
     "return_tokens_as_token_ids": (False, "logprobs tokens are always text"),
     "priority": (0, "request priorities are not supported; the router orders requests"),

@@ -35,37 +35,44 @@ class ResponseShape:
     include_usage: bool = False
     echo: str = ""  # completions with `echo`: the prompt's text, before the completion
     created: int = field(default_factory=lambda: int(time.time()))
-    text_offset: int = 0  # completions logprobs: characters of the tokens so far
+    # Completions logprobs: characters of each choice's tokens so far.
+    text_offsets: dict[int, int] = field(default_factory=dict)
+    n: int = 1  # choices: the request's sequences, each delta naming its own (`index`)
 
     def response(self, deltas: list[TokenDelta]) -> dict:
         """The whole (non-streamed) response."""
+        choices = [self._choice(i, [d for d in deltas if d.index == i]) for i in range(self.n)]
+        usage = next((d.usage for d in reversed(deltas) if d.usage), None)
+        body = self._envelope(0, choices)
+        body["usage"] = usage_json(usage) if usage else None
+        return body
+
+    def _choice(self, index: int, deltas: list[TokenDelta]) -> dict:
         text = self.echo + "".join(d.text for d in deltas)
         logprobs = [lp for d in deltas for lp in d.logprobs]
-        choice = {"index": 0, "logprobs": self._logprobs(logprobs, bool(logprobs))}
+        choice = {"index": index, "logprobs": self._logprobs(logprobs, bool(logprobs), index)}
         if self.kind == CHAT:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
         choice["finish_reason"] = deltas[-1].finish_reason if deltas else None
-        usage = next((d.usage for d in reversed(deltas) if d.usage), None)
-        body = self._envelope(0, [choice])
-        body["usage"] = usage_json(usage) if usage else None
-        return body
+        return choice
 
-    def first_chunk(self) -> dict | None:
-        """The chunk before any token: a chat stream opens with the assistant's role, a
-        completion with `echo` with the prompt."""
+    def first_chunks(self) -> list[dict]:
+        """The chunks before any token, one per choice: a chat stream opens with the
+        assistant's role, a completion with `echo` with the prompt."""
         if self.kind == CHAT:
-            return self._chunk({"role": "assistant", "content": ""}, None, None)
-        return self._chunk(self.echo, None, None) if self.echo else None
+            body = {"role": "assistant", "content": ""}
+            return [self._chunk(body, None, None, i) for i in range(self.n)]
+        return [self._chunk(self.echo, None, None, i) for i in range(self.n)] if self.echo else []
 
     def chunk(self, delta: TokenDelta) -> dict | None:
         """The stream chunk for `delta`; None when it carries nothing a client would see."""
         if not (delta.text or delta.logprobs or delta.finish_reason):
             return None
-        logprobs = self._logprobs(delta.logprobs, bool(delta.logprobs))
+        logprobs = self._logprobs(delta.logprobs, bool(delta.logprobs), delta.index)
         body = {"content": delta.text} if self.kind == CHAT else delta.text
-        return self._chunk(body, logprobs, delta.finish_reason)
+        return self._chunk(body, logprobs, delta.finish_reason, delta.index)
 
     def usage_chunk(self, usage: Usage) -> dict:
         """The last chunk of a stream with `include_usage`: no choices, the usage."""
@@ -73,8 +80,10 @@ class ResponseShape:
         body["usage"] = usage_json(usage)
         return body
 
-    def _chunk(self, body, logprobs: dict | None, finish_reason: str | None) -> dict:
-        choice = {"index": 0, "logprobs": logprobs, "finish_reason": finish_reason}
+    def _chunk(
+        self, body, logprobs: dict | None, finish_reason: str | None, index: int = 0
+    ) -> dict:
+        choice = {"index": index, "logprobs": logprobs, "finish_reason": finish_reason}
         choice["delta" if self.kind == CHAT else "text"] = body
         chunk = self._envelope(1, [choice])
         if self.include_usage:
@@ -91,7 +100,7 @@ class ResponseShape:
             "choices": choices,
         }
 
-    def _logprobs(self, logprobs: list[TokenLogprobs], wanted: bool) -> dict | None:
+    def _logprobs(self, logprobs: list[TokenLogprobs], wanted: bool, index: int = 0) -> dict | None:
         if not wanted:
             return None
         if self.kind == CHAT:
@@ -99,8 +108,8 @@ class ResponseShape:
         tokens = [self._token(lp.token_id) for lp in logprobs]
         offsets = []
         for token in tokens:
-            offsets.append(self.text_offset)
-            self.text_offset += len(token)
+            offsets.append(self.text_offsets.get(index, 0))
+            self.text_offsets[index] = offsets[-1] + len(token)
         return {
             "tokens": tokens,
             "token_logprobs": [lp.logprob for lp in logprobs],

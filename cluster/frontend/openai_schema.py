@@ -29,6 +29,7 @@ from halfmoon.cluster.frontend.openai_fields import (
     check_tools,
     take_extras,
 )
+from halfmoon.cluster.frontend.openai_structured import StructuredOutputFields
 from halfmoon.cluster.serving.backend import GenerateInput, ModelInfo
 from halfmoon.engine.errors import InvalidRequestError
 from halfmoon.engine.sampling_params import SamplingParams
@@ -46,6 +47,8 @@ SAMPLING_FIELDS = (
     "presence_penalty",
     "repetition_penalty",
 )
+# The most choices (`n`) one request may ask for.
+MAX_N = 16
 # Every model is strict: a JSON type is never coerced ("2" is no integer, true no number, "yes"
 # no boolean); an integer is still a number.
 STRICT = ConfigDict(extra="forbid", strict=True)
@@ -126,8 +129,9 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
-class OpenAIRequest(BaseModel):
-    """Fields both endpoints share, halfmoon's and vLLM's extras included."""
+class OpenAIRequest(StructuredOutputFields):
+    """Fields both endpoints share, halfmoon's and vLLM's extras included (the structured-output
+    ones, `response_format` and vLLM's, in `openai_structured`)."""
 
     model_config = STRICT
     logprobs_field: ClassVar[str] = "logprobs"  # the field that counts top tokens
@@ -165,10 +169,8 @@ class OpenAIRequest(BaseModel):
 
     @model_validator(mode="after")
     def _supported(self) -> OpenAIRequest:
-        if self.n != 1:
-            raise InvalidRequestError(
-                "n", self.n, "only n=1 is supported; send one request per choice"
-            )
+        if not 1 <= self.n <= MAX_N:
+            raise InvalidRequestError("n", self.n, f"must be in [1, {MAX_N}]")
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError(
                 "stream_options", self.stream_options.model_dump(), "only allowed with stream"
@@ -223,6 +225,8 @@ class OpenAIRequest(BaseModel):
             stop_token_ids=self.stop_token_ids or [],
             logprobs=logprobs,
             logit_bias=_token_biases(self.logit_bias or {}),
+            structured_output=self.structured_output(),
+            n=self.n,
             **kwargs,
         )
 

@@ -89,7 +89,7 @@ class Dispatcher:
         # the prefill worker itself when both are on one node, and joins its batch then; a
         # retry's first token is out already, so the reserve carries it.
         peer = decode.kv_peer
-        known = trace.early_token[0] if trace.early_token is not None else None
+        known = _first_token_ids(trace.early_tokens) if trace.early_tokens else None
         reserve = _decode_task(request, prefill.store_name, peer is not None, known)
         attempt.reserve = decode.handle.reserve.remote(reserve)
         task = PrefillTask(
@@ -104,7 +104,7 @@ class Dispatcher:
         self._prefilled(request, await self.call(prefill, prefilled))
         attempt.stored = prefill.handle.stored.remote(rid, attempt.ticket)
         generate = decode.handle.generate.options(num_returns="streaming")
-        return generate.remote(rid, trace.early_token[0])
+        return generate.remote(rid, _first_token_ids(trace.early_tokens))
 
     def _prefilled(self, request: Request, result: PrefillResult) -> None:
         """Note where the prefill's time went; its first token goes out next."""
@@ -127,8 +127,8 @@ class Dispatcher:
         trace.num_loaded_tokens = result.num_loaded_tokens
         trace.loaded_from = result.loaded_from
         trace.num_cached_tokens = result.num_local_cached_tokens + result.num_loaded_tokens
-        if trace.early_token is None:  # a retry continues from the first token already out
-            trace.early_token = (result.first_token_id, result.logprobs)
+        if trace.early_tokens is None:  # a retry continues from the first tokens already out
+            trace.early_tokens = result.first_tokens
         self.conductor.on_decode_join(rid, now)
 
     async def outputs(
@@ -250,11 +250,17 @@ class Dispatcher:
             self.conductor.on_replicated(copy)
 
 
+def _first_token_ids(early_tokens: list[tuple]) -> int | list[int]:
+    """What the decode worker joins after: the first token, or each sequence's (n > 1)."""
+    ids = [token_id for token_id, _ in early_tokens]
+    return ids if len(ids) > 1 else ids[0]
+
+
 def _decode_task(
     request: Request,
     store_name: str | None = None,
     direct: bool = False,
-    first_token_id: int | None = None,
+    first_token_id: int | list[int] | None = None,
 ) -> DecodeTask:
     return DecodeTask(
         request.request_id, request.token_ids, request.params, request.block_keys,

@@ -65,13 +65,15 @@ class Usage:
 
 @dataclass(slots=True)
 class TokenDelta:
-    """Tokens and text one step added; the last delta has `finish_reason` and `usage`."""
+    """Tokens and text one step added to one of the request's sequences (`index`, the
+    choice); each sequence's last delta has `finish_reason`, the request's last `usage`."""
 
     token_ids: list[int]
     text: str
     finish_reason: str | None = None
     usage: Usage | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    index: int = 0
 
 
 @dataclass(slots=True)
@@ -115,7 +117,8 @@ def delta_from_output(out: RequestOutput, usage: Usage) -> TokenDelta:
     return TokenDelta(
         token_ids=out.new_token_ids,
         text=out.new_text,
-        finish_reason=out.finish_reason if out.finished else None,
+        finish_reason=out.finish_reason,
         usage=usage if out.finished else None,
         logprobs=list(out.new_logprobs),
+        index=out.index,
     )

@@ -40,8 +40,6 @@ from halfmoon.router.profile import Profile
 from halfmoon.router.request import RouteRequest
 
 log = logging.getLogger(__name__)
-MAX_ATTEMPTS = 3  # tries per request when the workers it was sent to die before any output
-MAX_MIGRATIONS = 2  # moves of a request whose workers die after some output was streamed
 
 Observer = Callable[[RequestTrace], None]
 
@@ -136,8 +134,13 @@ class ClusterBackend(BackendViews):
         size what the Conductor places."""
         info, token_ids = self.info, req.token_ids
         req.block_keys = block_keys(info.root_key, token_ids, info.block_size)
-        # The engine stops at the context length, so no request holds KV beyond it.
-        max_output_tokens = min(req.params.max_tokens, info.max_model_len - len(token_ids))
+        # The engine stops at the context length, so no sequence holds KV beyond it. Each of
+        # the request's `n` holds its own output's KV beside the one prompt, up to a decode
+        # worker's pages (beyond them its engine preempts instead).
+        per_sequence = min(req.params.max_tokens, info.max_model_len - len(token_ids))
+        max_output_tokens = min(
+            req.params.n * per_sequence, info.num_pages * info.block_size - len(token_ids)
+        )
         req.route = dataclasses.replace(
             req.route, block_keys=req.block_keys, num_prompt_tokens=len(token_ids),
             max_output_tokens=max_output_tokens,
@@ -167,17 +170,17 @@ class ClusterBackend(BackendViews):
 
     async def _recover(self, req: Request, why: Exception) -> bool:
         """Start a fresh attempt on other workers; False when the request is out of them."""
-        if req.streamed and req.tokens_left <= 0:  # nothing left to move: `_serve` finishes it
-            return True
-        if not req.streamed:
-            if req.num_attempts >= MAX_ATTEMPTS:
-                return False
+        if req.streamed and req.params.n > 1:
+            raise WorkerDiedError(
+                f"request {req.request_id} lost a worker after its output began: a request "
+                f"with n > 1 (n = {req.params.n}) is not migrated; send it again"
+            ) from why
+        way = req.recovery()
+        if way == "retry":
             await self._retry(req, why)
-            return True
-        if req.num_migrations >= MAX_MIGRATIONS:
-            return False
-        await self._migrate(req, why)
-        return True
+        elif way == "migrate":
+            await self._migrate(req, why)
+        return way is not None
 
     async def _migrate(self, req: Request, why: Exception) -> None:
         """Continue a request that streamed output on other workers: its prompt and the tokens
@@ -189,7 +192,7 @@ class ClusterBackend(BackendViews):
         await self.dispatch.end(req)
         self.conductor.on_abandon(req.request_id, time.monotonic())
         req.migrate()
-        req.trace.early_token = None
+        req.trace.early_tokens = None
         req.trace.mark(f"migrated after {len(req.output_ids)} output tokens")
         if req.tokens_left > 0:
             self._key(req)
@@ -204,18 +207,24 @@ class ClusterBackend(BackendViews):
     async def _attempt(self, req: Request) -> AsyncIterator[TokenDelta]:
         trace = req.trace
         worker, stream = await self.dispatch.start(req)
-        early = trace.early_token
-        if early is not None and not req.early_sent:  # out now, not after the hand-off
+        early = trace.early_tokens or []
+        if early and not req.early_sent:  # out now, not after the hand-off
             req.early_sent = True
-            trace.num_output_tokens += 1
-            req.output_ids.append(early[0])
-            if trace.first_token_s is None:
-                self._first_token_out(req)
-            yield TokenDelta([early[0]], "", logprobs=[early[1]] if early[1] else [])
+            for index, (token_id, logprobs) in enumerate(early):
+                trace.num_output_tokens += 1
+                req.output_ids.append(token_id)
+                if trace.first_token_s is None:
+                    self._first_token_out(req)
+                yield TokenDelta(
+                    [token_id], "", logprobs=[logprobs] if logprobs else [], index=index
+                )
+        # Each sequence's first output repeats its first token, streamed already.
+        repeated = {index: token_id for index, (token_id, _) in enumerate(early)}
         async for out in self.dispatch.outputs(worker, stream, req.attempt):
             new_ids = out.new_token_ids
-            if early is not None and new_ids[:1] == [early[0]]:
-                new_ids, early = new_ids[1:], None  # streamed already
+            if out.index in repeated and new_ids[:1] == [repeated[out.index]]:
+                new_ids = new_ids[1:]
+                del repeated[out.index]
             yield self._relay(req, out, new_ids)
 
     def _relay(self, req: Request, out: RequestOutput, new_ids: list[int]) -> TokenDelta:

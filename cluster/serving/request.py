@@ -20,6 +20,10 @@ if TYPE_CHECKING:
     from halfmoon.cluster.serving.workers import Worker
 
 
+MAX_ATTEMPTS = 3  # tries per request when the workers it was sent to die before any output
+MAX_MIGRATIONS = 2  # moves of a request whose workers die after some output was streamed
+
+
 @dataclass(slots=True)
 class Attempt:
     """One try at serving a request: the workers it asked and the calls it sent them.
@@ -81,6 +85,15 @@ class Request:
     def tokens_left(self) -> int:
         """Output tokens the client may still get."""
         return self.asked.max_tokens - len(self.output_ids)
+
+    def recovery(self) -> str | None:
+        """How to go on after its worker died: "finish" (every token is out already), "retry"
+        (nothing streamed yet), "migrate" (output streamed), or None (out of tries)."""
+        if self.streamed and self.tokens_left <= 0:
+            return "finish"
+        if not self.streamed:
+            return "retry" if self.num_attempts < MAX_ATTEMPTS else None
+        return "migrate" if self.num_migrations < MAX_MIGRATIONS else None
 
     def migrate(self) -> Attempt:
         """A fresh attempt that continues from what the client already has: the prompt is the

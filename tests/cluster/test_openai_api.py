@@ -194,7 +194,7 @@ def test_usage_counts_cached_prompt_tokens(oai):
 @pytest.mark.parametrize(
     ("kwargs", "status", "param"),
     [
-        ({"n": 2}, 400, "n"),
+        ({"n": 17}, 400, "n"),
         ({"temperature": -1.0}, 400, "temperature"),
         ({"max_tokens": 0}, 400, "max_tokens"),
         ({"extra_body": {"bogus": 1}}, 400, "bogus"),
