@@ -12,6 +12,7 @@ import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
+from functools import partial
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -44,6 +45,7 @@ from halfmoon.cluster.frontend.openai_schema import (
     CompletionRequest,
     OpenAIRequest,
 )
+from halfmoon.cluster.frontend.openai_tool_prompt import render_with_tools
 from halfmoon.cluster.frontend.request_limits import (
     RequestLimits,
     check_prompt,
@@ -57,6 +59,7 @@ from halfmoon.cluster.serving.backend import (
     TokenDelta,
     UnauthenticatedError,
 )
+from halfmoon.cluster.serving.prompts import PromptTokenizer, prompt_chars
 from halfmoon.engine.errors import HalfmoonError, InvalidRequestError
 
 log = logging.getLogger(__name__)
@@ -152,6 +155,7 @@ class OpenAIServer:
         self.drain = drain or Drain()
         self.tokenizer = tokenizer
         self.model = model
+        self.prompts = PromptTokenizer(tokenizer, model.vocab_size, model.max_model_len)
         self.registry = registry
         self.api_key = api_key
         self.created = int(time.time())
@@ -249,12 +253,16 @@ class OpenAIServer:
         self._check_model(body.model)
         prompt = body.to_prompt()
         check_prompt(prompt, self.limits)
+        if isinstance(body, ChatCompletionRequest) and body.renders_tools():
+            prompt = await self._with_tools(prompt, body.tools_for_template())
         generate_input = body.to_input(request_id, prompt, self.model)
         params = generate_input.params
         check_stops(params.stop, len(params.stop_token_ids), self.limits)
         shape = ResponseShape(kind, request_id, self.model.model, self.tokenizer, n=params.n)
         if isinstance(body, CompletionRequest):
             shape.echo = body.echo_text(prompt, self.tokenizer)
+        else:
+            shape.calling = body.tool_calling()
         relay = Relay(self.backend, generate_input, self.drain)
         if not body.stream:
             deltas = await _unless_client_gone(request, relay, relay.collect())
@@ -263,6 +271,12 @@ class OpenAIServer:
         first = await _unless_client_gone(request, relay, relay.next())
         shape.include_usage = body.include_usage
         return EventStream(_events(relay, first, shape))
+
+    async def _with_tools(self, messages: list[dict], tools: list[dict]) -> list[int]:
+        """The token ids of a chat with tools (or earlier calls), rendered here: the backends'
+        prompts carry no tools."""
+        encode = partial(render_with_tools, messages=messages, tools=tools)
+        return await self.prompts.run(encode, prompt_chars(messages) + len(json.dumps(tools)))
 
     def _check_model(self, name: str | None) -> None:
         if name is not None and name != self.model.model:
@@ -279,7 +293,7 @@ async def _events(relay: Relay, delta: TokenDelta | None, shape: ResponseShape):
         for opening in shape.first_chunks():
             yield _event(opening)
         while delta is not None:
-            if (chunk := shape.chunk(delta)) is not None:
+            for chunk in shape.chunks(delta):
                 yield _event(chunk)
             usage = delta.usage or usage
             delta = await relay.next()

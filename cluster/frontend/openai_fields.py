@@ -22,7 +22,7 @@ IGNORED_FIELDS = frozenset(
         "safety_identifier",
         "prompt_cache_key",  # a cache routing hint; the Conductor routes by prefix itself
         "prediction",  # predicted outputs only make a response faster
-        "parallel_tool_calls",  # tools are never called (see check_tools)
+        "parallel_tool_calls",  # `required` makes one call; `auto` reads all the model writes
         "length_penalty",  # vLLM: weighs beams, and beam search is off
     }
 )
@@ -77,8 +77,10 @@ CHAT_NEUTRAL = COMMON_NEUTRAL | {
     "reasoning_effort": (None, "reasoning controls are not supported"),
     "web_search_options": (None, "web search is not supported"),
 }
-TOOLS_UNSUPPORTED = (
-    "tool calling is not supported yet; send no tools, or tool_choice 'none' to have them ignored"
+LEGACY_FUNCTIONS = (
+    "the legacy functions API is not supported: send them as tools "
+    '([{"type": "function", "function": ...}]) and choose with tool_choice; function_call '
+    "'none' has them ignored"
 )
 
 
@@ -100,16 +102,16 @@ def take_extras(data: Any, neutral: dict[str, tuple[Any, str]]) -> Any:
     return kept
 
 
-def check_tools(data: Any) -> Any:
-    """Chat tools (and the legacy functions) pass only when none would be called: none sent,
-    or a choice of 'none' (the tools are then ignored, not shown to the model)."""
+def check_functions(data: Any) -> Any:
+    """The legacy `functions` pass only when none would be called (none sent, or a
+    `function_call` of 'none': they are then ignored, not shown to the model); `tools` replace
+    them."""
     if not isinstance(data, dict):
         return data
-    for tools_field, choice_field in (("tools", "tool_choice"), ("functions", "function_call")):
-        tools, choice = data.pop(tools_field, None), data.pop(choice_field, None)
-        if tools and choice != "none":
-            shown = f"<{len(tools)} tools>" if isinstance(tools, list) else tools
-            raise InvalidRequestError(tools_field, shown, TOOLS_UNSUPPORTED)
-        if choice not in (None, "none", "auto"):
-            raise InvalidRequestError(choice_field, choice, TOOLS_UNSUPPORTED)
+    functions, choice = data.pop("functions", None), data.pop("function_call", None)
+    if functions and choice != "none":
+        shown = f"<{len(functions)} functions>" if isinstance(functions, list) else functions
+        raise InvalidRequestError("functions", shown, LEGACY_FUNCTIONS)
+    if choice not in (None, "none", "auto"):
+        raise InvalidRequestError("function_call", choice, LEGACY_FUNCTIONS)
     return data

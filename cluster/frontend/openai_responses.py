@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from halfmoon.cluster.frontend.openai_tool_calls import CallStream, ToolCalling, finish_reason
 from halfmoon.cluster.serving.backend import TokenDelta, Usage
 from halfmoon.engine.sequence import TokenLogprobs
 
@@ -38,6 +39,9 @@ class ResponseShape:
     # Completions logprobs: characters of each choice's tokens so far.
     text_offsets: dict[int, int] = field(default_factory=dict)
     n: int = 1  # choices: the request's sequences, each delta naming its own (`index`)
+    calling: ToolCalling | None = None  # chat with tools to call: each output read as calls
+    _streams: dict[int, CallStream] = field(default_factory=dict)  # choice -> its reader
+    _held_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
 
     def response(self, deltas: list[TokenDelta]) -> dict:
         """The whole (non-streamed) response."""
@@ -51,28 +55,58 @@ class ResponseShape:
         text = self.echo + "".join(d.text for d in deltas)
         logprobs = [lp for d in deltas for lp in d.logprobs]
         choice = {"index": index, "logprobs": self._logprobs(logprobs, bool(logprobs), index)}
+        reason = deltas[-1].finish_reason if deltas else None
         if self.kind == CHAT:
-            choice["message"] = {"role": "assistant", "content": text}
+            choice["message"], reason = self._message(text, reason)
         else:
             choice["text"] = text
-        choice["finish_reason"] = deltas[-1].finish_reason if deltas else None
+        choice["finish_reason"] = reason
         return choice
+
+    def _message(self, text: str, reason: str | None) -> tuple[dict, str | None]:
+        """The assistant's message, and the choice's finish reason (`tool_calls` for calls)."""
+        content, calls = self.calling.read(text) if self.calling else (text, [])
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [call.as_json() for call in calls]
+        return message, finish_reason(bool(calls), reason)
 
     def first_chunks(self) -> list[dict]:
         """The chunks before any token, one per choice: a chat stream opens with the
         assistant's role, a completion with `echo` with the prompt."""
         if self.kind == CHAT:
-            body = {"role": "assistant", "content": ""}
+            # null where calls may come, as OpenAI's streams of calls open
+            body = {"role": "assistant", "content": "" if self.calling is None else None}
             return [self._chunk(body, None, None, i) for i in range(self.n)]
         return [self._chunk(self.echo, None, None, i) for i in range(self.n)] if self.echo else []
 
-    def chunk(self, delta: TokenDelta) -> dict | None:
-        """The stream chunk for `delta`; None when it carries nothing a client would see."""
+    def chunks(self, delta: TokenDelta) -> list[dict]:
+        """The stream chunks for `delta`: none when it carries nothing a client would see."""
+        if self.calling is not None:
+            return self._call_chunks(delta)
         if not (delta.text or delta.logprobs or delta.finish_reason):
-            return None
+            return []
         logprobs = self._logprobs(delta.logprobs, bool(delta.logprobs), delta.index)
         body = {"content": delta.text} if self.kind == CHAT else delta.text
-        return self._chunk(body, logprobs, delta.finish_reason, delta.index)
+        return [self._chunk(body, logprobs, delta.finish_reason, delta.index)]
+
+    def _call_chunks(self, delta: TokenDelta) -> list[dict]:
+        """A chat choice read as calls: what its reader lets out, then a last chunk with the
+        finish reason; the log-probabilities of held text go with the next chunk sent."""
+        stream = self._streams.setdefault(delta.index, self.calling.stream())
+        held = self._held_logprobs.setdefault(delta.index, [])
+        held += delta.logprobs
+        finished = delta.finish_reason is not None
+        chunks = [
+            self._chunk(body, None, None, delta.index) for body in stream.feed(delta.text, finished)
+        ]
+        if finished:
+            reason = finish_reason(stream.called, delta.finish_reason)
+            chunks.append(self._chunk({}, None, reason, delta.index))
+        if chunks and held:
+            chunks[0]["choices"][0]["logprobs"] = self._logprobs(held, True, delta.index)
+            held.clear()
+        return chunks
 
     def usage_chunk(self, usage: Usage) -> dict:
         """The last chunk of a stream with `include_usage`: no choices, the usage."""

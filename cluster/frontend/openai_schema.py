@@ -26,13 +26,15 @@ from halfmoon.cluster.frontend.openai_fields import (
     CHAT_NEUTRAL,
     COMMON_NEUTRAL,
     COMPLETION_NEUTRAL,
-    check_tools,
+    check_functions,
     take_extras,
 )
 from halfmoon.cluster.frontend.openai_structured import StructuredOutputFields
+from halfmoon.cluster.frontend.openai_tools import MessageToolCall, ToolFields
 from halfmoon.cluster.serving.backend import GenerateInput, ModelInfo
 from halfmoon.engine.errors import InvalidRequestError
 from halfmoon.engine.sampling_params import SamplingParams
+from halfmoon.engine.structured_output import StructuredOutput
 from halfmoon.engine.tokenizer import Prompt
 
 # SamplingParams fields a request may set directly (halfmoon and vLLM extras beside OpenAI's).
@@ -114,19 +116,31 @@ ContentField = Annotated[
 
 
 class ChatMessage(BaseModel):
-    """One message; content is text or a list of text parts. Fields a client echoes back from
-    an earlier response (tool calls, refusal) are ignored."""
+    """One message; content is text or a list of text parts. An assistant's may hold its calls,
+    a tool's names the call it answers; other fields a client echoes back from an earlier
+    response (refusal, annotations) are ignored."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
 
     role: str = Field(min_length=1)
     content: ContentField | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or ""
+
+    def for_template(self) -> dict:
+        """The message as chat templates read it."""
+        message = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = [call.for_template() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
 class OpenAIRequest(StructuredOutputFields):
@@ -273,8 +287,8 @@ class CompletionRequest(OpenAIRequest):
         return prompt
 
 
-class ChatCompletionRequest(OpenAIRequest):
-    """`POST /v1/chat/completions`: messages through the model's chat template."""
+class ChatCompletionRequest(OpenAIRequest, ToolFields):
+    """`POST /v1/chat/completions`: messages (and tools) through the model's chat template."""
 
     logprobs_field: ClassVar[str] = "top_logprobs"
     messages: list[ChatMessage] = Field(min_length=1)
@@ -284,7 +298,7 @@ class ChatCompletionRequest(OpenAIRequest):
 
     @classmethod
     def without_extras(cls, data: Any) -> Any:
-        return check_tools(take_extras(data, CHAT_NEUTRAL))
+        return check_functions(take_extras(data, CHAT_NEUTRAL))
 
     def wanted_max_tokens(self) -> int | None:
         if self.max_completion_tokens is not None:
@@ -302,7 +316,27 @@ class ChatCompletionRequest(OpenAIRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def to_prompt(self) -> Prompt:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        return [message.for_template() for message in self.messages]
+
+    def renders_tools(self) -> bool:
+        """Whether the template is given tools, or earlier calls and their results."""
+        history = any(m.tool_calls or m.role == "tool" for m in self.messages)
+        return bool(self.tools) or history
+
+    def structured_output(self) -> StructuredOutput | None:
+        """The output's one constraint: a call's, for `tool_choice` `required` or a function,
+        else what the structured-output fields ask for."""
+        asked, call = super().structured_output(), self.tool_constraint()
+        if call is None:
+            return asked
+        if asked is not None:
+            raise InvalidRequestError(
+                "tool_choice",
+                self.tool_choice if isinstance(self.tool_choice, str) else "<a function>",
+                "a call's arguments are constrained by the function's parameters already; send "
+                "no response_format or structured-output field with it",
+            )
+        return call
 
 
 def _token_biases(biases: dict[str, float]) -> dict[int, float]:

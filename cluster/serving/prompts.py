@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from copy import deepcopy
+from functools import partial
 
 from halfmoon.engine.errors import InvalidRequestError
 from halfmoon.engine.tokenizer import Prompt, tokenize_prompt
@@ -29,11 +31,8 @@ class PromptTokenizer:
 
     async def tokenize(self, prompt: Prompt) -> list[int]:
         """The prompt's token ids; `InvalidRequestError` if it leaves no room to generate."""
-        if _prompt_chars(prompt) <= INLINE_TOKENIZE_CHARS:
-            token_ids = tokenize_prompt(self.tokenizer, prompt, self.vocab_size)
-        else:
-            loop = asyncio.get_running_loop()
-            token_ids = await loop.run_in_executor(self.pool, self._tokenize_in_thread, prompt)
+        encode = partial(tokenize_prompt, prompt=prompt, vocab_size=self.vocab_size)
+        token_ids = await self.run(encode, prompt_chars(prompt))
         if len(token_ids) >= self.max_model_len:
             raise InvalidRequestError(
                 "prompt",
@@ -54,16 +53,24 @@ class PromptTokenizer:
                 f"{limit - num_prompt_tokens} tokens",
             )
 
-    def _tokenize_in_thread(self, prompt: Prompt) -> list[int]:
+    async def run(self, encode: Callable[..., list[int]], num_chars: int) -> list[int]:
+        """`encode(tokenizer)`: here when the text is short (`num_chars`), else in a thread,
+        so a long prompt never stalls the event loop."""
+        if num_chars <= INLINE_TOKENIZE_CHARS:
+            return encode(self.tokenizer)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.pool, self._in_thread, encode)
+
+    def _in_thread(self, encode: Callable[..., list[int]]) -> list[int]:
         # Each thread its own copy: a fast tokenizer shared across threads can fail with
         # "Already borrowed" when one call changes its truncation settings.
         tokenizer = getattr(self._thread_tokenizers, "tokenizer", None)
         if tokenizer is None:
             tokenizer = self._thread_tokenizers.tokenizer = deepcopy(self.tokenizer)
-        return tokenize_prompt(tokenizer, prompt, self.vocab_size)
+        return encode(tokenizer)
 
 
-def _prompt_chars(prompt: Prompt) -> int:
+def prompt_chars(prompt: Prompt) -> int:
     """About how much tokenizing a prompt costs: characters of text, or list entries."""
     if isinstance(prompt, str):
         return len(prompt)

@@ -72,7 +72,6 @@ NEUTRAL_COMMON = {
 }
 NEUTRAL_COMPLETION = NEUTRAL_COMMON | {"echo": False, "suffix": None, "add_special_tokens": True}
 NEUTRAL_CHAT = NEUTRAL_COMMON | {
-    "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
     "tool_choice": "none",
     "parallel_tool_calls": True,
     "functions": [],
@@ -201,11 +200,16 @@ def test_neutral_extras_of_openai_and_vllm_clients_are_taken_and_change_nothing(
         ("/completions", "bogus", 1, "unknown field"),
         ("/chat/completions", "n", 0, "[1, 16]"),
         ("/chat/completions", "guided_json", {"type": "no-such-type"}, "no-such-type"),
-        ("/chat/completions", "tools", [{"type": "function"}], "tool calling"),
-        ("/chat/completions", "tool_choice", "required", "tool calling"),
-        ("/chat/completions", "functions", [{"name": "f"}], "tool calling"),
-        ("/chat/completions", "tools", 5, "tool calling"),
-        ("/chat/completions", "tool_choice", {"type": "function"}, "tool calling"),
+        (
+            "/chat/completions",
+            "tools",
+            [{"type": "function", "function": {"name": "f"}}] * 2,
+            "twice",
+        ),
+        ("/chat/completions", "tool_choice", "required", "needs tools"),
+        ("/chat/completions", "functions", [{"name": "f"}], "legacy functions"),
+        ("/chat/completions", "tools", 5, "valid array"),
+        ("/chat/completions", "tool_choice", {"type": "function"}, '"required"'),
         ("/chat/completions", "echo", True, "echoing"),
         ("/chat/completions", "continue_final_message", True, "assistant turn"),
         ("/chat/completions", "chat_template", "{{ x }}", "chat template"),

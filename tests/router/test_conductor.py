@@ -176,14 +176,14 @@ def test_the_ttft_bound_scales_predictions_by_how_much_recent_ones_fell_short():
     conductor.on_prefill_done("r0", 0.1)
     # Ten requests predicted at 0.1 s or more waited twice as long: r1 (0.1 s, alone) is
     # taken as a 0.2 s wait and admitted; r2 behind it (0.2 s, taken as 0.4 s) is not.
-    for i in range(10):
+    for _ in range(10):
         conductor.errors.record(0.1, 0.2)
     second, third = (conductor.route(request(f"r{i}"), 0.1) for i in (1, 2))
     assert not first.rejected and not second.rejected and third.rejected
     assert "(2.00x, as recent requests waited)" in third.reason
     # Shortfalls of predictions under a quarter of the bound say little and are left out.
     small = make_conductor(num_prefill=1, max_ttft_s=0.25)
-    for i in range(10):
+    for _ in range(10):
         small.errors.record(0.05, 0.5)
     assert [small.route(request(f"s{i}"), 0.0).rejected for i in range(3)] == [False, False, True]
 
