@@ -15,7 +15,6 @@ from pathlib import Path
 import httpx2 as httpx
 import openai
 import pytest
-from http_testkit import serve_openai
 
 from halfmoon.cluster.client.grpc_client import Client, ServerError
 from halfmoon.cluster.frontend.drain import Drain
@@ -84,18 +83,6 @@ NEUTRAL_CHAT = NEUTRAL_COMMON | {
     "bad_words": [],
     "prediction": {"type": "content", "content": "whatever"},
 }
-
-
-@pytest.fixture(scope="module")
-def api(tiny_model_dir):
-    with serve_openai(tiny_model_dir) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def oai(api):
-    with openai.OpenAI(base_url=api.base_url, api_key="unused", max_retries=0) as client:
-        yield client
 
 
 def greedy(**kwargs) -> SamplingParams:

@@ -14,7 +14,6 @@ import random
 import openai
 import pytest
 from cluster_kit import running_cluster
-from http_testkit import serve_openai
 
 from halfmoon.cluster.bench.structured import validation_errors
 from halfmoon.cluster.frontend.http_request import parse
@@ -230,18 +229,6 @@ def test_required_is_constrained_to_one_call_of_any_tool_and_a_named_one_to_its_
     }
     for choice in ("auto", "none", None):
         assert _request(tools=TOOLS, tool_choice=choice).structured_output() is None
-
-
-@pytest.fixture(scope="module")
-def api(tiny_model_dir):
-    with serve_openai(tiny_model_dir) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def oai(api):
-    with openai.OpenAI(base_url=api.base_url, api_key="unused", max_retries=0) as client:
-        yield client
 
 
 def _chat(oai, api, **kwargs):
