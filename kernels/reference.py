@@ -24,6 +24,11 @@ def store_kv(
     v_cache.view(-1, *v_cache.shape[2:])[slots] = value[keep].to(v_cache.dtype)
 
 
+# Gathered K (and as much V) per chunk of decoding sequences: within L2, and small enough that
+# the allocator reuses its buffers (a bigger one is mapped and page-faulted afresh each call).
+DECODE_CHUNK_BYTES = 2 << 20
+
+
 def paged_decode_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -32,23 +37,65 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """One query per sequence ([S, q_heads, D]) over its first `seq_lens[s]` cached tokens."""
-    # A loop of SDPA over each sequence's own pages beats one padded batched gather on CPU.
-    out = torch.empty_like(query)
-    block_size = k_cache.shape[1]
-    for s, seq_len in enumerate(seq_lens.tolist()):
-        pages = block_tables[s, : -(-seq_len // block_size)].long()
-        keys = k_cache[pages].flatten(0, 1)[:seq_len].transpose(0, 1)
-        values = v_cache[pages].flatten(0, 1)[:seq_len].transpose(0, 1)
-        attn = F.scaled_dot_product_attention(
-            query[s][:, None],
-            keys.to(query.dtype),
-            values.to(query.dtype),
-            scale=scale,
-            enable_gqa=True,
+    """One query per sequence ([S, q_heads, D]) over its first `seq_lens[s]` cached tokens.
+
+    Longest sequences first, in chunks of about `DECODE_CHUNK_BYTES` of K: each chunk is one
+    page gather padded to its longest sequence and one masked SDPA over the whole chunk."""
+    lens, order = seq_lens.sort(descending=True)
+    query_sorted, tables = query.index_select(0, order), block_tables.index_select(0, order)
+    token_bytes = k_cache[0, 0].numel() * k_cache.element_size()
+    chunks = _decode_chunks(lens.tolist(), k_cache.shape[1], token_bytes)
+    parts = [
+        _decode_chunk(
+            query_sorted[start:end], k_cache, v_cache, tables[start:end], lens[start:end],
+            width, min_len, scale,
         )
-        out[s] = attn[:, 0]
+        for start, end, width, min_len in chunks
+    ]  # fmt: skip
+    out = torch.empty_like(query)
+    out[order] = torch.cat(parts)
     return out
+
+
+def _decode_chunks(lens: list[int], block_size: int, token_bytes: int) -> list[tuple[int, ...]]:
+    """(start, end, padded width, shortest length) of each chunk of `lens` (sorted longest
+    first): as many sequences as fit `DECODE_CHUNK_BYTES` of K padded to the first's pages."""
+    chunks, start = [], 0
+    while start < len(lens):
+        width = -(-lens[start] // block_size) * block_size
+        end = min(len(lens), start + max(1, DECODE_CHUNK_BYTES // (width * token_bytes)))
+        chunks.append((start, end, width, lens[end - 1]))
+        start = end
+    return chunks
+
+
+def _decode_chunk(query, k_cache, v_cache, block_tables, seq_lens, width, min_len, scale):
+    """Decode attention over `width` tokens of pages (a whole number of them), masked past each
+    sequence's length; a KV head's query heads are its query rows, so GQA copies nothing."""
+    num_seqs, num_q_heads, head_dim = query.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    pages = block_tables[:, : width // block_size].reshape(-1).long().clamp(min=0)  # -1 pads
+
+    valid, stale = None, None
+    if min_len < width:
+        valid = torch.arange(width, device=query.device) < seq_lens[:, None]
+        stale = (~valid).flatten().nonzero().squeeze(1)
+
+    def gather(cache: torch.Tensor) -> torch.Tensor:  # [S, kv_heads, width, D], a strided view
+        rows = cache.flatten(1).index_select(0, pages).view(num_seqs * width, -1)
+        if stale is not None:  # masked slots may hold anything, and 0 * nan is nan
+            rows.index_fill_(0, stale, 0)
+        return rows.view(num_seqs, width, num_kv_heads, head_dim).transpose(1, 2)
+
+    mask = None if valid is None else valid[:, None, None, :]
+    attn = F.scaled_dot_product_attention(
+        query.view(num_seqs, num_kv_heads, -1, head_dim),
+        gather(k_cache).to(query.dtype),
+        gather(v_cache).to(query.dtype),
+        attn_mask=mask,
+        scale=scale,
+    )
+    return attn.reshape(num_seqs, num_q_heads, head_dim)
 
 
 def prefill_attention(
@@ -70,21 +117,30 @@ def prefill_attention(
         start, end = starts[s], starts[s + 1]
         total = prefix_len + end - start
         pages = block_tables[s, : -(-total // block_size)].long()
-        keys = k_cache[pages].flatten(0, 1)[:total].transpose(0, 1)  # [kv_heads, total, D]
-        values = v_cache[pages].flatten(0, 1)[:total].transpose(0, 1)
+        keys = _context(k_cache, pages, total)
+        values = _context(v_cache, pages, total)
         q = query[start:end].transpose(0, 1)  # [q_heads, n, D]
-        q_pos = torch.arange(prefix_len, total, device=query.device)
-        mask = torch.arange(total, device=query.device)[None, :] <= q_pos[:, None]
+        mask = None  # no prefix: plain causal, which skips the blocks above the diagonal
+        if prefix_len:
+            q_pos = torch.arange(prefix_len, total, device=query.device)
+            mask = torch.arange(total, device=query.device)[None, :] <= q_pos[:, None]
         attn = F.scaled_dot_product_attention(
             q.unsqueeze(0),
             keys.unsqueeze(0).to(q.dtype),
             values.unsqueeze(0).to(q.dtype),
             attn_mask=mask,
+            is_causal=mask is None,
             scale=scale,
             enable_gqa=True,
         )
         out[start:end] = attn[0].transpose(0, 1)
     return out
+
+
+def _context(cache: torch.Tensor, pages: torch.Tensor, total: int) -> torch.Tensor:
+    """The first `total` tokens on `pages` as `[kv_heads, total, D]` (a strided view)."""
+    rows = cache.flatten(1).index_select(0, pages)  # one memcpy per page
+    return rows.view(-1, *cache.shape[2:])[:total].transpose(0, 1)
 
 
 def causal_attention(
