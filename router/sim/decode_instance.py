@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 from halfmoon.router.cost_model import CostModel
 
+MIN_STEP_S = 1e-6  # the shortest decode step the simulator prices
+
 
 @dataclass(slots=True)
 class Finished:
@@ -38,14 +40,17 @@ class SimDecode:
         self._seq = 0
 
     def _run_time(self, steps: int) -> float:
+        # At least MIN_STEP_S a step: a fit of noisy samples can price a step at zero or less,
+        # and time that does not advance would reschedule the same step for ever.
         a, b, c = self.cost.decode_coef
         first = a + b * self.batch_size + c * self.kv_tokens
-        return steps * first + c * self.batch_size * steps * (steps - 1) / 2
+        total = steps * first + c * self.batch_size * steps * (steps - 1) / 2
+        return max(total, steps * MIN_STEP_S)
 
     def _steps_to_reach(self, budget_s: float, cap: int) -> int:
         # Fewest steps whose run time reaches budget_s, at least 1 and at most cap.
         a, b, c = self.cost.decode_coef
-        first = a + b * self.batch_size + c * self.kv_tokens
+        first = max(a + b * self.batch_size + c * self.kv_tokens, MIN_STEP_S)
         growth = c * self.batch_size / 2
         if growth > 0:
             lin = first - growth

@@ -133,6 +133,15 @@ def test_unbounded_hit_rate_counts_blocks_seen_before(tmp_path):
     assert unbounded_hit_rate(records) == hits / sum(len(r.hash_ids) for r in records)
 
 
+@pytest.mark.parametrize("coef", [(0.0, 0.0, 0.0), (-0.01, 0.0, 0.0), (0.001, 0.0, -1e-3)])
+def test_a_fit_that_prices_decode_steps_at_zero_or_less_still_advances_time(coef):
+    decode = SimDecode("d0", CostModel((0, 0, 0, 0), coef))
+    decode.join("a", 100, 5)
+    when = decode.next_finish_s()
+    assert when is not None and when > 0
+    assert [f.request_id for f in decode.advance(when)] == ["a"]
+
+
 def test_decode_closed_form_matches_stepping_one_token_at_a_time():
     cost = CostModel((0, 0, 0, 0), (0.01, 1e-3, 1e-6))
     decode = SimDecode("d0", cost)
