@@ -163,12 +163,13 @@ class OpenAIServer:
 
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="halfmoon OpenAI-compatible API", docs_url=None, redoc_url=None)
-        app.add_api_route("/v1/models", self.models, methods=["GET"])
-        app.add_api_route("/v1/models/{model_id:path}", self.model_card, methods=["GET"])
+        read = ["GET", "HEAD"]  # HEAD: probes such as AIPerf's readiness check
+        app.add_api_route("/v1/models", self.models, methods=read)
+        app.add_api_route("/v1/models/{model_id:path}", self.model_card, methods=read)
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
-        app.add_api_route("/health", self.health, methods=["GET"])
-        app.add_api_route("/metrics", self.metrics, methods=["GET"])
+        app.add_api_route("/health", self.health, methods=read)
+        app.add_api_route("/metrics", self.metrics, methods=read)
         app.add_exception_handler(HTTPException, _http_exception)
         app.add_middleware(RequestIdHeader)
         return app
@@ -269,7 +270,7 @@ class OpenAIServer:
             return JSONResponse(shape.response(deltas))
         # The first delta before the headers: an error up to here gets its own HTTP status.
         first = await _unless_client_gone(request, relay, relay.next())
-        shape.include_usage = body.include_usage
+        shape.include_usage, shape.continuous_usage = body.include_usage, body.continuous_usage
         return EventStream(_events(relay, first, shape))
 
     async def _with_tools(self, messages: list[dict], tools: list[dict]) -> list[int]:
@@ -290,7 +291,7 @@ async def _events(relay: Relay, delta: TokenDelta | None, shape: ResponseShape):
     """The SSE body: one `data:` line per chunk, an error object if the stream fails, [DONE]."""
     try:
         usage = None
-        for opening in shape.first_chunks():
+        for opening in shape.first_chunks(delta):
             yield _event(opening)
         while delta is not None:
             for chunk in shape.chunks(delta):

@@ -16,13 +16,16 @@ OBJECTS = {
 }
 
 
-def usage_json(usage: Usage) -> dict:
-    return {
+def usage_json(usage: Usage, cached: bool = True) -> dict:
+    """OpenAI's usage object; `cached` False leaves out the cached tokens (not known yet)."""
+    body = {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
     }
+    if cached:
+        body["prompt_tokens_details"] = {"cached_tokens": usage.cached_tokens}
+    return body
 
 
 @dataclass
@@ -34,6 +37,7 @@ class ResponseShape:
     model: str
     tokenizer: object
     include_usage: bool = False
+    continuous_usage: bool = False  # usage so far in every chunk (vLLM's continuous_usage_stats)
     echo: str = ""  # completions with `echo`: the prompt's text, before the completion
     created: int = field(default_factory=lambda: int(time.time()))
     # Completions logprobs: characters of each choice's tokens so far.
@@ -42,6 +46,7 @@ class ResponseShape:
     calling: ToolCalling | None = None  # chat with tools to call: each output read as calls
     _streams: dict[int, CallStream] = field(default_factory=dict)  # choice -> its reader
     _held_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
+    _sofar: Usage = field(default_factory=lambda: Usage(0, 0, 0))  # streamed up to now
 
     def response(self, deltas: list[TokenDelta]) -> dict:
         """The whole (non-streamed) response."""
@@ -71,9 +76,12 @@ class ResponseShape:
             message["tool_calls"] = [call.as_json() for call in calls]
         return message, finish_reason(bool(calls), reason)
 
-    def first_chunks(self) -> list[dict]:
+    def first_chunks(self, first: TokenDelta | None) -> list[dict]:
         """The chunks before any token, one per choice: a chat stream opens with the
-        assistant's role, a completion with `echo` with the prompt."""
+        assistant's role, a completion with `echo` with the prompt. `first` is the stream's
+        first delta (its prompt's size, for the usage)."""
+        if first is not None:
+            self._sofar.prompt_tokens = first.num_prompt_tokens
         if self.kind == CHAT:
             # null where calls may come, as OpenAI's streams of calls open
             body = {"role": "assistant", "content": "" if self.calling is None else None}
@@ -82,6 +90,7 @@ class ResponseShape:
 
     def chunks(self, delta: TokenDelta) -> list[dict]:
         """The stream chunks for `delta`: none when it carries nothing a client would see."""
+        self._sofar.completion_tokens += len(delta.token_ids)
         if self.calling is not None:
             return self._call_chunks(delta)
         if not (delta.text or delta.logprobs or delta.finish_reason):
@@ -120,7 +129,9 @@ class ResponseShape:
         choice = {"index": index, "logprobs": logprobs, "finish_reason": finish_reason}
         choice["delta" if self.kind == CHAT else "text"] = body
         chunk = self._envelope(1, [choice])
-        if self.include_usage:
+        if self.continuous_usage:
+            chunk["usage"] = usage_json(self._sofar, cached=False)
+        elif self.include_usage:
             chunk["usage"] = None
         return chunk
 

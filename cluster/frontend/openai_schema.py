@@ -75,17 +75,8 @@ class StreamOptions(BaseModel):
     model_config = STRICT
 
     include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM: usage in every chunk
-
-    @model_validator(mode="after")
-    def _supported(self) -> StreamOptions:
-        if self.continuous_usage_stats:
-            raise InvalidRequestError(
-                "stream_options.continuous_usage_stats",
-                True,
-                "not supported; include_usage sends the usage in a last chunk",
-            )
-        return self
+    # vLLM's: with include_usage, every chunk also carries the usage so far
+    continuous_usage_stats: bool = False
 
 
 class TextPart(BaseModel):
@@ -185,6 +176,11 @@ class OpenAIRequest(StructuredOutputFields):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage in every chunk: vLLM's `continuous_usage_stats`, which needs `include_usage`."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
     def wanted_max_tokens(self) -> int | None:
         return self.max_tokens

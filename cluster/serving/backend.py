@@ -74,6 +74,7 @@ class TokenDelta:
     usage: Usage | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     index: int = 0
+    num_prompt_tokens: int = 0  # the client's prompt, on every delta (running usage)
 
 
 @dataclass(slots=True)
@@ -121,4 +122,5 @@ def delta_from_output(out: RequestOutput, usage: Usage) -> TokenDelta:
         usage=usage if out.finished else None,
         logprobs=list(out.new_logprobs),
         index=out.index,
+        num_prompt_tokens=out.num_prompt_tokens,
     )

@@ -216,7 +216,11 @@ class ClusterBackend(BackendViews):
                 if trace.first_token_s is None:
                     self._first_token_out(req)
                 yield TokenDelta(
-                    [token_id], "", logprobs=[logprobs] if logprobs else [], index=index
+                    [token_id],
+                    "",
+                    logprobs=[logprobs] if logprobs else [],
+                    index=index,
+                    num_prompt_tokens=req.num_prompt_tokens,
                 )
         # Each sequence's first output repeats its first token, streamed already.
         repeated = {index: token_id for index, (token_id, _) in enumerate(early)}
@@ -248,6 +252,7 @@ class ClusterBackend(BackendViews):
             trace.num_cached_tokens = out.num_cached_tokens
         delta = delta_from_output(out, _usage(trace))
         delta.token_ids = new_ids
+        delta.num_prompt_tokens = req.num_prompt_tokens  # the worker's counts a migration's output
         req.streamed = True
         return delta
 

@@ -108,6 +108,21 @@ def test_async_streamed_chat_equals_the_offline_chat_and_ends_with_usage(served,
     assert all(c.usage is None for c in chunks[:-1])
 
 
+def test_continuous_usage_counts_the_prompt_and_the_tokens_so_far_on_a_cluster(served):
+    """guidellm's `continuous_usage_stats`: the router's prompt size on every chunk."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 4, "ignore_eos": True}
+    streamed = {**body, "stream": True, "stream_options": options}
+    with httpx.stream("POST", served[2] + "/v1/completions", json=streamed) as answer:
+        data = [line[6:] for line in answer.iter_lines() if line.startswith("data: ")]
+    usages = [json.loads(d)["usage"] for d in data[:-1]]
+    whole = httpx.post(served[2] + "/v1/completions", json=body, timeout=60).json()["usage"]
+    assert usages[-1]["prompt_tokens"] == whole["prompt_tokens"]
+    assert [u["prompt_tokens"] for u in usages] == [whole["prompt_tokens"]] * len(usages)
+    counts = [u["completion_tokens"] for u in usages]
+    assert counts == sorted(counts) and counts[0] >= 1 and counts[-1] == 4
+
+
 def test_async_chat_logprobs_equal_the_offline_engine(served, tiny_llm):
     want = tiny_llm.generate([MESSAGES], greedy(6, logprobs=2))[0]
 

@@ -215,10 +215,27 @@ def test_a_value_that_would_change_the_output_and_is_not_honoured_is_a_400_namin
     assert reason in error["message"]
 
 
-def test_stream_options_continuous_usage_stats_is_refused_by_its_path(api):
-    body = {"prompt": PROMPT, "stream": True, "stream_options": {"continuous_usage_stats": True}}
-    error = _post(api, "/completions", body).json()["error"]
-    assert error["param"] == "stream_options.continuous_usage_stats"
+@pytest.mark.parametrize("path", ["/completions", "/chat/completions"])
+def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk(api, path):
+    """guidellm's stream_options: each chunk's usage counts the tokens streamed up to it."""
+    prompt = {"prompt": PROMPT} if path == "/completions" else {"messages": MESSAGES}
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    body = {**prompt, "model": api.model, "max_tokens": 5, "ignore_eos": True, "stream": True}
+    chunks = _events(api, path, {**body, "stream_options": options})
+    final = chunks[-1]["usage"]
+    assert chunks[-1]["choices"] == [] and final["completion_tokens"] == 5
+    running = [c["usage"] for c in chunks[:-1]]
+    assert all(u["prompt_tokens"] == final["prompt_tokens"] > 0 for u in running)
+    counts = [u["completion_tokens"] for u in running]
+    assert counts == sorted(counts) and counts[-1] == 5
+    assert all(u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"] for u in running)
+
+
+def test_continuous_usage_stats_without_include_usage_sends_no_usage(api):
+    options = {"continuous_usage_stats": True}
+    body = {"prompt": PROMPT, "model": api.model, "max_tokens": 3, "stream": True}
+    chunks = _events(api, "/completions", {**body, "stream_options": options})
+    assert chunks and all("usage" not in c for c in chunks)
 
 
 def test_grpc_takes_penalties_and_biases_and_names_a_bad_one(api):
@@ -382,3 +399,11 @@ def test_null_is_the_same_as_leaving_a_field_out(api):
     assert with_nulls.json()["choices"] == plain.json()["choices"]
     chat = {"messages": MESSAGES, "max_tokens": 4, "logprobs": None, "tool_choice": None}
     assert _post(api, "/chat/completions", chat).status_code == 200
+
+
+@pytest.mark.parametrize("path", ["/models", "/models/{model}", "/../health", "/../metrics"])
+def test_head_answers_what_get_answers_without_a_body(api, path):
+    url = api.base_url + path.format(model=api.model)
+    head, get = httpx.head(url, timeout=30), httpx.get(url, timeout=30)
+    assert head.status_code == get.status_code  # /metrics: 404, this server has no registry
+    assert head.content == b"" and head.headers["content-type"] == get.headers["content-type"]
