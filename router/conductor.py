@@ -113,7 +113,7 @@ class Conductor:
         handoff_s = 0.0 if placement.bypass else self.profile.handoff_s
         fill_decision(decision, placement, self.profile.request_overhead_s + handoff_s)
         decision.reason = ask.rejection(
-            self.config, placement, self.predictor, decision, self._shortfall()
+            self.config, placement, self.predictor, decision, self._shortfall(now)
         )
         decision.rejected = bool(decision.reason)
         if decision.rejected:
@@ -125,10 +125,10 @@ class Conductor:
             decision.replications += [copy] if copy is not None else []
         return self._remember(decision, hold)
 
-    def _shortfall(self) -> float:
-        """How much recent TTFT predictions of a quarter of the bound or more fell short."""
-        bound_s = self.config.max_ttft_s
-        return 1.0 if bound_s is None else self.errors.shortfall(bound_s / 4)
+    def _shortfall(self, now: float) -> float:
+        """How much recent TTFT predictions fell short, prefills running late included."""
+        overdue = (pair for view in self.prefill.values() for pair in view.overdue(now))
+        return self.errors.shortfall(self.config.max_ttft_s, overdue)
 
     def on_replicated(self, replication: Replication) -> None:
         """A copy planned by `route` landed (or failed); the index learns of it from events."""
@@ -323,7 +323,9 @@ class Conductor:
         else:
             hold.queue = self.prefill[placement.prefill_instance]
             num_new_tokens = request.num_prompt_tokens - placement.plan.cached_tokens
-            hold.job = hold.queue.enqueue(placement.plan.work_s, num_new_tokens, now)
+            hold.job = hold.queue.enqueue(
+                placement.plan.work_s, num_new_tokens, now, placement.ttft_s
+            )
         placement.decode.admit(admitted, reserve)
         return hold
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 
@@ -16,8 +17,10 @@ class PredictionErrorStats:
     mean_rel: float
 
 
-# The TTFT bound's calibration: how much the recent predictions of at least a quarter of the
-# bound fell short, at this quantile of the last CALIBRATION_WINDOW such requests.
+# The TTFT bound's calibration: how much the recent predictions of at least CALIBRATION_SHARE
+# of the bound fell short, at this quantile of the last CALIBRATION_WINDOW such requests; with fewer
+# than CALIBRATION_MIN_COUNT, the most any of them fell short.
+CALIBRATION_SHARE = 0.25
 CALIBRATION_QUANTILE = 0.9
 CALIBRATION_WINDOW = 200
 CALIBRATION_MIN_COUNT = 10
@@ -29,26 +32,30 @@ class PredictionErrorLog:
     def __init__(self, capacity: int = 10_000) -> None:
         self._pairs: deque[tuple[float, float]] = deque(maxlen=capacity)
         self._shortfalls: deque[tuple[float, float]] = deque(maxlen=CALIBRATION_WINDOW)
-        self._shortfall: float | None = 1.0
 
     def record(self, predicted_s: float, actual_s: float) -> None:
         """Add one pair."""
         self._pairs.append((predicted_s, actual_s))
         if predicted_s > 0:
             self._shortfalls.append((predicted_s, actual_s / predicted_s))
-            self._shortfall = None
 
-    def shortfall(self, min_predicted_s: float) -> float:
+    def shortfall(
+        self, bound_s: float | None, waiting: Iterable[tuple[float, float]] = ()
+    ) -> float:
         """How many times longer than predicted the recent requests predicted to wait at least
-        `min_predicted_s` waited (the 90th percentile, >= 1; 1 until there are 10 of them)."""
-        if self._shortfall is None:
-            ratios = sorted(r for p, r in self._shortfalls if p >= min_predicted_s)
-            if len(ratios) < CALIBRATION_MIN_COUNT:
-                self._shortfall = 1.0
-            else:
-                index = min(int(CALIBRATION_QUANTILE * len(ratios)), len(ratios) - 1)
-                self._shortfall = max(ratios[index], 1.0)
-        return self._shortfall
+        a quarter of the TTFT bound `bound_s` waited (the 90th percentile; the largest while
+        there are fewer than 10; >= 1; 1 without a bound). `waiting`: (predicted, waited so
+        far) of requests not served yet, counted as they stand, so a burst is scaled before
+        its first request is served."""
+        if bound_s is None:
+            return 1.0
+        min_predicted_s = bound_s * CALIBRATION_SHARE
+        ratios = [r for p, r in self._shortfalls if p >= min_predicted_s]
+        ratios += [w / p for p, w in waiting if p >= min_predicted_s]
+        if len(ratios) < CALIBRATION_MIN_COUNT:
+            return max(max(ratios, default=1.0), 1.0)
+        ratios.sort()
+        return max(ratios[min(int(CALIBRATION_QUANTILE * len(ratios)), len(ratios) - 1)], 1.0)
 
     def stats(self) -> PredictionErrorStats:
         """Mean and p90 absolute error, and mean error relative to the actual TTFT."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 
@@ -13,6 +14,8 @@ class PrefillJob:
     work_s: float
     num_tokens: int
     left_s: float = -1.0  # -1: all of it
+    sent_s: float = 0.0
+    due_s: float = 0.0  # predicted seconds from `sent_s` to its prefill's end (0: none)
 
     def __post_init__(self) -> None:
         if self.left_s < 0.0:
@@ -50,14 +53,25 @@ class PrefillView:
             return sum(job.left_s for job in self.jobs)
         return sum(min(job.left_s, work_s) for job in self.jobs)
 
-    def enqueue(self, work_s: float, num_tokens: int, now: float = 0.0) -> PrefillJob:
-        """Count a request the router just sent here; returns its job."""
+    def enqueue(
+        self, work_s: float, num_tokens: int, now: float = 0.0, due_s: float = 0.0
+    ) -> PrefillJob:
+        """Count a request the router just sent here, predicted to finish its prefill `due_s`
+        from `now`; returns its job."""
         self.advance(now)
-        job = PrefillJob(work_s, num_tokens)
+        job = PrefillJob(work_s, num_tokens, sent_s=now, due_s=due_s)
         self.jobs.append(job)
         self.num_queued += 1
         self.queued_tokens += num_tokens
         return job
+
+    def overdue(self, now: float) -> Iterator[tuple[float, float]]:
+        """(predicted, waited) seconds of each request here still prefilling past its predicted
+        end: how far its prediction fell short, at least (it has not finished yet)."""
+        for job in self.jobs:
+            waited_s = now - job.sent_s
+            if 0.0 < job.due_s < waited_s:
+                yield job.due_s, waited_s
 
     def finish(self, job: PrefillJob, now: float) -> None:
         """`job`'s prefill finished at `now`. First come, first served, the jobs sent after it

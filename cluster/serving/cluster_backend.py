@@ -99,6 +99,7 @@ class ClusterBackend(BackendViews):
             self._check_queue(req.request_id)
             await self._prepare(req, request)
             async for delta in self._serve(req):
+                delta.num_prompt_tokens = req.num_prompt_tokens  # the worker's has any migration's
                 yield delta
         except (GeneratorExit, asyncio.CancelledError):
             trace.outcome = "cancelled"
@@ -216,11 +217,7 @@ class ClusterBackend(BackendViews):
                 if trace.first_token_s is None:
                     self._first_token_out(req)
                 yield TokenDelta(
-                    [token_id],
-                    "",
-                    logprobs=[logprobs] if logprobs else [],
-                    index=index,
-                    num_prompt_tokens=req.num_prompt_tokens,
+                    [token_id], "", logprobs=[logprobs] if logprobs else [], index=index
                 )
         # Each sequence's first output repeats its first token, streamed already.
         repeated = {index: token_id for index, (token_id, _) in enumerate(early)}
@@ -252,7 +249,6 @@ class ClusterBackend(BackendViews):
             trace.num_cached_tokens = out.num_cached_tokens
         delta = delta_from_output(out, _usage(trace))
         delta.token_ids = new_ids
-        delta.num_prompt_tokens = req.num_prompt_tokens  # the worker's counts a migration's output
         req.streamed = True
         return delta
 

@@ -188,6 +188,24 @@ def test_the_ttft_bound_scales_predictions_by_how_much_recent_ones_fell_short():
     assert [small.route(request(f"s{i}"), 0.0).rejected for i in range(3)] == [False, False, True]
 
 
+def test_the_ttft_bound_scales_by_the_worst_shortfall_until_ten_are_known():
+    conductor = make_conductor(num_prefill=1, max_ttft_s=0.25)
+    conductor.errors.record(0.1, 0.15)
+    conductor.errors.record(0.1, 0.3)  # 3x: r0 alone (0.1 s) is taken as 0.3 s
+    assert conductor.route(request("r0"), 0.0).rejected
+    assert "(3.00x, as recent requests waited)" in conductor.decision("r0").reason
+
+
+def test_a_prefill_running_past_its_predicted_end_scales_the_bound_before_any_is_served():
+    conductor = make_conductor(num_prefill=1, max_ttft_s=0.25)
+    assert not conductor.route(request("r0"), 0.0).rejected  # predicted done at 0.1 s
+    # At 0.3 s it has not finished: 3x late at least, so r1 (0.1 s of work) is 0.3 s.
+    late = conductor.route(request("r1", first_key=500), 0.3)
+    assert late.rejected and "(3.00x, as recent requests waited)" in late.reason
+    conductor.on_prefill_done("r0", 0.3)  # nothing waits past its prediction any more
+    assert not conductor.route(request("r2", first_key=900), 0.3).rejected
+
+
 def _chunked_conductor() -> Conductor:
     """One prefill instance whose engine prefills in 10-token chunks (processor sharing)."""
     profile = simple_profile()
