@@ -6,22 +6,6 @@ from halfmoon.router.placement import Placement
 from halfmoon.router.predictor import Predictor
 
 
-def bound_reason(
-    placement: Placement, predicted_ttft_s: float, max_ttft_s: float | None, shortfall: float
-) -> str:
-    """Why a request predicted to wait `predicted_ttft_s` for its first token breaks the
-    router's bound `max_ttft_s` (None: no bound), or "" to admit it. `shortfall`: how many times
-    longer than predicted recent requests waited (>= 1), which the prediction is scaled by."""
-    if max_ttft_s is None or predicted_ttft_s * shortfall <= max_ttft_s:
-        return ""
-    scaled = f" ({shortfall:.2f}x, as recent requests waited)" if shortfall > 1 else ""
-    return (
-        f"predicted TTFT {predicted_ttft_s * shortfall:.3f}s{scaled} on "
-        f"{placement.prefill_instance} exceeds router.max_ttft_s {max_ttft_s:.3f}s; retry later "
-        "or add prefill workers"
-    )
-
-
 def admission_reason(
     mode: str,
     placement: Placement,

@@ -27,6 +27,7 @@ from halfmoon.router.routing import (
     plan_replication,
     tbt_predictor,
 )
+from halfmoon.router.ttft_bound import TtftBound
 from halfmoon.router.views import Admitted, DecodeView, PrefillView
 
 HANDOFF_WINDOW = 256  # recent disaggregated requests whose hand-off time `handoff_s` averages
@@ -113,7 +114,7 @@ class Conductor:
         handoff_s = 0.0 if placement.bypass else self.profile.handoff_s
         fill_decision(decision, placement, self.profile.request_overhead_s + handoff_s)
         decision.reason = ask.rejection(
-            self.config, placement, self.predictor, decision, self._shortfall(now)
+            self.config, placement, self.predictor, decision, self._ttft_bound(now)
         )
         decision.rejected = bool(decision.reason)
         if decision.rejected:
@@ -125,10 +126,9 @@ class Conductor:
             decision.replications += [copy] if copy is not None else []
         return self._remember(decision, hold)
 
-    def _shortfall(self, now: float) -> float:
-        """How much recent TTFT predictions fell short, prefills running late included."""
-        overdue = (pair for view in self.prefill.values() for pair in view.overdue(now))
-        return self.errors.shortfall(self.config.max_ttft_s, overdue)
+    def _ttft_bound(self, now: float) -> TtftBound:
+        """router.max_ttft_s now, scaled as recent predictions fell short."""
+        return TtftBound.of(self.config.max_ttft_s, self.errors, self.prefill, now)
 
     def on_replicated(self, replication: Replication) -> None:
         """A copy planned by `route` landed (or failed); the index learns of it from events."""

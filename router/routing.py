@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
 
-from halfmoon.router.admission import admission_reason, bound_reason
+from halfmoon.router.admission import admission_reason
 from halfmoon.router.bypass import bypass_placement
 from halfmoon.router.config import RouterConfig, check_slo
 from halfmoon.router.decision import Decision
@@ -16,6 +16,7 @@ from halfmoon.router.policies import Policy
 from halfmoon.router.predictor import Location, Predictor, PrefixHits
 from halfmoon.router.replication import Replication, Replicator
 from halfmoon.router.request import RouteRequest
+from halfmoon.router.ttft_bound import TtftBound
 from halfmoon.router.views import DecodeView, PrefillView
 
 
@@ -47,14 +48,12 @@ class RouteAsk:
         placement: Placement,
         predictor: Predictor,
         decision: Decision,
-        shortfall: float = 1.0,
+        bound: TtftBound,
     ) -> str:
         """Why the request placed as `decision` must be rejected at arrival, or "": the
-        router's TTFT bound (its prediction scaled by the recent `shortfall`), then the
-        admission mode's SLOs."""
+        router's TTFT bound, then the admission mode's SLOs."""
         predicted_s = decision.predicted_ttft_s
-        bound = config.max_ttft_s
-        return bound_reason(placement, predicted_s, bound, shortfall) or admission_reason(
+        return bound.reason(placement, predicted_s) or admission_reason(
             config.admission, placement, predictor, self.decode_tokens, self.ttft_slo_s,
             self.tbt_slo_s, predicted_s - placement.ttft_s,
         )  # fmt: skip
@@ -115,16 +114,7 @@ def no_room_reason(has_prefill: bool, decode: Iterable[DecodeView], reserve: int
 
 def make_replicator(config: RouterConfig) -> Replicator | None:
     """The hot-prefix replicator, when `config.replicate` asks for one."""
-    if not config.replicate:
-        return None
-    return Replicator(
-        config.block_size,
-        config.replicate_min_hits,
-        config.replicate_max_copies,
-        config.replicate_margin_s,
-        config.replicate_cooldown_s,
-        config.replicate_window_requests,
-    )
+    return Replicator(config) if config.replicate else None
 
 
 def plan_replication(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -72,6 +74,18 @@ class PrefillView:
             waited_s = now - job.sent_s
             if 0.0 < job.due_s < waited_s:
                 yield job.due_s, waited_s
+
+    def ends_with(self, now: float, work_s: float) -> Iterator[tuple[float, float]]:
+        """(waited, predicted seconds left) of each request here, were a prompt of `work_s`
+        to join now; shared steps: a job's left is the others' work up to its own, plus its
+        own (each job waits min(left, its left) of every other)."""
+        self.advance(now)
+        lefts = sorted(job.left_s for job in self.jobs)
+        below = list(itertools.accumulate(lefts, initial=0.0))  # below[i]: sum of lefts[:i]
+        for job in self.jobs:
+            place = bisect.bisect_right(lefts, job.left_s)
+            shared_s = below[place] + job.left_s * (len(lefts) - place)
+            yield now - job.sent_s, shared_s + min(work_s, job.left_s)
 
     def finish(self, job: PrefillJob, now: float) -> None:
         """`job`'s prefill finished at `now`. First come, first served, the jobs sent after it

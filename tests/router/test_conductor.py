@@ -6,6 +6,7 @@ from router_testkit import make_conductor, request, simple_profile
 from halfmoon.router.conductor import Conductor
 from halfmoon.router.config import RouterConfig
 from halfmoon.router.request import RouteRequest
+from halfmoon.router.views import PrefillView
 
 
 def test_explain_lists_candidates_and_the_winner():
@@ -224,6 +225,31 @@ def test_a_chunking_engine_shares_its_steps_so_a_short_prompt_waits_its_own_leng
     assert [job.left_s for job in view.jobs] == pytest.approx([0.95, 0.05])
     conductor.on_prefill_done("short", 0.2)  # later than predicted (0.2 s shared: on time)
     assert [job.left_s for job in view.jobs] == pytest.approx([0.9])
+
+
+def test_a_chunking_engine_refuses_a_prompt_that_would_slow_one_there_past_the_bound():
+    profile = simple_profile()
+    profile.cost = dataclasses.replace(profile.cost, chunk_tokens=10)
+    conductor = make_conductor(num_prefill=1, profile=profile, max_ttft_s=1.05)
+    assert not conductor.route(request("long", num_blocks=100), 0.0).rejected  # 1.0 s
+    # 0.2 s for itself, but sharing the steps it would make the long one take 1.1 s.
+    short = conductor.route(request("short", first_key=500), 0.0)
+    assert short.predicted_ttft_s == pytest.approx(0.2) and short.rejected
+    assert "slow a request already there to a TTFT of 1.100s" in short.reason
+    # Half a second on, 0.5 s left: the short one's 0.1 s keeps it at 1.1 s from arrival.
+    assert conductor.route(request("later", first_key=900), 0.5).rejected
+    fifo = make_conductor(num_prefill=1, max_ttft_s=1.15)  # first come: nothing slows down
+    fifo.route(request("long", num_blocks=100), 0.0)
+    assert not fifo.route(request("short", first_key=500), 0.0).rejected
+
+
+def test_a_shared_views_predicted_ends_give_each_job_its_share_of_every_step():
+    view = PrefillView("p0", shared=True)
+    for work_s in (0.3, 0.1, 0.2):
+        view.enqueue(work_s, 10, 0.0)
+    # With 0.15 s more: 0.1 ends after 4 x 0.1; 0.2 after 0.1 + 0.15 + 2 x 0.2; 0.3 after all.
+    assert [left for _, left in view.ends_with(0.0, 0.15)] == pytest.approx([0.75, 0.4, 0.65])
+    assert [waited for waited, _ in view.ends_with(0.25, 0.0)] == [0.25] * 3
 
 
 def test_first_come_first_served_a_short_prompt_waits_for_the_long_one():
