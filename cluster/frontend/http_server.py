@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP API (FastAPI on uvicorn), served beside gRPC from the same
-`Backend`: /v1/models[/{id}], /v1/completions, /v1/chat/completions (SSE streams), /health,
-/metrics."""
+`Backend`: /v1/models[/{id}], /v1/completions, /v1/chat/completions (SSE streams), vLLM's
+/tokenize and /detokenize, /health, /metrics."""
 
 from __future__ import annotations
 
@@ -11,12 +11,11 @@ import logging
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
 from functools import partial
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException
@@ -39,11 +38,18 @@ from halfmoon.cluster.frontend.http_request import (
     read_body,
     request_id_of,
 )
+from halfmoon.cluster.frontend.http_stream import EventStream, Relay, sse_events, unless_client_gone
 from halfmoon.cluster.frontend.openai_responses import CHAT, COMPLETION, ResponseShape
 from halfmoon.cluster.frontend.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
     OpenAIRequest,
+)
+from halfmoon.cluster.frontend.openai_tokenize import (
+    DetokenizeRequest,
+    TokenizeRequest,
+    detokenize,
+    tokenize,
 )
 from halfmoon.cluster.frontend.openai_tool_prompt import render_with_tools
 from halfmoon.cluster.frontend.request_limits import (
@@ -53,10 +59,8 @@ from halfmoon.cluster.frontend.request_limits import (
 )
 from halfmoon.cluster.serving.backend import (
     Backend,
-    GenerateInput,
     ModelInfo,
     ModelNotFoundError,
-    TokenDelta,
     UnauthenticatedError,
 )
 from halfmoon.cluster.serving.prompts import PromptTokenizer, prompt_chars
@@ -64,57 +68,7 @@ from halfmoon.engine.errors import HalfmoonError, InvalidRequestError
 
 log = logging.getLogger(__name__)
 CLIENT_GONE_STATUS = 499  # nginx's "client closed request"; nobody reads it
-END = object()
 BODY_OVERHEAD_BYTES = 1 << 20  # JSON fields around the prompt: sampling options, stops, ids
-
-
-class Relay:
-    """Runs one request's backend stream in a task of its own, so a client that goes away
-    cancels it exactly once and the backend's clean-up (abort on every worker) runs to the end."""
-
-    def __init__(self, backend: Backend, request: GenerateInput, drain: Drain) -> None:
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.task = asyncio.create_task(self._pump(backend.generate(request), drain))
-
-    async def _pump(self, deltas: AsyncIterator[TokenDelta], drain: Drain) -> None:
-        try:
-            with drain.track():  # a drain for shutdown waits for this stream
-                async with contextlib.aclosing(deltas):
-                    async for delta in deltas:
-                        self.queue.put_nowait(delta)
-        except Exception as error:  # noqa: BLE001 - handed to the reader, who maps it
-            self.queue.put_nowait(error)
-        finally:
-            self.queue.put_nowait(END)
-
-    async def next(self) -> TokenDelta | None:
-        """The next delta; None at the end; the backend's error is raised here."""
-        item = await self.queue.get()
-        if isinstance(item, BaseException):
-            raise item
-        return None if item is END else item
-
-    async def collect(self) -> list[TokenDelta]:
-        deltas = []
-        while (delta := await self.next()) is not None:
-            deltas.append(delta)
-        return deltas
-
-    def cancel(self) -> None:
-        self.task.cancel()
-
-
-class EventStream(StreamingResponse):
-    """Server-sent events; closes its generator however the response ends (a disconnect
-    cancels the sending task while the generator waits at a `yield`)."""
-
-    media_type = "text/event-stream"
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.body_iterator.aclose()
 
 
 class RequestIdHeader:
@@ -168,6 +122,8 @@ class OpenAIServer:
         app.add_api_route("/v1/models/{model_id:path}", self.model_card, methods=read)
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        app.add_api_route("/tokenize", self.tokenize, methods=["POST"])
+        app.add_api_route("/detokenize", self.detokenize, methods=["POST"])
         app.add_api_route("/health", self.health, methods=read)
         app.add_api_route("/metrics", self.metrics, methods=read)
         app.add_exception_handler(HTTPException, _http_exception)
@@ -185,6 +141,12 @@ class OpenAIServer:
 
     async def chat_completions(self, request: Request) -> Response:
         return await self._answer(request, lambda rid: self._generate(request, rid, CHAT))
+
+    async def tokenize(self, request: Request) -> Response:
+        return await self._answer(request, lambda rid: self._tokens(request, TokenizeRequest))
+
+    async def detokenize(self, request: Request) -> Response:
+        return await self._answer(request, lambda rid: self._tokens(request, DetokenizeRequest))
 
     async def health(self) -> Response:
         ok, reason = await self.backend.health()
@@ -247,6 +209,15 @@ class OpenAIServer:
         except InvalidRequestError as error:
             raise body.as_sent(error) from None
 
+    async def _tokens(self, request: Request, schema: type) -> Response:
+        """/tokenize or /detokenize (vLLM's) with the served model's tokenizer."""
+        raw = await read_body(request, self.limits.max_prompt_bytes + BODY_OVERHEAD_BYTES)
+        check_json(request.headers.get("content-type"))
+        body = parse(schema, raw)
+        self._check_model(body.model)
+        work = tokenize if schema is TokenizeRequest else detokenize
+        return JSONResponse(await work(body, self.prompts, self.limits))
+
     async def _serve(
         self, request: Request, request_id: str, kind: str, body: OpenAIRequest
     ) -> Response:
@@ -266,12 +237,12 @@ class OpenAIServer:
             shape.calling = body.tool_calling()
         relay = Relay(self.backend, generate_input, self.drain)
         if not body.stream:
-            deltas = await _unless_client_gone(request, relay, relay.collect())
+            deltas = await unless_client_gone(request, relay, relay.collect())
             return JSONResponse(shape.response(deltas))
         # The first delta before the headers: an error up to here gets its own HTTP status.
-        first = await _unless_client_gone(request, relay, relay.next())
+        first = await unless_client_gone(request, relay, relay.next())
         shape.include_usage, shape.continuous_usage = body.include_usage, body.continuous_usage
-        return EventStream(_events(relay, first, shape))
+        return EventStream(sse_events(relay, first, shape))
 
     async def _with_tools(self, messages: list[dict], tools: list[dict]) -> list[int]:
         """The token ids of a chat with tools (or earlier calls), rendered here: the backends'
@@ -285,51 +256,6 @@ class OpenAIServer:
                 f"model {name!r} is not served here; this server serves {self.model.model!r} "
                 "(see GET /v1/models)"
             )
-
-
-async def _events(relay: Relay, delta: TokenDelta | None, shape: ResponseShape):
-    """The SSE body: one `data:` line per chunk, an error object if the stream fails, [DONE]."""
-    try:
-        usage = None
-        for opening in shape.first_chunks(delta):
-            yield _event(opening)
-        while delta is not None:
-            for chunk in shape.chunks(delta):
-                yield _event(chunk)
-            usage = delta.usage or usage
-            delta = await relay.next()
-        if shape.include_usage and usage is not None:
-            yield _event(shape.usage_chunk(usage))
-    except Exception as error:  # noqa: BLE001 - the status is sent; the error goes in-stream
-        yield _event(http_error(error)[1])
-    finally:
-        relay.cancel()  # a no-op once the stream ended; else the request is aborted
-    yield "data: [DONE]\n\n"
-
-
-def _event(body: dict) -> str:
-    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
-
-
-async def _unless_client_gone(request: Request, relay: Relay, work: Awaitable):
-    """Await `work`; if the client disconnects first, cancel the request and raise ClientGone."""
-    work_task = asyncio.ensure_future(work)
-    gone = asyncio.create_task(_disconnected(request))
-    try:
-        await asyncio.wait({work_task, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-    if not work_task.done():
-        work_task.cancel()
-        relay.cancel()
-        raise ClientGone
-    return work_task.result()
-
-
-async def _disconnected(request: Request) -> None:
-    """Returns once the client has gone (the body is read, so only a disconnect arrives)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 async def _http_exception(request: Request, exc: HTTPException) -> Response:

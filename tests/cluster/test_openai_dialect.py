@@ -25,6 +25,7 @@ from halfmoon.cluster.frontend.openai_schema import ChatCompletionRequest, Compl
 from halfmoon.cluster.serving.backend import ModelInfo, NoWorkerError, RejectedError
 from halfmoon.engine import SamplingParams
 from halfmoon.engine.errors import OutOfPagesError
+from halfmoon.engine.tokenizer import load_tokenizer
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "openai.md"
 PROMPT = "The quick brown fox"
@@ -407,3 +408,41 @@ def test_head_answers_what_get_answers_without_a_body(api, path):
     head, get = httpx.head(url, timeout=30), httpx.get(url, timeout=30)
     assert head.status_code == get.status_code  # /metrics: 404, this server has no registry
     assert head.content == b"" and head.headers["content-type"] == get.headers["content-type"]
+
+
+def test_tokenize_and_detokenize_speak_vllms_alignment_calls(api, tiny_model_dir):
+    """The calls `vllm bench serve` makes to align its prompts to the server's tokenizer."""
+    tokenizer = load_tokenizer(tiny_model_dir)
+    base = api.base_url.removesuffix("/v1")
+    body = {"model": api.model, "prompt": PROMPT, "add_special_tokens": False}
+    answer = httpx.post(base + "/tokenize", json=body, timeout=30).json()
+    assert answer["tokens"] == tokenizer.encode(PROMPT, add_special_tokens=False)
+    assert answer["count"] == len(answer["tokens"]) and answer["max_model_len"] > 0
+    with_bos = httpx.post(base + "/tokenize", json={"prompt": PROMPT}, timeout=30).json()
+    assert with_bos["tokens"] == tokenizer.encode(PROMPT)
+    text = httpx.post(base + "/detokenize", json={"tokens": answer["tokens"]}, timeout=30)
+    assert text.json() == {"prompt": tokenizer.decode(answer["tokens"])}
+
+
+def test_tokenize_messages_counts_what_a_chat_request_is_charged(api):
+    base = api.base_url.removesuffix("/v1")
+    counted = httpx.post(base + "/tokenize", json={"messages": MESSAGES}, timeout=30).json()
+    charged = _post(api, "/chat/completions", {"messages": MESSAGES, "max_tokens": 1}).json()
+    assert counted["count"] == charged["usage"]["prompt_tokens"]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param"),
+    [
+        ("/tokenize", {"prompt": "a", "messages": MESSAGES}, 400, "prompt"),
+        ("/tokenize", {}, 400, "prompt"),
+        ("/tokenize", {"prompt": "a", "model": "other"}, 404, None),
+        ("/tokenize", {"prompt": "a", "truncate": 3}, 400, "truncate"),
+        ("/detokenize", {"tokens": [10**9]}, 400, "tokens"),
+        ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
+    ],
+)
+def test_tokenize_and_detokenize_refuse_bad_bodies_naming_the_field(api, path, body, status, param):
+    answer = httpx.post(api.base_url.removesuffix("/v1") + path, json=body, timeout=30)
+    assert answer.status_code == status
+    assert answer.json()["error"]["param"] == param
