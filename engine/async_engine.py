@@ -45,39 +45,21 @@ class AsyncEngine:
         with self._lock:
             return fn(self.engine)
 
-    def add_request(
-        self,
-        prompt: Prompt,
-        params: SamplingParams,
-        request_id: str,
-        block_keys: list[bytes] | None = None,
-        *,
-        num_prior_output_tokens: int = 0,
-    ) -> None:
-        """Queue a request; its outputs go to `stream(request_id)`."""
+    def add_request(self, *args, **kwargs) -> str:
+        """Queue a request (the arguments of `LLMEngine.add_request`) and return its id; its
+        outputs go to `stream(request_id)`."""
         with self._work:
-            self.engine.add_request(
-                prompt, params, request_id, block_keys,
-                num_prior_output_tokens=num_prior_output_tokens,
-            )  # fmt: skip
+            request_id = self.engine.add_request(*args, **kwargs)
             self._open_stream(request_id)
             self._work.notify()
+            return request_id
 
     def reserve(
-        self,
-        prompt: Prompt,
-        params: SamplingParams,
-        request_id: str,
-        block_keys: list[bytes] | None = None,
-        *,
-        num_prior_output_tokens: int = 0,
+        self, prompt: Prompt, params: SamplingParams, request_id: str, *args, **kwargs
     ) -> list[int]:
         """Hold pages for a prompt whose KV arrives from outside; see `LLMEngine.reserve`."""
         with self._lock:
-            pages = self.engine.reserve(
-                prompt, params, request_id, block_keys,
-                num_prior_output_tokens=num_prior_output_tokens,
-            )  # fmt: skip
+            pages = self.engine.reserve(prompt, params, request_id, *args, **kwargs)
             self._open_stream(request_id)
             return pages
 
@@ -117,19 +99,9 @@ class AsyncEngine:
             if not finished:
                 self.abort(request_id)
 
-    async def generate(
-        self,
-        prompt: Prompt,
-        params: SamplingParams,
-        request_id: str,
-        block_keys: list[bytes] | None = None,
-        *,
-        num_prior_output_tokens: int = 0,
-    ) -> AsyncIterator[RequestOutput]:
-        """Add a request and stream its outputs (`block_keys`: the prompt's, when hashed)."""
-        self.add_request(
-            prompt, params, request_id, block_keys, num_prior_output_tokens=num_prior_output_tokens
-        )
+    async def generate(self, *args, **kwargs) -> AsyncIterator[RequestOutput]:
+        """Add a request (the arguments of `LLMEngine.add_request`) and stream its outputs."""
+        request_id = self.add_request(*args, **kwargs)
         async with contextlib.aclosing(self.stream(request_id)) as outputs:
             async for out in outputs:
                 yield out

@@ -4,6 +4,8 @@ limits, and its first `Sequence` built (keys, random source, grammar)."""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from typing import Any
 
 from halfmoon.engine.errors import InvalidRequestError
 from halfmoon.engine.forks import Forks
@@ -13,26 +15,17 @@ from halfmoon.engine.sequence import Sequence
 from halfmoon.engine.tokenizer import Prompt, tokenize_prompt
 
 
+@dataclass(slots=True)
 class Intake:
     """Builds the sequence of a request whose parameters and id the engine has checked."""
 
-    def __init__(
-        self,
-        tokenizer,
-        vocab_size: int,
-        max_model_len: int,
-        max_num_seqs: int,
-        block_size: int,
-        forks: Forks,
-        grammars: Grammars,
-    ) -> None:
-        self.tokenizer = tokenizer
-        self.vocab_size = vocab_size
-        self.max_model_len = max_model_len
-        self.max_num_seqs = max_num_seqs
-        self.block_size = block_size
-        self.forks = forks
-        self.grammars = grammars
+    tokenizer: Any
+    vocab_size: int
+    max_model_len: int
+    max_num_seqs: int
+    block_size: int
+    forks: Forks
+    grammars: Grammars
 
     def sequence(
         self,

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
+from halfmoon.router.config import RouterConfig
 from halfmoon.router.predictor import Location, PrefixHits
 from halfmoon.router.views import PrefillView
 
@@ -58,21 +59,9 @@ class HotPrefixTracker:
 class Replicator:
     """Decides, after each placement, whether the request's hot prefix should be copied."""
 
-    def __init__(
-        self,
-        block_size: int,
-        min_hits: int,
-        max_copies: int,
-        margin_s: float,
-        cooldown_s: float,
-        window_requests: int,
-    ) -> None:
-        self.block_size = block_size
-        self.min_hits = min_hits
-        self.max_copies = max_copies
-        self.margin_s = margin_s
-        self.cooldown_s = cooldown_s
-        self.tracker = HotPrefixTracker(window_requests)
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.tracker = HotPrefixTracker(config.replicate_window_requests)
         self.num_planned = 0
         self.num_completed = 0
         # Last key of a prefix being copied -> when its cooldown ends (cleared on completion).
@@ -94,7 +83,7 @@ class Replicator:
         instance the request went to and `fetched` whether it fetches its prefix there."""
         if hits.deepest == 0:
             return None
-        hot = self.tracker.record(keys, hits.deepest, self.min_hits)
+        hot = self.tracker.record(keys, hits.deepest, self.config.replicate_min_hits)
         if hot == 0:
             return None
         last = keys[hot - 1]
@@ -102,14 +91,14 @@ class Replicator:
             return None
         local = hits.local_blocks
         holders = [v for name, v in prefill.items() if local.get(name, 0) >= hot]
-        if len(holders) >= self.max_copies:
+        if len(holders) >= self.config.replicate_max_copies:
             return None
         target = self._target(prefill, holders, hot, local, served_by, fetched, now)
         if target is None:
             return None
         self._start(last, now)
         source = self._source(locations, prefill, hot, now)
-        moved = (hot - local.get(target, 0)) * self.block_size
+        moved = (hot - local.get(target, 0)) * self.config.block_size
         return Replication(tuple(keys[:hot]), source, target, moved)
 
     def on_replicated(self, replication: Replication) -> None:
@@ -137,7 +126,7 @@ class Replicator:
                 if wait < best_wait:
                     best, best_wait = name, wait
         holder_wait = min((v.wait_s(now) for v in holders), default=float("inf"))
-        if best is None or best_wait + self.margin_s >= holder_wait:
+        if best is None or best_wait + self.config.replicate_margin_s >= holder_wait:
             return None
         return best
 
@@ -162,4 +151,4 @@ class Replicator:
         if len(in_flight) > 4 * self.tracker.window_requests:
             for key in [k for k, until in in_flight.items() if until <= now]:
                 del in_flight[key]
-        in_flight[last] = now + self.cooldown_s
+        in_flight[last] = now + self.config.replicate_cooldown_s

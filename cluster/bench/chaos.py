@@ -17,7 +17,7 @@ import ray
 
 from halfmoon.cluster.bench.chaos_killer import POOLS, Kill, Killer
 from halfmoon.cluster.bench.options import bench_parser
-from halfmoon.cluster.bench.ttft import make_prompts
+from halfmoon.cluster.bench.ttft import add_prompt_options, make_prompts
 from halfmoon.cluster.client.grpc_client import AsyncClient, ServerError
 from halfmoon.cluster.config import load_config
 from halfmoon.cluster.control.launcher import Cluster
@@ -247,12 +247,7 @@ def build_parser():
     # replacement serves (7-20 s on the 2-core machine, longer than a kill's interval).
     parser.add_argument("--prefill", type=int, default=2, help="prefill workers (%(default)s)")
     parser.add_argument("--decode", type=int, default=2, help="decode workers (%(default)s)")
-    parser.add_argument(
-        "--prompt-tokens", type=int, default=128, help="tokens per prompt (%(default)s)"
-    )
-    parser.add_argument(
-        "--max-tokens", type=int, default=128, help="output tokens per request (%(default)s)"
-    )
+    add_prompt_options(parser, prompt_tokens=128, max_tokens=128)
     parser.add_argument(
         "--concurrency", type=int, default=8, help="requests in flight at once (%(default)s)"
     )

@@ -1,5 +1,6 @@
-"""What the live-cluster benchmarks share about where they run: `--device cpu|cuda`, and on a GPU
-the setup of the issues' measurements (bf16, both workers sharing the one GPU)."""
+"""What the live-cluster benchmarks share about where they run: `--device cpu|cuda` (and their
+prompts' `--seed`), and on a GPU the setup of the issues' measurements (bf16, both workers
+sharing the one GPU)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,18 @@ def add_device_options(parser: argparse.ArgumentParser, on_cpu: str) -> None:
         "sharing the GPU (default: cuda when one is visible)",
     )
     parser.add_argument("--model", help="checkpoint directory (default: by --device)")
+
+
+def parse_device_args(
+    parser: argparse.ArgumentParser, argv: list[str] | None, on_cpu: str
+) -> argparse.Namespace:
+    """`argv` parsed with the device options and the prompts' `--seed` added; a usage error for
+    `--device cuda` where torch sees no GPU."""
+    add_device_options(parser, on_cpu)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    check_device(parser, args.device)
+    return args
 
 
 def bench_model(device: str, model: str | None = None) -> str:

@@ -14,7 +14,7 @@ from halfmoon.cluster.bench.live_shape import DISAGGREGATED, ClusterShape, LiveC
 from halfmoon.cluster.bench.workload import BenchRequest
 from halfmoon.router.sim.capacity import MAX_SCALE, highest_passing
 from halfmoon.router.sim.colocated_simulation import ColocatedSimulation
-from halfmoon.router.sim.simulation import Simulation
+from halfmoon.router.sim.simulation import SimInstances, Simulation
 from halfmoon.router.sim.summary import percentile
 from halfmoon.router.sim.trace import TraceRecord
 
@@ -43,7 +43,8 @@ def simulate(
     router = dataclasses.replace(shape.router, block_size=block_size)
     cache_blocks = shape.profile.cache_blocks(block_size)
     if shape.mode == DISAGGREGATED:
-        sim = Simulation(router, shape.profile, shape.num_prefill, shape.num_decode, cache_blocks)
+        instances = SimInstances(shape.profile, shape.num_prefill, shape.num_decode, cache_blocks)
+        sim = Simulation(router, instances)
     else:  # the live colocated router picks the least loaded worker and admits everything
         router = dataclasses.replace(router, policy="least_loaded", admission="none")
         sim = ColocatedSimulation(

@@ -13,11 +13,10 @@ import sys
 import ray
 
 from halfmoon.cluster.bench.device import (
-    add_device_options,
     bench_model,
-    check_device,
     int_list,
     live_bench_settings,
+    parse_device_args,
 )
 from halfmoon.cluster.bench.options import bench_parser
 from halfmoon.cluster.config import load_config
@@ -75,13 +74,10 @@ def main(argv: list[str] | None = None) -> int:
         "--tokens", default="512,2048", help="stored prefix lengths, multiples of 16 (512,2048)"
     )
     parser.add_argument("--repeats", type=int, default=5, help="runs per path and length (5)")
-    add_device_options(parser, on_cpu="the ~50M model in fp32")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+    args = parse_device_args(parser, argv, on_cpu="the ~50M model in fp32")
     lengths = int_list(parser, "--tokens", args.tokens)
     if min(lengths) < 16 or any(t % 16 for t in lengths) or args.repeats < 1:
         parser.error("--tokens must be multiples of 16 (at least 16), --repeats at least 1")
-    check_device(parser, args.device)
     longest = max(lengths) + TAIL_TOKENS
     settings = live_bench_settings(
         bench_model(args.device, args.model),

@@ -33,6 +33,7 @@ from halfmoon.cluster.config import load_config, router_config
 from halfmoon.cluster.config_sections import ROUTER_DEFAULTS
 from halfmoon.cluster.control.launcher import Cluster
 from halfmoon.router.cost_model import CostModel
+from halfmoon.router.sim.simulation import SimInstances
 from halfmoon.router.sim.step_simulation import make_simulation
 from halfmoon.router.sim.summary import percentile
 from halfmoon.router.sim.trace import TraceRecord, read_trace
@@ -96,10 +97,11 @@ def simulate(cluster: Cluster, profile, records, block_tokens: int, router_profi
     router = router_config(config, block_tokens)
     cache_blocks = cluster.info.num_pages
     engine = config.engine
-    sim = make_simulation(
-        router, profile, pools["prefill"].replicas, pools["decode"].replicas, cache_blocks,
-        engine.max_num_batched_tokens, engine.max_num_seqs, router_profile,
+    instances = SimInstances(
+        profile, pools["prefill"].replicas, pools["decode"].replicas, cache_blocks,
+        engine.max_num_batched_tokens, engine.max_num_seqs,
     )  # fmt: skip
+    sim = make_simulation(router, instances, router_profile)
     summary = sim.run(records, progress=False)
     return Side(Figures.of(summary), simulated_views(sim))
 

@@ -12,7 +12,7 @@ from halfmoon.cluster.bench import router as bench
 from halfmoon.router.config import ADMISSION_MODES, POLICY_NAMES, RouterConfig
 from halfmoon.router.profile import DEFAULT_PROFILE, load_profile
 from halfmoon.router.sim.cache_bound import gain_share
-from halfmoon.router.sim.simulation import Simulation
+from halfmoon.router.sim.simulation import SimInstances, Simulation
 from halfmoon.router.sim.summary import SimSummary
 from halfmoon.router.sim.trace import read_trace
 
@@ -71,8 +71,8 @@ def simulate(setup: Setup, policy: str, admission: str, traces: Path) -> SimSumm
         tbt_slo_s=setup.tbt_slo_s,
         block_size=512,
     )
-    cache_blocks = profile.cache_blocks(512)
-    simulation = Simulation(config, profile, setup.prefill, setup.decode, cache_blocks)
+    instances = SimInstances(profile, setup.prefill, setup.decode, profile.cache_blocks(512))
+    simulation = Simulation(config, instances)
     return simulation.run(records, progress=False)
 
 

@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from halfmoon.cluster.bench.device import check_device
 from halfmoon.cluster.bench.engine import SETUPS, sync_device
 from halfmoon.cluster.bench.options import bench_parser
 from halfmoon.engine.init_model import default_model_dir, ensure_model
@@ -94,8 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=50, help="decode steps timed per size")
     parser.add_argument("--eager", action="store_true", help="run without CUDA graphs")
     args = parser.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA GPU is visible to torch")
+    check_device(parser, args.device)
     from halfmoon.engine import LLM
 
     setup = SETUPS[args.device]

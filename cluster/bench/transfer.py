@@ -16,11 +16,10 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from halfmoon.cluster.bench.device import (
-    add_device_options,
     bench_model,
-    check_device,
     int_list,
     live_bench_settings,
+    parse_device_args,
 )
 from halfmoon.cluster.bench.options import bench_parser
 from halfmoon.cluster.config import load_config
@@ -165,14 +164,11 @@ def main(argv: list[str] | None = None) -> int:
         default=3,
         help="runs per point: the table keeps the best, the stall's p50 and p99 use every run (3)",
     )
-    add_device_options(parser, on_cpu="the ~50M model in fp32")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+    args = parse_device_args(parser, argv, on_cpu="the ~50M model in fp32")
     chunk_counts = int_list(parser, "--chunks", args.chunks)
     chunk_tokens = args.chunk_tokens or (256 if args.device == "cuda" else 64)
     if min(chunk_counts) < 1 or chunk_tokens < 16 or chunk_tokens % 16 or args.repeats < 1:
         parser.error("--chunks and --repeats must be at least 1, --chunk-tokens a multiple of 16")
-    check_device(parser, args.device)
     settings = live_bench_settings(
         bench_model(args.device, args.model),
         args.device,

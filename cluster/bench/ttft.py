@@ -9,6 +9,7 @@ the served TTFT into stages. Issue 13's goal is served TTFT p50 <= 2x the engine
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import random
@@ -23,9 +24,8 @@ from tqdm import tqdm
 
 from halfmoon.cluster.bench.device import (
     SHARED_GPU_SETTINGS,
-    add_device_options,
     bench_model,
-    check_device,
+    parse_device_args,
 )
 from halfmoon.cluster.bench.engine import sync_device
 from halfmoon.cluster.bench.options import bench_parser
@@ -60,6 +60,19 @@ def make_prompts(num: int, num_tokens: int, vocab_size: int, seed: int) -> list[
     """Distinct random prompts (no shared prefix: nothing is served from a cache)."""
     rng = random.Random(seed)
     return [[rng.randrange(6, vocab_size) for _ in range(num_tokens)] for _ in range(num)]
+
+
+def add_prompt_options(
+    parser: argparse.ArgumentParser, prompt_tokens: int, max_tokens: int
+) -> None:
+    """--prompt-tokens, the length of each of `make_prompts`' prompts, and --max-tokens, of each
+    request's output."""
+    parser.add_argument(
+        "--prompt-tokens", type=int, default=prompt_tokens, help="tokens per prompt (%(default)s)"
+    )
+    parser.add_argument(
+        "--max-tokens", type=int, default=max_tokens, help="output tokens per request (%(default)s)"
+    )
 
 
 def cluster_config(model: str, mode: str, device: str) -> ClusterConfig:
@@ -202,22 +215,14 @@ def main(argv: list[str] | None = None) -> int:
         help="serving modes to measure (%(default)s)",
     )
     parser.add_argument("--requests", type=int, default=16, help="prompts per mode (%(default)s)")
-    parser.add_argument(
-        "--prompt-tokens", type=int, default=256, help="tokens per prompt (%(default)s)"
-    )
-    parser.add_argument(
-        "--max-tokens", type=int, default=8, help="output tokens per request (%(default)s)"
-    )
+    add_prompt_options(parser, prompt_tokens=256, max_tokens=8)
     parser.add_argument(
         "--request-rate",
         type=float,
         default=0.0,
         help="Poisson arrivals per second; 0 sends one at a time (%(default)s)",
     )
-    add_device_options(parser, on_cpu="the tiny model, fp32")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    check_device(parser, args.device)
+    args = parse_device_args(parser, argv, on_cpu="the tiny model, fp32")
     if args.requests < 1 or args.prompt_tokens < 1 or args.max_tokens < 1:
         parser.error("--requests, --prompt-tokens and --max-tokens must be at least 1")
     if args.model or args.device == "cuda":

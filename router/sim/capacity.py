@@ -21,7 +21,7 @@ import numpy as np
 from halfmoon.router.config import RouterConfig
 from halfmoon.router.profile import Profile
 from halfmoon.router.sim.colocated_simulation import ColocatedSimulation
-from halfmoon.router.sim.simulation import Simulation
+from halfmoon.router.sim.simulation import SimInstances, Simulation
 from halfmoon.router.sim.trace import TraceRecord
 
 DISAGGREGATED, COLOCATED = "disaggregated", "colocated"
@@ -192,7 +192,8 @@ class ModeSweep:
             # (the short-prompt bypass then keeps its stalls under bypass_max_stall_s).
             config = self._config("conductor", setup.admission)
             prefill, decode = parse_split(variant)
-            return Simulation(config, setup.profile, prefill, decode, setup.cache_blocks)
+            instances = SimInstances(setup.profile, prefill, decode, setup.cache_blocks)
+            return Simulation(config, instances)
         config = self._config(variant, setup.colocated_admission)
         return ColocatedSimulation(
             config, setup.profile, setup.num_instances, setup.cache_blocks,

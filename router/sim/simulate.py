@@ -9,6 +9,7 @@ import sys
 from halfmoon.router.config import ADMISSION_MODES, POLICY_NAMES, RouterConfig
 from halfmoon.router.errors import RouterConfigError, TraceFormatError
 from halfmoon.router.profile import DEFAULT_PROFILE, Profile, load_profile
+from halfmoon.router.sim.simulation import SimInstances
 from halfmoon.router.sim.step_simulation import make_simulation
 from halfmoon.router.sim.summary import SimSummary
 from halfmoon.router.sim.trace import TraceRecord, read_trace
@@ -140,9 +141,10 @@ def run_policy(
         replicate_max_copies=args.replicate_max_copies,
         replicate_margin_s=args.replicate_margin,
     )
-    simulation = make_simulation(
-        config, profile, args.prefill, args.decode, cache_blocks, args.max_batched_tokens
+    instances = SimInstances(
+        profile, args.prefill, args.decode, cache_blocks, args.max_batched_tokens
     )
+    simulation = make_simulation(config, instances)
     return simulation.run(records, progress=not args.no_progress)
 
 

@@ -34,31 +34,40 @@ class _Outcome:
     rejected: bool = False
 
 
+@dataclass(slots=True, frozen=True)
+class SimInstances:
+    """The simulated instances: how many of each role, the KV blocks a prefill instance caches,
+    the profile that times them, and the engine limits a step-level simulation keeps."""
+
+    profile: Profile
+    num_prefill: int
+    num_decode: int
+    cache_blocks: int
+    max_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+
+
 class Simulation:
     """One run of a trace through the Conductor on `num_prefill` + `num_decode` instances."""
 
     def __init__(
-        self,
-        config: RouterConfig,
-        profile: Profile,
-        num_prefill: int,
-        num_decode: int,
-        cache_blocks: int,
-        router_profile: Profile | None = None,
+        self, config: RouterConfig, instances: SimInstances, router_profile: Profile | None = None
     ) -> None:
-        """Instances are timed by `profile`; the Conductor starts from `router_profile` (default
-        the same) and refits online from the simulated step times, as a live router does."""
+        """Instances are timed by their profile; the Conductor starts from `router_profile`
+        (default the same) and refits online from the simulated step times, as a live router
+        does."""
+        profile = instances.profile
         self.config = config
         self.profile = profile
         self.cost = profile.cost
         self.conductor = Conductor(config, router_profile or profile)
         index = self.conductor.index
         self.prefill = {}
-        for i in range(num_prefill):
-            self.prefill[f"p{i}"] = SimPrefill(f"p{i}", cache_blocks, index)
+        for i in range(instances.num_prefill):
+            self.prefill[f"p{i}"] = SimPrefill(f"p{i}", instances.cache_blocks, index)
             self.conductor.add_prefill(f"p{i}")
         self.decode = {}
-        for i in range(num_decode):
+        for i in range(instances.num_decode):
             self.decode[f"d{i}"] = SimDecode(f"d{i}", profile.cost)
             self.conductor.add_decode(f"d{i}")
         self._events: list[tuple[float, int, int, str, int]] = []

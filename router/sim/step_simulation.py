@@ -9,7 +9,7 @@ from __future__ import annotations
 from halfmoon.router.config import RouterConfig
 from halfmoon.router.profile import Profile
 from halfmoon.router.sim.prefill_instance import PrefillJob, SimPrefill
-from halfmoon.router.sim.simulation import ENGINE_EVENTS, Simulation
+from halfmoon.router.sim.simulation import ENGINE_EVENTS, SimInstances, Simulation
 from halfmoon.router.sim.step_engine import SimEngine, StepJob, StepResult
 
 STEP_END, READY = ENGINE_EVENTS, ENGINE_EVENTS + 1
@@ -20,21 +20,13 @@ class StepSimulation(Simulation):
     chunks of the profile's `chunk_tokens`) on every prefill and decode instance."""
 
     def __init__(
-        self,
-        config: RouterConfig,
-        profile: Profile,
-        num_prefill: int,
-        num_decode: int,
-        cache_blocks: int,
-        max_batched_tokens: int = 2048,
-        max_num_seqs: int = 64,
-        router_profile: Profile | None = None,
+        self, config: RouterConfig, instances: SimInstances, router_profile: Profile | None = None
     ) -> None:
-        super().__init__(config, profile, num_prefill, num_decode, cache_blocks, router_profile)
-        cost = profile.cost
+        super().__init__(config, instances, router_profile)
+        cost = instances.profile.cost
 
         def engine(name: str) -> SimEngine:
-            return SimEngine(name, cost, max_batched_tokens, max_num_seqs)
+            return SimEngine(name, cost, instances.max_batched_tokens, instances.max_num_seqs)
 
         self.engines = {name: engine(name) for name in [*self.prefill, *self.decode]}
         self.decode = {name: self.engines[name] for name in self.decode}
@@ -117,18 +109,10 @@ class StepSimulation(Simulation):
 
 
 def make_simulation(
-    config: RouterConfig,
-    profile: Profile,
-    num_prefill: int,
-    num_decode: int,
-    cache_blocks: int,
-    max_batched_tokens: int = 2048,
-    max_num_seqs: int = 64,
-    router_profile: Profile | None = None,
+    config: RouterConfig, instances: SimInstances, router_profile: Profile | None = None
 ) -> Simulation:
     """A `StepSimulation` when the profile's engine prefills in chunks (as live workers do),
     else the request-level `Simulation`, which suits whole traces on large clusters."""
-    sizes = (config, profile, num_prefill, num_decode, cache_blocks)
-    if profile.cost.chunk_tokens:
-        return StepSimulation(*sizes, max_batched_tokens, max_num_seqs, router_profile)
-    return Simulation(*sizes, router_profile)
+    if instances.profile.cost.chunk_tokens:
+        return StepSimulation(config, instances, router_profile)
+    return Simulation(config, instances, router_profile)

@@ -15,6 +15,7 @@ from halfmoon.router.config import RouterConfig
 from halfmoon.router.cost_model import CostModel
 from halfmoon.router.decision import Decision
 from halfmoon.router.profile import Profile
+from halfmoon.router.sim.simulation import SimInstances
 from halfmoon.router.sim.step_simulation import make_simulation
 from halfmoon.router.sim.trace import TraceRecord
 
@@ -109,7 +110,8 @@ def test_a_simulated_bypass_starts_cold_and_a_rejection_has_no_ttft():
 
 
 def test_simulated_views_follow_trace_order_and_see_a_shared_prefix_cached():
-    sim = make_simulation(RouterConfig(block_size=16, bypass_max_tokens=0), profile(), 2, 1, 1000)
+    config = RouterConfig(block_size=16, bypass_max_tokens=0)
+    sim = make_simulation(config, SimInstances(profile(), 2, 1, 1000))
     records = [TraceRecord(i, 0.5 * i, 64, 4, [0, 1, 2, 10 + i]) for i in range(3)]
     sim.run(records, progress=False)
     views = replay_predictions.simulated_views(sim)

@@ -10,7 +10,6 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from grpc_testkit import serve_model
 
 from halfmoon.cluster.client.grpc_client import AsyncClient, Client, ServerError
 from halfmoon.cluster.serving.backend import Usage
@@ -25,12 +24,6 @@ PROMPTS = [
     "héllo wörld",
 ]
 LONG = dict(max_tokens=1900, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    with serve_model(tiny_model_dir) as running:
-        yield running
 
 
 @pytest.fixture(scope="module")

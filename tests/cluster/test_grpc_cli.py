@@ -9,15 +9,8 @@ import subprocess
 import sys
 
 import pytest
-from grpc_testkit import serve_model
 
 from halfmoon.cluster.cli import main
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    with serve_model(tiny_model_dir) as running:
-        yield running
 
 
 def run_cli(*args: str) -> dict:

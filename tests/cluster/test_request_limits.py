@@ -24,12 +24,6 @@ GENERATE = "/halfmoon.v1.Halfmoon/Generate"
 ABORT = "/halfmoon.v1.Halfmoon/Abort"
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    with serve_model(tiny_model_dir) as running:
-        yield running
-
-
 def rejection(call) -> ServerError:
     with pytest.raises(ServerError) as caught:
         call()

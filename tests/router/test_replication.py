@@ -5,16 +5,17 @@ from halfmoon.router.config import RouterConfig
 from halfmoon.router.errors import RouterConfigError
 from halfmoon.router.replication import HotPrefixTracker, Replication
 from halfmoon.router.sim.prefill_instance import CACHE_TIER
-from halfmoon.router.sim.simulation import Simulation
+from halfmoon.router.sim.simulation import SimInstances, Simulation
 from halfmoon.router.sim.trace import TraceRecord
 
 PREFIX = list(range(8))  # eight of a request's ten 10-token blocks, held by p0
+REPLICATE = {"replicate": True, "replicate_min_hits": 2, "replicate_margin_s": 0.01}
 
 
 def replicating(network_bytes_per_s: float = 1e3, **config):
     """Three prefill instances; p0 holds PREFIX and has 30 ms queued, p1 and p2 are idle;
     by default the network is too slow for any fetch to pay."""
-    config = {"replicate": True, "replicate_min_hits": 2, "replicate_margin_s": 0.01, **config}
+    config = {**REPLICATE, **config}
     conductor = make_conductor(profile=simple_profile(network_bytes_per_s), **config)
     conductor.index.stored("p0", "host", PREFIX)
     conductor.prefill["p0"].enqueue(0.03, 30)
@@ -157,15 +158,9 @@ def test_simulated_replications_land_in_the_target_cache_and_the_index():
         TraceRecord(i, 0.0 if i == 0 else 1.0 + 0.01 * i, 120, 4, [*range(10), 100 + i, 200 + i])
         for i in range(30)
     ]
-    config = RouterConfig(
-        block_size=10,
-        bypass_max_tokens=0,
-        replicate=True,
-        replicate_min_hits=2,
-        replicate_max_copies=3,
-        replicate_margin_s=0.01,
-    )
-    simulation = Simulation(config, simple_profile(network_bytes_per_s=1e6), 3, 1, 10_000)
+    config = RouterConfig(block_size=10, bypass_max_tokens=0, replicate_max_copies=3, **REPLICATE)
+    instances = SimInstances(simple_profile(network_bytes_per_s=1e6), 3, 1, 10_000)
+    simulation = Simulation(config, instances)
     summary = simulation.run(records, progress=False)
     conductor = simulation.conductor
     copies = [c for i in range(30) for c in conductor.decision(str(i)).replications]

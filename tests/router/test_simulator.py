@@ -9,7 +9,7 @@ from halfmoon.router.cost_model import CostModel
 from halfmoon.router.errors import TraceFormatError
 from halfmoon.router.sim.decode_instance import SimDecode
 from halfmoon.router.sim.simulate import main
-from halfmoon.router.sim.simulation import Simulation
+from halfmoon.router.sim.simulation import SimInstances, Simulation
 from halfmoon.router.sim.trace import TraceRecord, read_trace, unbounded_hit_rate
 
 
@@ -169,7 +169,7 @@ def test_hand_off_is_the_last_layer_transfer_so_predictions_can_miss():
         for i, n in enumerate(lengths)
     ]
     config = RouterConfig(block_size=10, bypass_max_tokens=0)
-    sim = Simulation(config, simple_profile(1e6), 1, 1, 99)
+    sim = Simulation(config, SimInstances(simple_profile(1e6), 1, 1, 99))
     summary = sim.run(records, progress=False)
     ttft, _ = sim.latencies()
     assert list(ttft) == pytest.approx([n * 1e-3 + n * 1e-4 for n in lengths])

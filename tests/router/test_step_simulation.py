@@ -9,6 +9,7 @@ from router_testkit import simple_profile
 
 from halfmoon.router.config import RouterConfig
 from halfmoon.router.cost_model import CostModel
+from halfmoon.router.sim.simulation import SimInstances
 from halfmoon.router.sim.step_engine import SimEngine, StepJob
 from halfmoon.router.sim.step_simulation import StepSimulation
 from halfmoon.router.sim.trace import TraceRecord
@@ -82,7 +83,7 @@ def record(arrival_s: float, prompt: int, output: int, first_key: int) -> TraceR
 
 def simulate(records, **kwargs):
     config = RouterConfig(block_size=10, bypass_max_tokens=0)
-    sim = StepSimulation(config, kwargs.pop("prof", profile()), 1, 1, 1000, **kwargs)
+    sim = StepSimulation(config, SimInstances(kwargs.pop("prof", profile()), 1, 1, 1000, **kwargs))
     return sim.run(records, progress=False)
 
 
@@ -110,7 +111,8 @@ def test_handoff_is_paid_by_disaggregated_requests_only():
     expected_s = COST.prefill_time(128, 0) + 0.06 + last_layer_s(128)
     assert plain.ttft_mean_s == pytest.approx(expected_s)
     config = RouterConfig(block_size=10, bypass_max_tokens=512, bypass_max_stall_s=1.0)
-    bypassed = StepSimulation(config, prof, 1, 1, 1000).run([record(0.0, 128, 1, 0)], False)
+    sim = StepSimulation(config, SimInstances(prof, 1, 1, 1000))
+    bypassed = sim.run([record(0.0, 128, 1, 0)], False)
     assert bypassed.bypassed == 1  # cheaper than the hand-off, so the Conductor bypasses
     assert bypassed.ttft_mean_s < plain.ttft_mean_s
 
@@ -149,7 +151,7 @@ def test_step_simulation_charges_each_prompt_its_own_hand_off():
     lengths = (100, 400, 200)
     records = [record(10.0 * i, n, 2, 1000 * i) for i, n in enumerate(lengths)]
     config = RouterConfig(block_size=10, bypass_max_tokens=0)
-    sim = StepSimulation(config, profile(), 1, 1, 1000)
+    sim = StepSimulation(config, SimInstances(profile(), 1, 1, 1000))
     summary = sim.run(records, progress=False)
     ttft, _ = sim.latencies()
     expected = [COST.prefill_time(n, 0) + last_layer_s(n) for n in lengths]
