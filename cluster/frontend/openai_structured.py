@@ -5,6 +5,7 @@ checked (its grammar built) before any worker sees the request."""
 from __future__ import annotations
 
 import json
+from functools import partial
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -72,15 +73,8 @@ class StructuredOutputs(BaseModel):
         return self
 
     def constraints(self) -> list[tuple[str, StructuredOutput]]:
-        found = []
-        if self.json_ is not None:
-            found.append(("structured_outputs.json", _json_schema(self.json_)))
-        if self.regex is not None:
-            found.append(("structured_outputs.regex", StructuredOutput("regex", self.regex)))
-        if self.choice is not None:
-            found.append(("structured_outputs.choice", StructuredOutput.choice(self.choice)))
-        if self.grammar is not None:
-            found.append(("structured_outputs.grammar", StructuredOutput("grammar", self.grammar)))
+        kinds = (self.json_, self.regex, self.choice, self.grammar)
+        found = _constraints_of("structured_outputs.", *kinds)
         if self.json_object:
             found.append(("structured_outputs.json_object", StructuredOutput("json_object")))
         if not found:
@@ -122,15 +116,22 @@ class StructuredOutputFields(BaseModel):
             found.append(_response_format(self.response_format))
         if self.structured_outputs is not None:
             found += self.structured_outputs.constraints()
-        if self.guided_json is not None:
-            found.append(("guided_json", _json_schema(self.guided_json)))
-        if self.guided_regex is not None:
-            found.append(("guided_regex", StructuredOutput("regex", self.guided_regex)))
-        if self.guided_choice is not None:
-            found.append(("guided_choice", StructuredOutput.choice(self.guided_choice)))
-        if self.guided_grammar is not None:
-            found.append(("guided_grammar", StructuredOutput("grammar", self.guided_grammar)))
-        return found
+        guided = (self.guided_json, self.guided_regex, self.guided_choice, self.guided_grammar)
+        return found + _constraints_of("guided_", *guided)
+
+
+def _constraints_of(
+    prefix: str, json_: Any, regex: str | None, choice: list[str] | None, grammar: str | None
+) -> list[tuple[str, StructuredOutput]]:
+    """Each constraint set among a JSON schema, a regex, a choice and a grammar, named by
+    `prefix` and its kind (`structured_outputs.json`, `guided_regex`)."""
+    made = [
+        ("json", json_, _json_schema),
+        ("regex", regex, partial(StructuredOutput, "regex")),
+        ("choice", choice, StructuredOutput.choice),
+        ("grammar", grammar, partial(StructuredOutput, "grammar")),
+    ]
+    return [(prefix + kind, make(value)) for kind, value, make in made if value is not None]
 
 
 def _response_format(response_format: ResponseFormat) -> tuple[str, StructuredOutput]:
