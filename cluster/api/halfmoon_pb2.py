@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#halfmoon/cluster/api/halfmoon.proto\x12\x0bhalfmoon.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\":\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.halfmoon.v1.ChatMessage\"\xde\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x03H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x03\x12\x17\n\nignore_eos\x18\t \x01(\x08H\x06\x88\x01\x01\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0b \x01(\x01H\x08\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x01H\t\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x01H\n\x88\x01\x01\x12>\n\nlogit_bias\x18\x0e \x03(\x0b\x32*.halfmoon.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\x15\n\x13_repetition_penalty\"\x92\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.halfmoon.v1.TokenIdsH\x00\x12)\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x19.halfmoon.v1.ChatMessagesH\x00\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.halfmoon.v1.SamplingParams\x12\x17\n\nttft_slo_s\x18\x06 \x01(\x01H\x01\x88\x01\x01\x12\x16\n\ttbt_slo_s\x18\x07 \x01(\x01H\x02\x88\x01\x01\x42\x07\n\x05inputB\r\n\x0b_ttft_slo_sB\x0c\n\n_tbt_slo_s\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.halfmoon.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x03\x12\x15\n\rcached_tokens\x18\x03 \x01(\x03\"\xc5\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.halfmoon.v1.TokenLogprob\x12\x1a\n\rfinish_reason\x18\x05 \x01(\tH\x00\x88\x01\x01\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.halfmoon.v1.UsageB\x10\n\x0e_finish_reason\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"o\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x03\x12\x15\n\rmax_model_len\x18\x04 \x01(\x03\x12\x12\n\nblock_size\x18\x05 \x01(\x03\"\x16\n\x14GetServerInfoRequest\"H\n\nServerInfo\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x0c\n\x04mode\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x0c\n\x04json\x18\x04 \x01(\t\"$\n\x0e\x45xplainRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"/\n\x0b\x45xplanation\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t2\xf6\x02\n\x08Halfmoon\x12I\n\x08Generate\x12\x1c.halfmoon.v1.GenerateRequest\x1a\x1d.halfmoon.v1.GenerateResponse0\x01\x12>\n\x05\x41\x62ort\x12\x19.halfmoon.v1.AbortRequest\x1a\x1a.halfmoon.v1.AbortResponse\x12H\n\x0cGetModelInfo\x12 .halfmoon.v1.GetModelInfoRequest\x1a\x16.halfmoon.v1.ModelInfo\x12K\n\rGetServerInfo\x12!.halfmoon.v1.GetServerInfoRequest\x1a\x17.halfmoon.v1.ServerInfo\x12H\n\x0f\x45xplainDecision\x12\x1b.halfmoon.v1.ExplainRequest\x1a\x18.halfmoon.v1.Explanationb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#halfmoon/cluster/api/halfmoon.proto\x12\x0bhalfmoon.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\":\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.halfmoon.v1.ChatMessage\"\xae\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x03H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x03\x12\x17\n\nignore_eos\x18\t \x01(\x08H\x06\x88\x01\x01\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0b \x01(\x01H\x08\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x01H\t\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x01H\n\x88\x01\x01\x12>\n\nlogit_bias\x18\x0e \x03(\x0b\x32*.halfmoon.v1.SamplingParams.LogitBiasEntry\x12\x0e\n\x01n\x18\x0f \x01(\x03H\x0b\x88\x01\x01\x12\x38\n\x11structured_output\x18\x10 \x01(\x0b\x32\x1d.halfmoon.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\x15\n\x13_repetition_penaltyB\x04\n\x02_n\".\n\x10StructuredOutput\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04spec\x18\x02 \x01(\t\"\x92\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.halfmoon.v1.TokenIdsH\x00\x12)\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x19.halfmoon.v1.ChatMessagesH\x00\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.halfmoon.v1.SamplingParams\x12\x17\n\nttft_slo_s\x18\x06 \x01(\x01H\x01\x88\x01\x01\x12\x16\n\ttbt_slo_s\x18\x07 \x01(\x01H\x02\x88\x01\x01\x42\x07\n\x05inputB\r\n\x0b_ttft_slo_sB\x0c\n\n_tbt_slo_s\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.halfmoon.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x03\x12\x15\n\rcached_tokens\x18\x03 \x01(\x03\"\xd4\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.halfmoon.v1.TokenLogprob\x12\x1a\n\rfinish_reason\x18\x05 \x01(\tH\x00\x88\x01\x01\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.halfmoon.v1.Usage\x12\r\n\x05index\x18\x07 \x01(\x03\x42\x10\n\x0e_finish_reason\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"o\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x03\x12\x15\n\rmax_model_len\x18\x04 \x01(\x03\x12\x12\n\nblock_size\x18\x05 \x01(\x03\"\x16\n\x14GetServerInfoRequest\"H\n\nServerInfo\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x0c\n\x04mode\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x0c\n\x04json\x18\x04 \x01(\t\"$\n\x0e\x45xplainRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"/\n\x0b\x45xplanation\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t2\xf6\x02\n\x08Halfmoon\x12I\n\x08Generate\x12\x1c.halfmoon.v1.GenerateRequest\x1a\x1d.halfmoon.v1.GenerateResponse0\x01\x12>\n\x05\x41\x62ort\x12\x19.halfmoon.v1.AbortRequest\x1a\x1a.halfmoon.v1.AbortResponse\x12H\n\x0cGetModelInfo\x12 .halfmoon.v1.GetModelInfoRequest\x1a\x16.halfmoon.v1.ModelInfo\x12K\n\rGetServerInfo\x12!.halfmoon.v1.GetServerInfoRequest\x1a\x17.halfmoon.v1.ServerInfo\x12H\n\x0f\x45xplainDecision\x12\x1b.halfmoon.v1.ExplainRequest\x1a\x18.halfmoon.v1.Explanationb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,35 +40,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGES']._serialized_start=123
   _globals['_CHATMESSAGES']._serialized_end=181
   _globals['_SAMPLINGPARAMS']._serialized_start=184
-  _globals['_SAMPLINGPARAMS']._serialized_end=790
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=578
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=626
-  _globals['_GENERATEREQUEST']._serialized_start=793
-  _globals['_GENERATEREQUEST']._serialized_end=1067
-  _globals['_TOPLOGPROB']._serialized_start=1069
-  _globals['_TOPLOGPROB']._serialized_end=1116
-  _globals['_TOKENLOGPROB']._serialized_start=1118
-  _globals['_TOKENLOGPROB']._serialized_end=1205
-  _globals['_USAGE']._serialized_start=1207
-  _globals['_USAGE']._serialized_end=1287
-  _globals['_GENERATERESPONSE']._serialized_start=1290
-  _globals['_GENERATERESPONSE']._serialized_end=1487
-  _globals['_ABORTREQUEST']._serialized_start=1489
-  _globals['_ABORTREQUEST']._serialized_end=1523
-  _globals['_ABORTRESPONSE']._serialized_start=1525
-  _globals['_ABORTRESPONSE']._serialized_end=1557
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1559
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1580
-  _globals['_MODELINFO']._serialized_start=1582
-  _globals['_MODELINFO']._serialized_end=1693
-  _globals['_GETSERVERINFOREQUEST']._serialized_start=1695
-  _globals['_GETSERVERINFOREQUEST']._serialized_end=1717
-  _globals['_SERVERINFO']._serialized_start=1719
-  _globals['_SERVERINFO']._serialized_end=1791
-  _globals['_EXPLAINREQUEST']._serialized_start=1793
-  _globals['_EXPLAINREQUEST']._serialized_end=1829
-  _globals['_EXPLANATION']._serialized_start=1831
-  _globals['_EXPLANATION']._serialized_end=1878
-  _globals['_HALFMOON']._serialized_start=1881
-  _globals['_HALFMOON']._serialized_end=2255
+  _globals['_SAMPLINGPARAMS']._serialized_end=870
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=652
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=700
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=872
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=918
+  _globals['_GENERATEREQUEST']._serialized_start=921
+  _globals['_GENERATEREQUEST']._serialized_end=1195
+  _globals['_TOPLOGPROB']._serialized_start=1197
+  _globals['_TOPLOGPROB']._serialized_end=1244
+  _globals['_TOKENLOGPROB']._serialized_start=1246
+  _globals['_TOKENLOGPROB']._serialized_end=1333
+  _globals['_USAGE']._serialized_start=1335
+  _globals['_USAGE']._serialized_end=1415
+  _globals['_GENERATERESPONSE']._serialized_start=1418
+  _globals['_GENERATERESPONSE']._serialized_end=1630
+  _globals['_ABORTREQUEST']._serialized_start=1632
+  _globals['_ABORTREQUEST']._serialized_end=1666
+  _globals['_ABORTRESPONSE']._serialized_start=1668
+  _globals['_ABORTRESPONSE']._serialized_end=1700
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1702
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1723
+  _globals['_MODELINFO']._serialized_start=1725
+  _globals['_MODELINFO']._serialized_end=1836
+  _globals['_GETSERVERINFOREQUEST']._serialized_start=1838
+  _globals['_GETSERVERINFOREQUEST']._serialized_end=1860
+  _globals['_SERVERINFO']._serialized_start=1862
+  _globals['_SERVERINFO']._serialized_end=1934
+  _globals['_EXPLAINREQUEST']._serialized_start=1936
+  _globals['_EXPLAINREQUEST']._serialized_end=1972
+  _globals['_EXPLANATION']._serialized_start=1974
+  _globals['_EXPLANATION']._serialized_end=2021
+  _globals['_HALFMOON']._serialized_start=2024
+  _globals['_HALFMOON']._serialized_end=2398
 # @@protoc_insertion_point(module_scope)

@@ -31,7 +31,8 @@ DEFAULT_ADDRESS = "127.0.0.1:50051"
 
 @dataclass(slots=True)
 class Completion:
-    """A whole request's result, joined from its deltas."""
+    """A whole request's result, joined from its deltas: its first sequence's tokens, text and
+    finish reason, and with `n` > 1 every sequence's own in `choices` (by index)."""
 
     request_id: str
     token_ids: list[int] = field(default_factory=list)
@@ -39,8 +40,18 @@ class Completion:
     finish_reason: str | None = None
     usage: Usage | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    choices: list[Completion] = field(default_factory=list)
 
     def add(self, delta: TokenDelta) -> None:
+        while len(self.choices) <= delta.index:
+            self.choices.append(Completion(self.request_id))
+        self.choices[delta.index].join(delta)
+        if delta.index == 0:
+            self.join(delta)
+        self.usage = delta.usage or self.usage
+
+    def join(self, delta: TokenDelta) -> None:
+        """Add one sequence's delta to this sequence's fields."""
         self.token_ids += delta.token_ids
         self.text += delta.text
         self.logprobs += delta.logprobs

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import uuid
+from dataclasses import asdict
 
 from halfmoon.cluster.api import halfmoon_pb2 as pb
 from halfmoon.cluster.frontend.request_limits import (
@@ -16,11 +17,14 @@ from halfmoon.cluster.frontend.request_limits import (
 )
 from halfmoon.cluster.serving.backend import GenerateInput, ModelInfo, TokenDelta, Usage
 from halfmoon.engine.errors import InvalidRequestError
+from halfmoon.engine.grammar import check
 from halfmoon.engine.sampling_params import SamplingParams
 from halfmoon.engine.sequence import TokenLogprobs
+from halfmoon.engine.structured_output import StructuredOutput
 from halfmoon.engine.tokenizer import Prompt
 
 MAX_LOGPROBS = 20
+MAX_N = 16  # the most sequences (`n`) one request may ask for, on either API
 # Proto3 `optional` fields: only those a client set reach SamplingParams, so its defaults rule.
 OPTIONAL_SAMPLING_FIELDS = (
     "max_tokens",
@@ -34,10 +38,17 @@ OPTIONAL_SAMPLING_FIELDS = (
     "frequency_penalty",
     "presence_penalty",
     "repetition_penalty",
+    "n",
 )
 REPEATED_SAMPLING_FIELDS = ("stop", "stop_token_ids")
 MAP_SAMPLING_FIELDS = ("logit_bias",)
-SAMPLING_FIELDS = OPTIONAL_SAMPLING_FIELDS + REPEATED_SAMPLING_FIELDS + MAP_SAMPLING_FIELDS
+MESSAGE_SAMPLING_FIELDS = ("structured_output",)  # a StructuredOutput, as the engine's
+SAMPLING_FIELDS = (
+    *OPTIONAL_SAMPLING_FIELDS,
+    *REPEATED_SAMPLING_FIELDS,
+    *MAP_SAMPLING_FIELDS,
+    *MESSAGE_SAMPLING_FIELDS,
+)
 
 
 def input_from_proto(
@@ -82,6 +93,8 @@ def request_to_proto(
             f"unknown sampling parameters {sorted(unknown)}; known: {', '.join(SAMPLING_FIELDS)}"
         )
     set_fields = {name: value for name, value in sampling.items() if value is not None}
+    if (structured := set_fields.get("structured_output")) is not None:
+        set_fields["structured_output"] = pb.StructuredOutput(**asdict(structured))
     request = pb.GenerateRequest(
         request_id=request_id,
         sampling=pb.SamplingParams(**set_fields),
@@ -106,6 +119,7 @@ def delta_to_proto(request_id: str, delta: TokenDelta) -> pb.GenerateResponse:
         text=delta.text,
         logprobs=[_logprob_to_proto(lp) for lp in delta.logprobs],
         finish_reason=delta.finish_reason,
+        index=delta.index,
     )
     if delta.usage is not None:
         response.usage.CopyFrom(
@@ -131,6 +145,7 @@ def delta_from_proto(response: pb.GenerateResponse) -> TokenDelta:
             TokenLogprobs(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top])
             for lp in response.logprobs
         ],
+        index=response.index,
     )
 
 
@@ -193,7 +208,21 @@ def _sampling_params(proto: pb.SamplingParams) -> SamplingParams:
     kwargs |= {n: dict(v) for n in MAP_SAMPLING_FIELDS if (v := getattr(proto, n))}
     if kwargs.get("logprobs", 0) > MAX_LOGPROBS:
         raise InvalidRequestError("logprobs", kwargs["logprobs"], f"must be at most {MAX_LOGPROBS}")
+    if not 1 <= kwargs.get("n", 1) <= MAX_N:
+        raise InvalidRequestError("n", kwargs["n"], f"must be in [1, {MAX_N}]")
+    if proto.HasField("structured_output"):
+        kwargs["structured_output"] = _structured_output(proto.structured_output)
     return SamplingParams(**kwargs)
+
+
+def _structured_output(proto: pb.StructuredOutput) -> StructuredOutput:
+    """The constraint, its grammar built here: a bad one fails before any worker sees it."""
+    structured = StructuredOutput(proto.kind, proto.spec)
+    try:
+        check(structured)
+    except InvalidRequestError as error:
+        raise error.renamed("sampling.structured_output") from None
+    return structured
 
 
 def _slo(request: pb.GenerateRequest, name: str) -> float | None:

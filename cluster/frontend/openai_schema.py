@@ -21,7 +21,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from halfmoon.cluster.frontend.grpc_convert import MAX_LOGPROBS, OPTIONAL_SAMPLING_FIELDS
+from halfmoon.cluster.frontend.grpc_convert import MAX_LOGPROBS, MAX_N, OPTIONAL_SAMPLING_FIELDS
 from halfmoon.cluster.frontend.openai_fields import (
     CHAT_NEUTRAL,
     COMMON_NEUTRAL,
@@ -38,10 +38,9 @@ from halfmoon.engine.structured_output import StructuredOutput
 from halfmoon.engine.tokenizer import Prompt
 
 # SamplingParams fields a request may set directly (halfmoon and vLLM extras beside OpenAI's):
-# the gRPC API's scalar ones, less the two OpenAI names and shapes differently.
-SAMPLING_FIELDS = tuple(f for f in OPTIONAL_SAMPLING_FIELDS if f not in ("max_tokens", "logprobs"))
-# The most choices (`n`) one request may ask for.
-MAX_N = 16
+# the gRPC API's scalar ones, less those OpenAI names, shapes or bounds differently.
+SHAPED_HERE = ("max_tokens", "logprobs", "n")
+SAMPLING_FIELDS = tuple(f for f in OPTIONAL_SAMPLING_FIELDS if f not in SHAPED_HERE)
 # Every model is strict: a JSON type is never coerced ("2" is no integer, true no number, "yes"
 # no boolean); an integer is still a number.
 STRICT = ConfigDict(extra="forbid", strict=True)

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx2 as httpx
+import jsonschema
 import openai
 import pytest
 
@@ -25,6 +26,7 @@ from halfmoon.cluster.frontend.openai_schema import ChatCompletionRequest, Compl
 from halfmoon.cluster.serving.backend import ModelInfo, NoWorkerError, RejectedError
 from halfmoon.engine import SamplingParams
 from halfmoon.engine.errors import OutOfPagesError
+from halfmoon.engine.structured_output import StructuredOutput
 from halfmoon.engine.tokenizer import load_tokenizer
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "openai.md"
@@ -446,3 +448,47 @@ def test_tokenize_and_detokenize_refuse_bad_bodies_naming_the_field(api, path, b
     answer = httpx.post(api.base_url.removesuffix("/v1") + path, json=body, timeout=30)
     assert answer.status_code == status
     assert answer.json()["error"]["param"] == param
+
+
+def test_grpc_n_streams_every_choice_as_the_http_api_does(api):
+    sampled = {"max_tokens": 6, "temperature": 0.9, "seed": 5, "ignore_eos": True}
+    with Client(api.grpc_address) as client:
+        result = client.complete(PROMPT, n=3, **sampled)
+    body = {"prompt": PROMPT, "n": 3, **sampled}
+    http = _post(api, "/completions", body).json()
+    assert [c.text for c in result.choices] == [c["text"] for c in http["choices"]]
+    assert [len(c.token_ids) for c in result.choices] == [6, 6, 6]
+    assert result.text == result.choices[0].text and result.usage.completion_tokens == 18
+
+
+def test_grpc_structured_output_holds_the_text_to_the_schema(api):
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 8}, "ok": {"type": "boolean"}},
+        "required": ["name", "ok"],
+        "additionalProperties": False,
+    }
+    held = StructuredOutput("json", json.dumps(schema))
+    with Client(api.grpc_address) as client:
+        result = client.complete(PROMPT, max_tokens=60, structured_output=held)
+    jsonschema.validate(json.loads(result.text), schema)
+    assert result.finish_reason == "stop"
+
+
+HELD = "sampling.structured_output"
+
+
+@pytest.mark.parametrize(
+    ("sampling", "field"),
+    [
+        ({"n": 0}, "n"),
+        ({"n": 17}, "n"),
+        ({"structured_output": StructuredOutput("xml", "<a/>")}, HELD),
+        ({"structured_output": StructuredOutput("json", "{not json")}, HELD),
+        ({"structured_output": StructuredOutput("regex", "(")}, HELD),
+    ],
+)
+def test_grpc_names_a_bad_n_or_structured_output(api, sampling, field):
+    with Client(api.grpc_address) as client, pytest.raises(ServerError) as caught:
+        client.complete(PROMPT, max_tokens=2, **sampling)
+    assert caught.value.code == "INVALID_ARGUMENT" and field in caught.value.message
