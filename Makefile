@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: serve test test-fast test-gpu bench-gpu wheelhouse install-wheelhouse rehearse-image lint format system-deps clean
+.PHONY: serve test test-fast test-gpu bench-gpu gpu-session wheelhouse install-wheelhouse rehearse-image lint format system-deps clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -36,6 +36,14 @@ test-gpu:
 bench-gpu:
 	@if [ -d .whl ]; then bash deploy/gpu/bench-gpu.sh $(BENCH); \
 	else $(MAKE) -s $(STAMP) && bash deploy/gpu/bench-gpu.sh $(BENCH); fi
+
+# One GPU visit as four device calls of at most 8 minutes: `make gpu-session STEP=1` (the suite),
+# 2 (engine figures), 3 (transfer and TTFT), 4 (serving); deploy/gpu/session_plan.py and
+# docs/gpu.md. JSON, logs and summary.json into $(OUT)/step-N or gpu-session/step-N.
+STEP ?= 1
+gpu-session:
+	@if [ -d .whl ]; then bash deploy/gpu/session.sh --step $(STEP); \
+	else $(MAKE) -s $(STAMP) && bash deploy/gpu/session.sh --step $(STEP); fi
 
 # Offline install (docs/deploy.md): `make wheelhouse` here writes the wheels a host without
 # internet lacks (for Python WHEEL_PYTHON on WHEEL_ARCH; the device machine's by default) and

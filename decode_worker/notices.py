@@ -54,6 +54,9 @@ class Reservation:
     lenders: set[NoticeConn] = dataclasses.field(default_factory=set)
     refused: set[NoticeConn] = dataclasses.field(default_factory=set)
     lender_lost: bool = False
+    # On CUDA, an event after the last readers of the reserved pages (`PagedKvCache.mark`):
+    # writes into them wait for it, not for every step queued since.
+    fence: object | None = None
     arrived: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     join_error: HalfmoonError | None = None
 
@@ -189,11 +192,21 @@ class Notices:
 
     def _on_closed(self, conn: NoticeConn) -> None:
         """A prefill worker's connection ended: the pages it lent are not held any more, so a
-        receive still copying from them fails (the router retries it)."""
+        receive still copying from them fails (the router retries it), and its cache is
+        closed once the copies already queued from it have landed."""
         for reservation in self.reservations.values():
             if conn in reservation.lenders and not reservation.lender_lost:
                 reservation.lender_lost = True
                 reservation.arrived.set()
+        if conn.cache is not None:
+            asyncio.get_running_loop().create_task(self._close_lender(conn))
+
+    async def _close_lender(self, conn: NoticeConn) -> None:
+        """Drop a gone lender's cache (its CUDA IPC mappings): no copy is issued from it any
+        more (`next_offer` refuses a conn without a cache), the queued ones land first."""
+        cache, conn.cache = conn.cache, None
+        await asyncio.to_thread(self.engine.kv.close_peer, cache)
+        log.info("closed the KV cache of %s (its connection ended)", conn.lender)
 
     async def _open_lender(self, conn: NoticeConn) -> None:
         """Open the KV cache of the prefill worker that said hello on `conn`, so its page

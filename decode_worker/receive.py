@@ -96,7 +96,7 @@ class Receiver:
         if reservation.direct:  # the store is elsewhere after all: its stream it is
             reservation.direct = False
             self.notices.undirect(reservation)
-        await self._streamed(store, request_id, units, pages, arena)
+        await self._streamed(store, request_id, units, pages, arena, reservation.fence)
 
     async def _arena(self, store, store_name: str | None) -> MappedArena | None:
         """The store node's shared arena, when it is on this node (mapped once per store)."""
@@ -124,7 +124,9 @@ class Receiver:
                     if lent is not None:
                         written = self._copy_lent(reservation, where, lent, unit_pages, timings)
                     else:
-                        written = self._copy_slots(arena, notice, layer, unit_pages, timings)
+                        written = self._copy_slots(
+                            arena, notice, layer, unit_pages, timings, reservation.fence
+                        )
                     _first_layer(timings)
         await self._all_written(written, timings)
         self.notices.answer_lenders(reservation)
@@ -145,7 +147,7 @@ class Receiver:
             self.notices.release([slots.lease])
         named = pages_notice.pages
         _check_places(pages_notice, named, "pages", len(unit_pages), conn.cache.num_pages)
-        written = kv_cache.copy_pages(where[1], conn.cache, named, unit_pages)
+        written = kv_cache.copy_pages(where[1], conn.cache, named, unit_pages, reservation.fence)
         self.num_page_copies += 1
         timings.num_bytes += len(unit_pages) * kv_cache.page_layer_bytes
         return written
@@ -157,6 +159,7 @@ class Receiver:
         layer: int,
         unit_pages: list[int],
         timings: ReceiveTimings,
+        after=None,
     ):
         """One layer out of the arena slots a notice names; its claim is released after."""
         kv_cache = self.engine.kv
@@ -168,10 +171,10 @@ class Receiver:
             self.notices.release([notice.lease])  # copied out (or never will be)
         self.num_shared_reads += 1
         timings.num_bytes += kv.nbytes
-        return kv_cache.write_layer(layer, unit_pages, kv, ordered=False)
+        return kv_cache.write_layer(layer, unit_pages, kv, ordered=False, after=after)
 
     async def _streamed(
-        self, store, request_id: str, units, pages: list[int], arena: MappedArena | None
+        self, store, request_id: str, units, pages: list[int], arena: MappedArena | None, after
     ) -> None:
         kv_cache = self.engine.kv
         timings = self.timings[request_id]
@@ -200,7 +203,9 @@ class Receiver:
                         slots, _ = item  # the stream's leases end with end_stream
                         kv = arena.read(slots, layer, pin=kv_cache.device.type == "cuda")
                         self.num_shared_reads += 1
-                    written = kv_cache.write_layer(layer, unit_pages, kv, ordered=False)
+                    written = kv_cache.write_layer(
+                        layer, unit_pages, kv, ordered=False, after=after
+                    )
                     timings.num_bytes += kv.nbytes
                     _first_layer(timings)
         except BaseException:

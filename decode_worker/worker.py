@@ -98,6 +98,7 @@ class DecodeWorker(EngineWorker):
             return WorkerError.of(error)
         key = task.ticket or task.request_id
         reservation = self.notices.add(task.request_id, key, task.direct, task.first_token_id)
+        reservation.fence = self.engine.kv.mark()  # the reserved pages' last readers are before it
         timings = self.receiver.start(task.request_id)
         reservation.first_token.add_done_callback(
             lambda _: setattr(timings, "first_token_at", time.time())

@@ -1,10 +1,16 @@
-"""Decode steps replayed from CUDA graphs: one graph per padded batch size, captured at start.
+"""Decode steps replayed from CUDA graphs: one graph per padded batch size and context bucket,
+captured at start.
 
 A decode step launches a few hundred small kernels; replaying them as one graph removes the
 Python and launch cost that dominates a step on a GPU. Each graph reads its inputs from
 static buffers, so a step only copies its token ids, positions, slots, block tables and
 context lengths in and replays. Rows past the real batch are padding: slot -1 (writes no
 KV), context 1 over page 0 (reads harmless data), outputs discarded.
+
+The decode kernel sizes its splits by the block tables' width. Past `FULL_SPLIT_TOKENS` the
+splits grow with it, so one graph at the full context would give a short sequence a few long
+serial splits: graphs are captured per context bucket (doubling from there), each over a
+narrower view of the tables, and a step replays the narrowest that holds its longest table.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import torch
 
 from halfmoon.engine.model import CausalLM
 from halfmoon.kernels.attention import AttentionMetadata
+from halfmoon.kernels.decode_splits import FULL_SPLIT_TOKENS
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +33,18 @@ def batch_buckets(max_batch: int) -> list[int]:
     sizes = [size for size in (1, 2, 4) if size < max_batch]
     sizes += list(range(8, max_batch, 8))
     return sorted(set(sizes + [max_batch]))
+
+
+def context_widths(max_blocks: int, block_size: int) -> list[int]:
+    """Block-table widths to capture: the pages of `FULL_SPLIT_TOKENS`, doubling, up to
+    `max_blocks` (always one). In the first the kernel's splits are as short as eager mode's;
+    in the others at most twice as long, for the contexts past the bucket below."""
+    width = -(-FULL_SPLIT_TOKENS // block_size)
+    widths = []
+    while width < max_blocks:
+        widths.append(width)
+        width *= 2
+    return widths + [max_blocks]
 
 
 @dataclass(slots=True)
@@ -60,6 +79,7 @@ class DecodeGraphs:
         self.model, self.kv_caches, self.cos_sin = model, kv_caches, cos_sin
         self.buckets = batch_buckets(max_batch)
         self.max_blocks = max_blocks_per_seq
+        self.widths = context_widths(max_blocks_per_seq, kv_caches[0][0].shape[1])
         device = kv_caches[0][0].device
         # Token ids, positions, slots and context lengths as the rows of one buffer (one copy
         # a step), the block tables beside it; each graph reads its first `size` columns/rows.
@@ -83,7 +103,7 @@ class DecodeGraphs:
         # `Sequence.block_table`), so a step writes only the pages added since the last one.
         self._rows: list[tuple[list[int] | None, int]] = [(None, 0)] * max_batch
         self._copied = torch.cuda.Event() if on_cuda else None
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         if capture:
             self._capture_all()
 
@@ -91,20 +111,24 @@ class DecodeGraphs:
         """The smallest bucket that holds `num_seqs` rows, or None when none does."""
         return next((size for size in self.buckets if size >= num_seqs), None)
 
-    def fits(self, batch: DecodeBatch) -> bool:
+    def width_for(self, batch: DecodeBatch) -> int | None:
+        """The narrowest context bucket that holds the batch's longest block table."""
         widest = max(len(table) for table in batch.block_tables)
-        return self.bucket_for(len(batch)) is not None and widest <= self.max_blocks
+        return next((width for width in self.widths if width >= widest), None)
+
+    def fits(self, batch: DecodeBatch) -> bool:
+        return self.bucket_for(len(batch)) is not None and self.width_for(batch) is not None
 
     @torch.inference_mode()
     def run(self, batch: DecodeBatch) -> torch.Tensor:
         """Final hidden states `[len(batch), hidden]` of one decode step (graph or eager)."""
-        size = self.bucket_for(len(batch))
+        size, width = self.bucket_for(len(batch)), self.width_for(batch)
         self._load(batch, size)
-        if size in self.graphs:
-            graph, hidden = self.graphs[size]
+        if (size, width) in self.graphs:
+            graph, hidden = self.graphs[(size, width)]
             graph.replay()
         else:
-            hidden = self._forward(size)
+            hidden = self._forward(size, width)
         return hidden[: len(batch)]
 
     def _load(self, batch: DecodeBatch, size: int) -> None:
@@ -135,7 +159,7 @@ class DecodeGraphs:
             self.block_tables[:size].copy_(self._host_tables[:size], non_blocking=True)
             self._copied.record()
 
-    def _forward(self, size: int) -> torch.Tensor:
+    def _forward(self, size: int, width: int) -> torch.Tensor:
         device = self.token_ids.device
         meta = AttentionMetadata(
             slot_mapping=self.slots[:size],
@@ -143,7 +167,7 @@ class DecodeGraphs:
             prefill_cu_seqlens_q=torch.zeros(1, dtype=torch.int64, device=device),
             prefill_block_tables=self.block_tables[:0],
             prefill_prefix_lens=self.seq_lens[:0],
-            decode_block_tables=self.block_tables[:size],
+            decode_block_tables=self.block_tables[:size, :width],
             decode_seq_lens=self.seq_lens[:size],
         )
         return self.model(
@@ -159,15 +183,17 @@ class DecodeGraphs:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for size in reversed(self.buckets):
-                self._forward(size)  # compiles the kernels and settles the allocator
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    hidden = self._forward(size)
-                self.graphs[size] = (graph, hidden)
+                for width in reversed(self.widths):
+                    self._forward(size, width)  # compiles the kernels, settles the allocator
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool, stream=stream):
+                        hidden = self._forward(size, width)
+                    self.graphs[(size, width)] = (graph, hidden)
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         log.info(
-            "captured decode CUDA graphs for batch sizes %s in %.1f s",
+            "captured decode CUDA graphs for batch sizes %s and table widths %s in %.1f s",
             self.buckets,
+            self.widths,
             time.perf_counter() - started,
         )

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from halfmoon.engine.cuda_events import waited_event
 from halfmoon.engine.device_copy import device_tensor
 from halfmoon.kernels import ops
 from halfmoon.kvstore.layout import LayerKV
@@ -174,11 +175,12 @@ class PagedKvCache:
 
     def mark(self) -> torch.cuda.Event | None:
         """An event after the work queued so far on the compute stream (CUDA; None on CPU):
-        give it to `read_layer(after=)` from another thread, or wait on it before another
-        process reads the pages."""
+        give it to `read_layer(after=)` from another thread, wait on it before another
+        process reads the pages, or, recorded just after pages were reserved, give it to
+        `write_layer` / `copy_pages(after=)`: their previous readers are all before it."""
         if self._copy_stream is None:
             return None
-        event = torch.cuda.Event()
+        event = waited_event()
         event.record(torch.cuda.current_stream(self.device))
         return event
 
@@ -208,18 +210,25 @@ class PagedKvCache:
             v_host.copy_(v, non_blocking=True)
             k.record_stream(stream)  # keep the gathered buffers alive until the copy ran
             v.record_stream(stream)
-            copied = torch.cuda.Event()
+            copied = waited_event()
             copied.record(stream)
         return HostLayer(LayerKV(k_host, v_host), copied)
 
     def write_layer(
-        self, layer: int, pages: Sequence[int], kv: LayerKV, *, ordered: bool = True
+        self,
+        layer: int,
+        pages: Sequence[int],
+        kv: LayerKV,
+        *,
+        ordered: bool = True,
+        after: torch.cuda.Event | None = None,
     ) -> LayerWrite:
         """Write K and V of `pages` (in that order) into `layer`, from any device and dtype.
 
-        On CUDA the host-to-device copy and the scatter run on a side stream, after the work
-        already queued on the current stream. `ordered`: work queued on the current stream from
-        now on waits for the write (the caller computes on those pages next); otherwise nothing
+        On CUDA the host-to-device copy and the scatter run on a side stream, after `after`
+        (from `mark()` just after the pages were reserved) or else after all the work already
+        queued on the current stream. `ordered`: work queued on the current stream from now on
+        waits for the write (the caller computes on those pages next); otherwise nothing
         waits, and the caller must see `done()` before the pages are used (the decode worker
         lets a request join only then) or freed (`wait_writes`)."""
         k_cache, v_cache = self.layers[layer]
@@ -229,40 +238,59 @@ class PagedKvCache:
             ops.scatter_pages(k_cache, index, kv.k.to(self.device, self.dtype, non_blocking=True))
             ops.scatter_pages(v_cache, index, kv.v.to(self.device, self.dtype, non_blocking=True))
             return LayerWrite()
-        compute = torch.cuda.current_stream(self.device)
-        stream.wait_stream(compute)
+        self._after_readers(stream, after)
         with torch.cuda.stream(stream):
             index = self._index(pages)
             ops.scatter_pages(k_cache, index, _to_device(kv.k, self.device).to(self.dtype))
             ops.scatter_pages(v_cache, index, _to_device(kv.v, self.device).to(self.dtype))
-            copied = torch.cuda.Event()
+            copied = waited_event()
             copied.record(stream)
         if ordered:
-            compute.wait_event(copied)
+            torch.cuda.current_stream(self.device).wait_event(copied)
         return LayerWrite(copied)
 
     def copy_pages(
-        self, layer: int, peer: PeerKv, src_pages: Sequence[int], dst_pages: Sequence[int]
+        self,
+        layer: int,
+        peer: PeerKv,
+        src_pages: Sequence[int],
+        dst_pages: Sequence[int],
+        after: torch.cuda.Event | None = None,
     ) -> LayerWrite:
         """Copy `layer` of the peer's `src_pages` into this cache's `dst_pages` (pairwise), in
         one gather and one scatter on this device. The caller has made sure the peer's pages
         hold their values (its prefill worker waited for them before saying so). On CUDA it
-        runs on the write stream, like `write_layer(ordered=False)`: `done()` before the pages
-        are used or the peer's pages given back."""
+        runs on the write stream, like `write_layer(ordered=False, after=)`: `done()` before
+        the pages are used or the peer's pages given back."""
         k_src, v_src = peer.layers[layer]
         k_cache, v_cache = self.layers[layer]
         stream = self._write_stream
         if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream(self.device))  # the pages' last users
+            self._after_readers(stream, after)
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             src, dst = self._index(src_pages), self._index(dst_pages)
             ops.scatter_pages(k_cache, dst, ops.gather_pages(k_src, src))
             ops.scatter_pages(v_cache, dst, ops.gather_pages(v_src, src))
         if stream is None:
             return LayerWrite()
-        copied = torch.cuda.Event()
+        copied = waited_event()
         copied.record(stream)
         return LayerWrite(copied)
+
+    def close_peer(self, peer: PeerKv) -> None:
+        """Stop using a peer's cache (its engine went away): the copies already queued from
+        it land first, then its CUDA IPC mappings are dropped, so nothing reads it later."""
+        self.wait_writes()
+        peer.layers.clear()
+
+    def _after_readers(self, stream: torch.cuda.Stream, after: torch.cuda.Event | None) -> None:
+        """Order the side stream after the pages' previous readers: `after` when the caller
+        marked them (the write then does not wait for steps queued since), else everything
+        queued on the compute stream so far."""
+        if after is not None:
+            stream.wait_event(after)
+        else:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
 
     def copy_within(self, src_pages: Sequence[int], dst_pages: Sequence[int]) -> None:
         """Copy every layer of `src_pages` into `dst_pages` (pairwise) of this cache, on the

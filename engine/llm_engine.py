@@ -94,6 +94,7 @@ class LLMEngine:
         """The requests it holds and the counters and step log it keeps."""
         self.requests: dict[str, Sequence] = {}
         self.reserved: dict[str, Sequence] = {}
+        self.on_step_thread: list = []  # run once by the step loop's thread (`tidy`)
         self._ids = itertools.count()
         self.num_prompt_tokens_computed = 0
         self.num_generated_tokens = 0
@@ -173,9 +174,8 @@ class LLMEngine:
         self.pool.cache_full_blocks(seq)
         self.scheduler.running.append(seq)
         group = self.forks.fork(seq) if seq.num_forks > 1 else [seq]
-        if self.grammars.park(group):  # decodes once its grammar is compiled
-            for s in group:
-                self.scheduler.running.remove(s)
+        parked = self.grammars.park(group)  # decodes once its grammar is compiled
+        self.scheduler.hold(group, parked)  # or once the batch has room (max_num_seqs)
         return [self._append_token(s, t, None) for s, t in zip(group, ids, strict=True)]
 
     def _new_sequence(
@@ -209,6 +209,8 @@ class LLMEngine:
     def tidy(self) -> None:
         """Apply what a step would: pages given back from other threads (`unhold_pages_later`).
         The step loop calls it while idle, so an idle engine's page count is true."""
+        while self.on_step_thread:  # the warm-up's part that runs on the step loop's thread
+            self.on_step_thread.pop(0)(self)
         self.pool.drain_unholds()
 
     def hold_pages(self, pages: list[int]) -> None:

@@ -34,6 +34,8 @@ class Scheduler:
         self.hooks = hooks
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # Joined (their KV written from outside) past max_num_seqs, the largest decode graph.
+        self.joined: deque[list[Sequence]] = deque()
         self.num_preemptions = 0
         self.num_cached_prompt_tokens = 0
 
@@ -41,10 +43,21 @@ class Scheduler:
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.joined)
+
+    def hold(self, group: list[Sequence], parked: bool) -> None:
+        """A joined request's sequences, just added to the batch, leave it while their grammar
+        compiles (`parked`) or, past `max_num_seqs`, wait in `joined` for room."""
+        full = len(self.running) > self.max_num_seqs
+        if parked or full:
+            for seq in group:
+                self.running.remove(seq)
+        if full and not parked:
+            self.joined.append(group)
 
     def schedule(self) -> list[ScheduledSeq]:
         """Pick this step's work: running sequences first, then new ones while budget lasts."""
+        self._admit_joined()
         budget = self.max_num_batched_tokens
         batch: list[ScheduledSeq] = []
         preempted = False
@@ -83,6 +96,15 @@ class Scheduler:
             batch.append(ScheduledSeq(seq, num_new))
             budget -= num_new
         return batch
+
+    def _admit_joined(self) -> None:
+        """Joined sequences held while the batch was full go on, in order, as it has room."""
+        while self.joined:
+            live = [s for s in self.joined[0] if not s.finished]  # aborted meanwhile: dropped
+            if self.running and len(self.running) + len(live) > self.max_num_seqs:
+                return
+            self.running.extend(live)
+            self.joined.popleft()
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """Tokens `seq` computes this step; with `chunk_size`, chunks end on its multiples."""

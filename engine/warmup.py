@@ -15,9 +15,11 @@ warm-up met them all.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import time
+from collections.abc import Iterator
 
 from halfmoon.engine.llm_engine import LLMEngine
 from halfmoon.engine.sampling_params import SamplingParams
@@ -25,11 +27,19 @@ from halfmoon.kernels import ops, reference
 
 log = logging.getLogger(__name__)
 SPLIT_TOKENS = 256  # the decode kernel's tokens per split; contexts double from here
+GREEDY = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+# The sampler's other path (temperature, top-k/top-p sort, min-p, a seeded generator,
+# logprobs), which the first sampled request would otherwise pay for while serving.
+SAMPLED = SamplingParams(
+    max_tokens=3, temperature=0.8, top_k=40, top_p=0.9, min_p=0.05, seed=0, logprobs=2,
+    ignore_eos=True,
+)  # fmt: skip
 
 
 def warm_up_cuda(engine: LLMEngine, graphs: bool) -> None:
     """Compile every kernel specialisation now, then capture the decode graphs (decode
-    engines only, unless `enforce_eager`), so no request waits for a compiler."""
+    engines only, unless `enforce_eager`), so no request waits for a compiler; the step
+    loop's thread runs `warm_up_step_thread` when it starts."""
     warm_up(engine)
     # The torch references sync with the host (`.tolist()`), which a graph cannot capture.
     if graphs and ops.backend_for(engine.runner.kv_caches[0][0]) is reference:
@@ -37,14 +47,15 @@ def warm_up_cuda(engine: LLMEngine, graphs: bool) -> None:
         graphs = False
     if graphs and not engine.config.enforce_eager:
         engine.use_decode_buffers(capture=True)
+    engine.on_step_thread.append(warm_up_step_thread)
 
 
 def warm_up(engine: LLMEngine, seed: int = 0) -> float:
     """Prefill and decode batches of 1, 2, 4... sequences and contexts of 256, 512... tokens up
-    to the engine's limits; returns the seconds it took. Hooks are off meanwhile."""
+    to the engine's limits, and one sampled request; returns the seconds it took. Hooks are
+    off meanwhile."""
     started = time.perf_counter()
-    hooks, engine.hooks, engine.scheduler.hooks = engine.hooks, None, None
-    try:
+    with _hooks_off(engine):
         rng = random.Random(seed)
         limit = min(engine.max_model_len - 4, engine.num_pages * engine.config.block_size // 2)
         for num_seqs in _counts(engine.config.max_num_seqs):
@@ -54,16 +65,44 @@ def warm_up(engine: LLMEngine, seed: int = 0) -> float:
         for context in _doubling(SPLIT_TOKENS, limit):
             _run(engine, rng, 1, context - 4)
             _run(engine, rng, 1, context)
+        _run(engine, rng, 2, min(engine.config.block_size + 3, limit), params=SAMPLED)
         # The KV API's page gather and scatter (prefill snapshots, decode-side writes), which
         # compiled at a worker's first transfer: page 0 of layer 0, read and written back as is.
         engine.kv.write_layer(0, [0], engine.kv.read_layer(0, [0]).wait())
         engine.kv.wait_writes()
-    finally:
-        engine.hooks = engine.scheduler.hooks = hooks
     _forget(engine)
     seconds = time.perf_counter() - started
     log.info("warm-up: kernels compiled for every batch and context size in %.1f s", seconds)
     return seconds
+
+
+def warm_up_step_thread(engine: LLMEngine) -> None:
+    """A greedy and a seeded sampled request on the thread that will run every step: its own
+    first cuBLAS calls (a handle and workspace per thread) and the decode graphs' first
+    replays happen here, not in the first request served."""
+    with _hooks_off(engine):
+        rng = random.Random(1)
+        context = min(engine.config.block_size + 3, engine.max_model_len - 4)
+        _run(engine, rng, 1, context)
+        _run(engine, rng, 2, context, params=SAMPLED)
+    _forget(engine)
+
+
+@contextlib.contextmanager
+def _hooks_off(engine: LLMEngine) -> Iterator[None]:
+    """No KV hooks and no page events meanwhile: warm-up requests publish nothing, and the
+    router's prefix index does not learn of their random prompts' blocks."""
+    hooks, engine.hooks, engine.scheduler.hooks = engine.hooks, None, None
+    events = engine.pool.events
+    engine.pool.events = None if events is None else []
+    try:
+        yield
+    finally:
+        engine.hooks = engine.scheduler.hooks = hooks
+        if events is not None:  # its blocks' events go; evictions of earlier blocks stay news
+            stored = {key for kind, key in engine.pool.events if kind == "stored"}
+            events += [(k, key) for k, key in engine.pool.events if key not in stored]
+        engine.pool.events = events
 
 
 def _doubling(start: int, stop: int) -> list[int]:
@@ -83,13 +122,17 @@ def _counts(most: int) -> list[int]:
 
 
 def _run(
-    engine: LLMEngine, rng: random.Random, num_seqs: int, context: int, waves: int = 1
+    engine: LLMEngine,
+    rng: random.Random,
+    num_seqs: int,
+    context: int,
+    waves: int = 1,
+    params: SamplingParams = GREEDY,
 ) -> None:
     """`num_seqs` random prompts of `context` tokens, `waves` times over. A second wave finds
     the first's full blocks cached: its runs prefill over a prefix in one step, through the
     paged kernel, whose specialisation depends on the number of runs."""
     vocab = engine.model_config.vocab_size
-    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     prompts = [[rng.randrange(vocab) for _ in range(context)] for _ in range(num_seqs)]
     for _ in range(waves):
         for prompt in prompts:

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
+from halfmoon.kernels.decode_splits import BLOCK_N, SplitPlan, plan_splits
 from halfmoon.kernels.triton_paged import (
     LOG2_E,
     attend_tiles,
@@ -16,24 +15,7 @@ from halfmoon.kernels.triton_paged import (
     head_dim_block,
 )
 
-BLOCK_N = 64
-MIN_SPLIT_TOKENS = 256
-MAX_SPLITS = 32
-
-
-@dataclass(frozen=True, slots=True)
-class SplitPlan:
-    """A context of up to `max_len` tokens cut into `num_splits` chunks of `tokens_per_split`."""
-
-    num_splits: int
-    tokens_per_split: int
-
-
-def plan_splits(max_len: int) -> SplitPlan:
-    """At least `MIN_SPLIT_TOKENS` per split so the reduction stays cheap; at most `MAX_SPLITS`."""
-    wanted = min(MAX_SPLITS, max(1, triton.cdiv(max_len, MIN_SPLIT_TOKENS)))
-    tokens_per_split = triton.cdiv(triton.cdiv(max(max_len, 1), wanted), BLOCK_N) * BLOCK_N
-    return SplitPlan(triton.cdiv(max(max_len, 1), tokens_per_split), tokens_per_split)
+__all__ = ["SplitPlan", "paged_decode_attention", "plan_splits"]
 
 
 @triton.jit
@@ -158,7 +140,8 @@ def paged_decode_attention(
     out = torch.empty((num_seqs, num_q_heads, head_dim), dtype=query.dtype, device=query.device)
     if num_seqs == 0:
         return out
-    block_tables = block_tables.contiguous()
+    if block_tables.stride(1) != 1:  # a graph's narrower view of its tables keeps row strides
+        block_tables = block_tables.contiguous()
     # The block table's width bounds every context without reading seq_lens on the host.
     plan = plan_splits(block_tables.shape[1] * block_size)
     single = plan.num_splits == 1

@@ -8,6 +8,8 @@
 # (default 540 s) so the whole run stays inside the device's 10 minutes; about 6-7 minutes.
 # Without a CUDA GPU it exits 0 and measures nothing, unless SERVE_BENCH_CPU=1: a rehearsal of
 # the same steps on CPU with the tiny default model and a small load (8 short requests).
+# Both workers of the disaggregated run share the one GPU: it measures the KV transfer path and
+# the engine, not the isolation of separate prefill and decode pools (the summary says so).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source deploy/gpu/env.sh
@@ -17,13 +19,13 @@ metrics_port=9471
 server=127.0.0.1:$port
 if [ -n "$HALFMOON_GPU" ]; then
   model=${SERVE_BENCH_MODEL:-/tmp/halfmoon-bench-0.9b}
-  engine="{dtype: bfloat16}"
+  engine=$(grep -v '^#' deploy/gpu/serve-engine.yaml | sed 's/^/  /')  # bf16, 1024-token chunks
   num_gpus=0.3
   workload=(--num-prompts 48 --random-input-len 1280 --random-range-ratio 0.6
             --random-output-len 128 --random-output-range-ratio 0)
 elif [ -n "${SERVE_BENCH_CPU:-}" ]; then
   model=null  # the tiny default model
-  engine="{num_pages: 1024}"
+  engine="  num_pages: 1024"
   num_gpus=0
   workload=(--num-prompts 8 --random-input-len 256 --random-range-ratio 0.5
             --random-output-len 16 --random-output-range-ratio 0)
@@ -103,13 +105,35 @@ decode: {replicas: 1, num_gpus: $num_gpus}"
   cat >"$file" <<YAML
 model: $model
 mode: $mode
-engine: $engine
+engine:
+$engine
 $pools
 router: {policy: conductor}
+store: {use_local_redis: $use_redis}
 server: {grpc_port: $port, metrics_port: $metrics_port, http_port: "off"}
 YAML
   echo "$file"
 }
+
+# redis_starts: whether redis-server, when installed, stays up 3 s (unpacked from .debs it
+# failed to start on the device once, and `serve` then failed in both modes).
+redis_starts() {
+  command -v redis-server >/dev/null || return 0
+  timeout 3 redis-server --port 0 --unixsocket "/tmp/halfmoon-redis-probe-$$.sock" --save '' \
+    --appendonly no >"$out/redis-probe.log" 2>&1
+  local rc=$?
+  rm -f "/tmp/halfmoon-redis-probe-$$.sock"
+  [ "$rc" -eq 124 ]
+}
+use_redis=true
+if ! redis_starts; then
+  use_redis=false
+  echo "serve-bench: redis-server does not start here ($out/redis-probe.log); serving without" \
+    "the Redis tier" >&2
+fi
+[ -z "$HALFMOON_GPU" ] || echo "serve-bench: one GPU, shared: the disaggregated run's prefill" \
+  "and decode workers time-slice it, so it measures the KV transfer path and the engine, not" \
+  "pool isolation" >&2
 
 if [ "$model" != null ] && [ ! -f "$model/config.json" ]; then
   step 30 120 init-model "$HALFMOON_PY" -c "
@@ -146,9 +170,14 @@ for mode in disaggregated colocated; do
 done
 
 # One line per run: what issues 12 and 17 ask for.
-"$HALFMOON_PY" - "$out" <<'PYTHON'
+"$HALFMOON_PY" - "$out" "$use_redis" "$HALFMOON_GPU" <<'PYTHON'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
+if sys.argv[3]:
+    print("one GPU shared by every worker: disaggregated figures measure the KV transfer path "
+          "and the engine, not prefill/decode pool isolation (two processes time-slice one GPU)")
+if sys.argv[2] != "true":
+    print("served without the Redis tier: redis-server did not start")
 
 
 def load(name, label):

@@ -9,7 +9,8 @@ internet is; `make install-wheelhouse` runs `install` there, from the copied fol
              does not hold, each at the version this checkout's environment runs; slims Ray's
              wheel to fit a 64 MiB carry; adds redis-server's .debs; writes wheelhouse.json
     install  checks wheelhouse.json against the Python running it, installs the wheels into
-             PREFIX/site with `pip --no-index --no-deps`, unpacks redis-server into
+             PREFIX/site with `pip --no-index --no-deps` (once: a stamp in PREFIX holds the
+             installed wheelhouse.json's digest), unpacks redis-server into
              PREFIX/redis, links the checkout as PREFIX/src/halfmoon, and prints the
              environment that runs halfmoon from there (`--print-env`: shell lines to eval)
     plan     prints what `build` would download, one NAME==VERSION a line, and why
@@ -49,6 +50,9 @@ ALWAYS_CARRY = {"grpcio", "protobuf"}
 RAY_DROP = ("ray/jars/", "ray/rllib/", "ray/dashboard/client/")
 DEBS = ["redis-server", "redis-tools", "liblzf1", "libjemalloc2"]
 DEB_ARCH = {"x86_64": "amd64", "aarch64": "arm64"}
+# In PREFIX: the digest of the wheelhouse.json installed there, so a second `install` of the
+# same wheelhouse (every GPU script sources env.sh) takes a second, not a minute.
+STAMP = "installed.sha256"
 
 
 def canonical(name: str) -> str:
@@ -233,17 +237,14 @@ def install(args: argparse.Namespace) -> int:
     missing = [name for name in manifest["wheels"] if not (wheelhouse / name).is_file()]
     if missing:
         sys.exit(f"install: {wheelhouse} lacks {', '.join(missing)} (a partial copy?)")
-    site, redis, src = prefix / "site", prefix / "redis", prefix / "src"
-    log = sys.stderr
-    print(f"install: {len(manifest['wheels'])} wheels into {site}", file=log)
-    subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check",
-         "--no-index", "--no-deps", "--no-compile", "--no-cache-dir", "--upgrade",
-         "--target", str(site), *(str(wheelhouse / name) for name in manifest["wheels"])],
-        check=True, stdout=log,
-    )  # fmt: skip
-    for deb in manifest["debs"]:
-        subprocess.run(["dpkg", "-x", str(wheelhouse / "deb" / deb), str(redis)], check=True)
+    src, log = prefix / "src", sys.stderr
+    stamp, wanted = prefix / STAMP, stamp_of(manifest_path)
+    if stamp.is_file() and stamp.read_text() == wanted:
+        print(f"install: {wheelhouse} is installed in {prefix} already ({STAMP})", file=log)
+    else:
+        install_files(wheelhouse, manifest, prefix)
+        prefix.mkdir(parents=True, exist_ok=True)
+        stamp.write_text(wanted)
     src.mkdir(parents=True, exist_ok=True)
     link = src / "halfmoon"
     if link.is_symlink() or link.exists():
@@ -259,6 +260,26 @@ def install(args: argparse.Namespace) -> int:
             print(f'  export {key}="{value}"', file=log)
         print(f"  {Path(sys.executable).name} -m halfmoon.cluster.cli --help", file=log)
     return 0
+
+
+def stamp_of(manifest_path: Path) -> str:
+    """What the install stamp holds: the manifest's digest (another wheelhouse reinstalls)."""
+    return hashlib.sha256(manifest_path.read_bytes()).hexdigest() + "\n"
+
+
+def install_files(wheelhouse: Path, manifest: dict, prefix: Path) -> None:
+    """The wheels into PREFIX/site (pip, no index) and redis-server's .debs into PREFIX/redis."""
+    site = prefix / "site"
+    print(f"install: {len(manifest['wheels'])} wheels into {site}", file=sys.stderr)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check",
+         "--no-index", "--no-deps", "--no-compile", "--no-cache-dir", "--upgrade",
+         "--target", str(site), *(str(wheelhouse / name) for name in manifest["wheels"])],
+        check=True, stdout=sys.stderr,
+    )  # fmt: skip
+    for deb in manifest["debs"]:
+        deb_path = str(wheelhouse / "deb" / deb)
+        subprocess.run(["dpkg", "-x", deb_path, str(prefix / "redis")], check=True)
 
 
 def offline_environment(prefix: Path, with_redis: bool) -> dict[str, str]:

@@ -1,4 +1,5 @@
-"""The live cluster with its KV on CUDA: one GPU shared by every worker (fractional num_gpus)."""
+"""The live cluster with its KV on CUDA: one GPU shared by every worker (fractional num_gpus),
+in fp32 and in bf16 (what every benchmark serves), with lent pages and through the arena."""
 
 from __future__ import annotations
 
@@ -13,9 +14,15 @@ pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("ray_session")]
 ON_GPU = {"prefill.num_gpus": 0.3, "decode.num_gpus": 0.3, "engine.dtype": "float32"}
 
 
+# The offline engines' KV: a fixed small pool, not most of the GPU for the whole module.
+OFFLINE_KV_BYTES = 64 << 20
+
+
 @pytest.fixture(scope="module")
 def cuda_llm(tiny_model_dir):
-    return LLM(str(tiny_model_dir), device="cuda", dtype="float32")
+    return LLM(
+        str(tiny_model_dir), device="cuda", dtype="float32", kv_cache_memory_bytes=OFFLINE_KV_BYTES
+    )
 
 
 def _expected(llm, prompts, max_tokens=8):
@@ -23,7 +30,7 @@ def _expected(llm, prompts, max_tokens=8):
     return [out.token_ids for out in llm.generate(prompts, params)]
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     "shape",
     [{"prefill.replicas": 1, "decode.replicas": 1}, {"mode": "colocated", "decode.replicas": 2}],
@@ -41,7 +48,7 @@ def test_greedy_outputs_on_cuda_equal_the_offline_engine(tiny_model_dir, cuda_ll
         assert sum(c["num_page_copies"] for c in decodes) > 0
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(300)
 def test_a_prefix_is_reused_from_the_store_and_an_abort_mid_transfer_leaks_nothing(
     tiny_model_dir, cuda_llm
 ):
@@ -64,3 +71,31 @@ def test_a_prefix_is_reused_from_the_store_and_an_abort_mid_transfer_leaks_nothi
     assert loaded == (len(prefix) // 16) * 16
     assert b.usage.cached_tokens == loaded
     assert [a.token_ids, b.token_ids] == _expected(cuda_llm, [first, second], 6)
+
+
+@pytest.mark.timeout(300)
+def test_greedy_bf16_outputs_of_the_cluster_equal_the_offline_engine_in_bf16(tiny_model_dir):
+    # One request at a time on both sides, with the cluster's chunking: the same shapes run,
+    # so bf16 rounds alike (a different batch may round otherwise and flip a close argmax).
+    bf16 = {**ON_GPU, "engine.dtype": "bfloat16", "prefill.replicas": 1, "decode.replicas": 1}
+    with running_cluster(tiny_model_dir, **bf16) as (cluster, client):
+        got = [client.complete(p, max_tokens=8, temperature=0.0).token_ids for p in PROMPTS]
+        decode = next(n for n, w in cluster.workers.items() if w.kind == "decode")
+        assert counters(cluster, decode)["num_page_copies"] > 0
+    offline = LLM(
+        str(tiny_model_dir), device="cuda", dtype="bfloat16", prefill_chunk_size=32,
+        max_num_batched_tokens=128, kv_cache_memory_bytes=OFFLINE_KV_BYTES,
+    )  # fmt: skip
+    assert got == [_expected(offline, [p])[0] for p in PROMPTS]
+
+
+@pytest.mark.timeout(300)
+def test_with_lending_off_the_kv_comes_through_the_arena(tiny_model_dir, cuda_llm):
+    shape = {"prefill.replicas": 1, "decode.replicas": 1, "store.lend_pages": False}
+    with running_cluster(tiny_model_dir, **ON_GPU, **shape) as (cluster, client):
+        results = _generate_concurrently(client, PROMPTS)
+        decode = next(n for n, w in cluster.workers.items() if w.kind == "decode")
+        seen = counters(cluster, decode)
+    assert seen["num_lenders"] == 0 and seen["num_page_copies"] == 0
+    assert seen["num_shared_reads"] > 0
+    assert [r.token_ids for r in results] == _expected(cuda_llm, PROMPTS)

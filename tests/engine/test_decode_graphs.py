@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from halfmoon.engine import LLM, SamplingParams
-from halfmoon.engine.cuda_graphs import DecodeBatch, DecodeGraphs, batch_buckets
+from halfmoon.engine.cuda_graphs import DecodeBatch, DecodeGraphs, batch_buckets, context_widths
 from halfmoon.engine.warmup import warm_up_cuda
 
 ENGINE_ARGS = dict(block_size=16, num_pages=64, max_num_batched_tokens=128, max_num_seqs=6)
@@ -44,6 +44,30 @@ def test_batch_buckets_cover_every_size_up_to_the_maximum():
     assert batch_buckets(1) == [1]
     assert batch_buckets(6) == [1, 2, 4, 6]
     assert batch_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+
+
+def test_context_buckets_double_from_the_longest_context_of_short_splits():
+    # The decode kernel's splits are 256 tokens up to 32 of them (8192 tokens, 512 pages).
+    assert context_widths(64, 16) == [64]
+    assert context_widths(600, 16) == [512, 600]
+    assert context_widths(2048, 16) == [512, 1024, 2048]
+    assert context_widths(2048, 32) == [256, 512, 1024, 2048]
+
+
+def test_a_long_context_engine_decodes_short_sequences_over_the_narrowest_tables(checkpoints):
+    # At a 40k-token context a graph over the full tables would give a short sequence a few
+    # long splits; its steps go through the 512-page bucket instead, with the eager tokens.
+    model_dir = str(checkpoints["llama"])
+    eager = LLM(model_dir, **ENGINE_ARGS)
+    prompts = _prompts(eager.engine.facts.vocab_size)
+    expected = [out.token_ids for out in eager.generate(prompts, PARAMS)]
+    padded = LLM(model_dir, **ENGINE_ARGS)
+    padded.engine.runner.enable_decode_graphs(6, 40_000, capture=False)
+    graphs, widths = padded.engine.runner.decode_graphs, []
+    forward = graphs._forward
+    graphs._forward = lambda size, width: widths.append(width) or forward(size, width)
+    assert [out.token_ids for out in padded.generate(prompts, PARAMS)] == expected
+    assert graphs.widths == [512, 1024, 2048, 2500] and set(widths) == {512}
 
 
 def test_padded_decode_buffers_give_the_eager_tokens(checkpoints):
@@ -131,7 +155,7 @@ def test_cuda_graph_decode_equals_eager_on_cuda(checkpoints, arch):
     expected = [out.token_ids for out in eager.generate(prompts, PARAMS)]
 
     graphed = LLM(model_dir, **args)
-    assert sorted(graphed.engine.runner.decode_graphs.graphs) == [1, 2, 4, 6]
+    assert sorted(size for size, _ in graphed.engine.runner.decode_graphs.graphs) == [1, 2, 4, 6]
     sizes = _count_graph_steps(graphed)
     assert [out.token_ids for out in graphed.generate(prompts, PARAMS)] == expected
     assert sizes, "decode steps were replayed from graphs"

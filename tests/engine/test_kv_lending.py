@@ -4,9 +4,11 @@ another engine (shared memory on CPU, CUDA IPC on a GPU) and copied from page to
 from __future__ import annotations
 
 import multiprocessing
+import queue as queues
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -86,6 +88,37 @@ def test_another_process_maps_the_shared_cache(tiny_model_dir):
     assert out.stdout.split() == ["3.0", "4.0"]
 
 
+def _result_or_death(child, queue, timeout_s: float = 300.0):
+    """The child's result, or a failure as soon as it dies without one (not after timeout_s)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            return queue.get(timeout=1.0)
+        except queues.Empty:
+            if not child.is_alive():
+                pytest.fail(f"the child process died (exit {child.exitcode}) before answering")
+    pytest.fail(f"the child process gave no result in {timeout_s:g} s")
+
+
+def test_a_child_that_dies_without_answering_fails_the_test_at_once():
+    context = multiprocessing.get_context("fork")
+    child = context.Process(target=sys.exit, args=(3,))
+    child.start()
+    started = time.monotonic()
+    with pytest.raises(pytest.fail.Exception, match="exit 3"):
+        _result_or_death(child, context.Queue())
+    assert time.monotonic() - started < 10
+
+
+def test_a_closed_peer_cache_is_dropped_after_the_writes_land(tiny_model_dir):
+    lender = LLM(str(tiny_model_dir), num_pages=8, share_kv=True).engine.kv
+    borrower = LLM(str(tiny_model_dir), num_pages=8).engine.kv
+    peer = borrower.open_peer(lender.export())
+    borrower.copy_pages(0, peer, [1], [2])
+    borrower.close_peer(peer)
+    assert peer.layers == []
+
+
 def _open_in_child(model_dir: str, export, pages: list[int], queue) -> None:
     borrower = LLM(model_dir, num_pages=8, device="cuda").engine.kv
     peer = borrower.open_peer(export)
@@ -109,8 +142,36 @@ def test_on_cuda_another_process_copies_lent_pages_through_ipc(tiny_model_dir):
         target=_open_in_child, args=(str(tiny_model_dir), export, [4, 6], queue)
     )
     child.start()
-    k_sum, v_sum = queue.get(timeout=300)
+    k_sum, v_sum = _result_or_death(child, queue)
     child.join(60)
     expected = k.to(lender.dtype).float().sum().item()
     assert k_sum == pytest.approx(expected, rel=1e-3, abs=1e-2)
     assert v_sum == pytest.approx(2 * expected, rel=1e-3, abs=1e-2)
+
+
+def _lend_in_child(model_dir: str, queue, stop) -> None:
+    lender = LLM(model_dir, num_pages=8, device="cuda", share_kv=True).engine.kv
+    shape = (1, *lender.layers[0][0].shape[1:])
+    lender.write_layer(0, [5], LayerKV(torch.full(shape, 3.0), torch.full(shape, 4.0)))
+    torch.cuda.synchronize()
+    queue.put(lender.export())
+    stop.wait(300)  # killed before this ends
+
+
+@pytest.mark.gpu
+def test_a_lender_that_dies_with_its_pages_mapped_leaves_the_borrower_working(tiny_model_dir):
+    context = multiprocessing.get_context("spawn")
+    queue, stop = context.Queue(), context.Event()
+    child = context.Process(target=_lend_in_child, args=(str(tiny_model_dir), queue, stop))
+    child.start()
+    export = _result_or_death(child, queue)
+    borrower = LLM(str(tiny_model_dir), num_pages=8, device="cuda").engine.kv
+    peer = borrower.open_peer(export)
+    borrower.copy_pages(0, peer, [5], [2]).wait()
+    child.kill()  # the prefill worker dies with its pages mapped here
+    child.join(60)
+    borrower.close_peer(peer)  # what the decode worker does when its connection ends
+    assert not peer.layers
+    got = borrower.read_layer(0, [2]).wait()
+    torch.cuda.synchronize()  # no sticky error: the borrower's context still works
+    assert got.k.float().mean().item() == 3.0 and got.v.float().mean().item() == 4.0

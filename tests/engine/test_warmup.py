@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from halfmoon.engine import LLM, SamplingParams
-from halfmoon.engine.warmup import _doubling, warm_up
+from halfmoon.engine.async_engine import AsyncEngine
+from halfmoon.engine.warmup import SAMPLED, _doubling, warm_up, warm_up_step_thread
 
 ENGINE_ARGS = dict(block_size=16, num_pages=80, max_num_batched_tokens=256, max_num_seqs=5)
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -59,6 +62,50 @@ def test_warm_up_prefills_over_a_cached_prefix_with_every_count_of_runs(checkpoi
     engine.runner.run = run
     warm_up(engine)
     assert {1, 2, 4, 5} <= counts
+
+
+def _record_params(engine) -> list[SamplingParams]:
+    seen, original = [], engine.add_request
+
+    def add_request(prompt, params=None, *args, **kwargs):
+        seen.append(params)
+        return original(prompt, params, *args, **kwargs)
+
+    engine.add_request = add_request
+    return seen
+
+
+def test_warm_up_also_samples_a_seeded_request_with_every_filter(checkpoints):
+    engine = LLM(str(checkpoints["llama"]), **ENGINE_ARGS).engine
+    seen = _record_params(engine)
+    warm_up(engine)
+    assert SAMPLED in seen and any(p.greedy for p in seen)
+    assert SAMPLED.seed is not None and SAMPLED.temperature > 0 and SAMPLED.logprobs
+    assert SAMPLED.top_p < 1 and SAMPLED.top_k > 0 and SAMPLED.min_p > 0
+
+
+def test_the_step_threads_warm_up_runs_on_it_and_leaves_no_trace(checkpoints):
+    engine = LLM(str(checkpoints["llama"]), **ENGINE_ARGS).engine
+    seen, ran_on, done = _record_params(engine), [], threading.Event()
+
+    def on_step_thread(engine) -> None:
+        ran_on.append(threading.current_thread().name)
+        warm_up_step_thread(engine)
+        done.set()
+
+    engine.on_step_thread.append(on_step_thread)  # as warm_up_cuda leaves it on a GPU
+    engine.record_page_events()  # as a worker does: the router's prefix index reads them
+    front = AsyncEngine(engine)
+    try:
+        assert done.wait(60)
+        stats = front.call(lambda e: e.stats())
+        events = front.call(lambda e: e.take_page_events())
+    finally:
+        front.shutdown()
+    assert ran_on == ["engine-step"] and not engine.on_step_thread
+    assert events == [], "the warm-up's random prompts are not news for the router"
+    assert SAMPLED in seen and any(p.greedy for p in seen)
+    assert stats.num_steps == stats.num_generated_tokens == stats.num_used_pages == 0
 
 
 @pytest.mark.gpu

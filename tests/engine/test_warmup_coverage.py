@@ -90,14 +90,15 @@ class LaunchKeys:
 
 def _ready_engine(model_dir, keys: LaunchKeys):
     """What a CUDA engine runs before it serves: the warm-up, then the graphs' capture (each
-    bucket's forward once; `capture=False` runs it without a graph)."""
+    batch and context bucket's forward once; `capture=False` runs it without a graph)."""
     llm = LLM(str(model_dir), **ENGINE_ARGS)
     engine = llm.engine
     warm_up(engine)
     engine.runner.enable_decode_graphs(64, engine.max_model_len, capture=False)
     graphs = engine.runner.decode_graphs
     for size in graphs.buckets:
-        graphs._forward(size)
+        for width in graphs.widths:
+            graphs._forward(size, width)
     return llm
 
 
