@@ -332,7 +332,8 @@ MODELS = [
 
 @dataclass(frozen=True)
 class RouteCase:
-    """A method or path the API does not serve: 404, or 405 with the Allow header."""
+    """A method or path the API does not serve: 404, or 405 with the Allow header (its methods
+    in any order)."""
 
     name: str
     method: str
@@ -347,10 +348,10 @@ ROUTES = [
     RouteCase("patch-completions", "PATCH", COMPLETIONS, 405, "POST"),
     RouteCase("options-completions", "OPTIONS", COMPLETIONS, 405, "POST"),
     RouteCase("unknown-method", "BREW", COMPLETIONS, 405, "POST"),
-    RouteCase("delete-models", "DELETE", "/v1/models", 405, "GET"),
-    RouteCase("post-models", "POST", "/v1/models", 405, "GET"),
-    RouteCase("post-health", "POST", "/health", 405, "GET"),
-    RouteCase("post-metrics", "POST", "/metrics", 405, "GET"),
+    RouteCase("delete-models", "DELETE", "/v1/models", 405, "GET, HEAD"),
+    RouteCase("post-models", "POST", "/v1/models", 405, "GET, HEAD"),
+    RouteCase("post-health", "POST", "/health", 405, "GET, HEAD"),
+    RouteCase("post-metrics", "POST", "/metrics", 405, "GET, HEAD"),
     RouteCase("unknown-path", "POST", "/v1/nope", 404),
     RouteCase("other-api-version", "GET", "/v2/models", 404),
     RouteCase("embeddings", "POST", "/v1/embeddings", 404),
