@@ -2,7 +2,8 @@
 # The CPU kernel and engine tests against the GPU image's versions of Triton, transformers,
 # tokenizers and huggingface-hub (deploy/gpu/image-versions.txt), overlaid on .venv: what needs
 # a newer release than the device holds fails here instead of in a GPU session. Extra arguments
-# go to pytest. REHEARSAL_DIR (build/image-overlay) keeps the overlay between runs.
+# go to pytest; REHEARSAL_TESTS (tests/kernels tests/engine) are the tests it runs.
+# REHEARSAL_DIR (build/image-overlay) keeps the overlay between runs.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
@@ -21,4 +22,4 @@ export PYTHONPATH="$overlay/site${PYTHONPATH:+:$PYTHONPATH}"
 print("rehearse-image: triton", triton.__version__, "transformers", transformers.__version__,
       "tokenizers", tokenizers.__version__, "numpy", numpy.__version__)'
 "$PY" -m pytest -p no:cacheprovider -q -m "not slow" -W ignore::DeprecationWarning \
-  tests/kernels tests/engine "$@"
+  ${REHEARSAL_TESTS:-tests/kernels tests/engine} "$@"

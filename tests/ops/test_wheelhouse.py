@@ -29,6 +29,14 @@ import wheelhouse  # noqa: E402 - deploy/gpu is not a package
 
 HERE = f"{sys.version_info.major}.{sys.version_info.minor}"
 PACKAGES = ["engine", "kernels", "kvstore", "prefill_worker", "decode_worker", "router", "cluster"]
+# The Triton kernels' tests and the engine tests that load checkpoints, configs, tokenizers and
+# chat templates through transformers or compare with its models.
+VERSION_SENSITIVE_TESTS = [
+    *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests/kernels").glob("test_triton_*.py")),
+    *(f"tests/engine/test_{name}.py" for name in (
+        "exactness", "model_config", "tokenizer_load", "detokenizer", "penalties", "bad_input",
+    )),
+]  # fmt: skip
 
 
 def test_plan_carries_what_the_device_image_lacks_at_this_checkouts_versions():
@@ -234,8 +242,10 @@ def test_rehearsal_halfmoon_serves_from_the_wheelhouse_on_an_image_only_python(
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_cpu_kernel_and_engine_tests_pass_on_the_gpu_images_versions(tmp_path):
-    """deploy/gpu/rehearse-image.sh: Triton 3.6 (interpreted) and transformers 5.17 here."""
+    """deploy/gpu/rehearse-image.sh: Triton 3.6 (interpreted) and transformers 5.17 here, on
+    the tests that use them directly (`make rehearse-image` runs every kernel and engine test)."""
     env = {**os.environ, "REHEARSAL_DIR": str(tmp_path / "overlay"), "PY": sys.executable}
+    env["REHEARSAL_TESTS"] = " ".join(VERSION_SENSITIVE_TESTS)
     env.pop("PYTHONPATH", None)
     result = subprocess.run(
         ["bash", str(ROOT / "deploy/gpu/rehearse-image.sh"), "-x"],
