@@ -34,10 +34,13 @@ class TtftBound:
     def reason(self, placement: Placement, predicted_ttft_s: float) -> str:
         """Why a request placed as `placement`, predicted to wait `predicted_ttft_s` for its
         first token, must be rejected, or "" to admit it."""
-        if self.max_ttft_s is None:
+        view = None if placement.bypass else self.views.get(placement.prefill_instance)
+        # Alone on an idle worker it waits for nothing: admitted, or a cost model far slower
+        # than the machine would turn every request away and, with none served, never learn.
+        if self.max_ttft_s is None or (view is not None and not view.jobs):
             return ""
         own_s = predicted_ttft_s * self.shortfall
-        pushed_s = self._pushed_s(placement, predicted_ttft_s - placement.ttft_s)
+        pushed_s = self._pushed_s(view, placement, predicted_ttft_s - placement.ttft_s)
         if own_s > self.max_ttft_s:
             what = f"predicted TTFT {own_s:.3f}s"
         elif pushed_s > self.max_ttft_s:
@@ -50,11 +53,10 @@ class TtftBound:
             f"{self.max_ttft_s:.3f}s; retry later or add prefill workers"
         )
 
-    def _pushed_s(self, placement: Placement, overhead_s: float) -> float:
-        """The latest predicted TTFT of the requests prefilling on the placement's instance,
-        were it to take this one: an engine that prefills in chunks shares its steps among
-        its prompts, so each new one slows those already there."""
-        view = None if placement.bypass else self.views.get(placement.prefill_instance)
+    def _pushed_s(self, view: PrefillView | None, placement: Placement, overhead_s: float) -> float:
+        """The latest predicted TTFT of the requests prefilling on `view`, were it to take
+        this one: an engine that prefills in chunks shares its steps among its prompts, so
+        each new one slows those already there."""
         if view is None or not view.shared:
             return 0.0
         ends = view.ends_with(self.now, placement.plan.work_s)

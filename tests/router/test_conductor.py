@@ -190,11 +190,20 @@ def test_the_ttft_bound_scales_predictions_by_how_much_recent_ones_fell_short():
 
 
 def test_the_ttft_bound_scales_by_the_worst_shortfall_until_ten_are_known():
-    conductor = make_conductor(num_prefill=1, max_ttft_s=0.25)
+    conductor = make_conductor(num_prefill=1, max_ttft_s=0.35)
     conductor.errors.record(0.1, 0.15)
-    conductor.errors.record(0.1, 0.3)  # 3x: r0 alone (0.1 s) is taken as 0.3 s
-    assert conductor.route(request("r0"), 0.0).rejected
-    assert "(3.00x, as recent requests waited)" in conductor.decision("r0").reason
+    conductor.errors.record(0.1, 0.3)  # 3x: r1 behind r0 (0.2 s) is taken as 0.6 s
+    assert not conductor.route(request("r0"), 0.0).rejected
+    assert conductor.route(request("r1", first_key=500), 0.0).rejected
+    assert "(3.00x, as recent requests waited)" in conductor.decision("r1").reason
+
+
+def test_a_request_alone_on_an_idle_worker_is_admitted_whatever_its_prediction():
+    # A cost model far slower than the machine (1 s a prompt against a 0.25 s bound) would
+    # otherwise refuse every request, and never be refit from one served.
+    conductor = make_conductor(num_prefill=1, max_ttft_s=0.25)
+    assert not conductor.route(request("alone", num_blocks=100), 0.0).rejected
+    assert conductor.route(request("behind", first_key=500), 0.0).rejected
 
 
 def test_a_prefill_running_past_its_predicted_end_scales_the_bound_before_any_is_served():
