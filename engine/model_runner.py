@@ -9,6 +9,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from halfmoon.engine.cpu_linear import pack_linears
+from halfmoon.engine.cpu_memory import keep_freed_memory
 from halfmoon.engine.cuda_graphs import DecodeBatch, DecodeGraphs
 from halfmoon.engine.hooks import KVHooks
 from halfmoon.engine.kv_cache import create_shared_kv
@@ -38,6 +40,10 @@ class ModelRunner:
         load_weights(model, model_dir)
         self.model = model.eval()
         self.weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        # A tied head shares the embedding's weight; a packed copy would double it.
+        pack_linears(model, skip=(model.lm_head,) if cfg.tie_word_embeddings else ())
+        if device.type == "cpu":
+            keep_freed_memory()
         self.cos_sin: torch.Tensor | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.decode_graphs: DecodeGraphs | None = None

@@ -3,11 +3,14 @@ controller make on any worker (info, load, ping, profile, counters)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
+import math
 from collections import OrderedDict
 
 import ray
+import torch
 
 from halfmoon.engine.async_engine import AsyncEngine
 from halfmoon.engine.llm_engine import LLMEngine, StepTiming
@@ -31,6 +34,7 @@ class EngineWorker:
     def __init__(self, name: str, engine: LLMEngine) -> None:
         self.name = name
         self.engine = engine
+        use_assigned_cpus()
         config = engine.config  # the prefill chunk is the transfer unit on both sides
         self.chunk_tokens = config.prefill_chunk_size or config.max_num_batched_tokens
         self.async_engine: AsyncEngine | None = None
@@ -113,6 +117,21 @@ class EngineWorker:
 
     def _was_aborted(self, ticket: str | None) -> bool:
         return ticket is not None and ticket in self.aborted_tickets
+
+
+def use_assigned_cpus() -> int | None:
+    """One torch intra-op thread per whole CPU Ray gave this actor (at least one) and one
+    inter-op thread, whatever OMP_NUM_THREADS the actor inherited; returns the thread count,
+    None outside an actor (torch's defaults stay)."""
+    context = ray.get_runtime_context()
+    if context.worker.mode != ray.WORKER_MODE:
+        return None
+    threads = max(1, math.floor(context.get_assigned_resources().get("CPU", 1.0)))
+    torch.set_num_threads(threads)
+    # Settable only before any inter-op work has run (and once); the engine starts none.
+    with contextlib.suppress(RuntimeError):
+        torch.set_num_interop_threads(1)
+    return threads
 
 
 def _take_steps(engine: LLMEngine) -> list[StepTiming]:

@@ -1,4 +1,5 @@
-"""`halfmoon bench engine`: our engine against transformers on the same requests.
+"""`halfmoon bench engine`: our engine against transformers, or vLLM's CPU build (`--peer
+vllm`), on the same requests.
 
 CPU: a ~50M model, 64 requests (prompts 32-512, outputs 16-128), fp32, one thread.
 CUDA: the ~0.9B shape of the GPU issues, 256 requests (prompts 128-1024, 128 outputs), bf16.
@@ -10,6 +11,7 @@ import argparse
 import json
 import math
 import random
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -17,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from halfmoon.cluster.bench.peer import PeerUnavailableError, VllmPeer
 from halfmoon.engine.init_model import SHAPES, default_model_dir, ensure_model
 
 
@@ -64,31 +67,50 @@ def make_workload(
     return Workload(prompts, output_lens)
 
 
-def run_ours(
-    model_dir: Path, work: Workload, batch_size: int, device: str = "cpu", eager: bool = False
-) -> tuple[float, float]:
-    """(wall seconds, seconds inside model forward passes) for our engine."""
+def our_llm(model_dir: Path, batch_size: int, device: str, dtype: torch.dtype, eager: bool = False):
+    """Our offline engine on the benchmark's settings, warmed up; no prefix caching, so that
+    repeated runs of the same prompts do not hit their own cache."""
     from halfmoon.engine import LLM, SamplingParams
 
-    dtype = str(SETUPS[device].dtype).removeprefix("torch.")
     llm = LLM(
         str(model_dir),
         max_num_seqs=batch_size,
         max_num_batched_tokens=2048,
         device=device,
-        dtype=dtype,
+        dtype=str(dtype).removeprefix("torch."),
         enforce_eager=eager,
+        enable_prefix_caching=False,
     )
+    llm.generate([[6] * 8], SamplingParams(max_tokens=2))
+    return llm
+
+
+def time_ours(llm, work: Workload) -> tuple[float, float, float]:
+    """(wall seconds, CPU seconds of this process, seconds inside forward passes) of one pass."""
+    from halfmoon.engine import SamplingParams
+
     params = [
         SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in work.output_lens
     ]
-    llm.generate([work.prompts[0][:8]], SamplingParams(max_tokens=2))  # warm up
     forward_before_s = llm.engine.stats().forward_s
-    started = time.perf_counter()
+    started, cpu_before = time.perf_counter(), time.process_time()
     outputs = llm.generate(work.prompts, params)
-    wall = time.perf_counter() - started
+    wall, cpu = time.perf_counter() - started, time.process_time() - cpu_before
     assert sum(len(o.token_ids) for o in outputs) == work.num_output_tokens
-    forward_s = llm.engine.stats().forward_s - forward_before_s
+    return wall, cpu, llm.engine.stats().forward_s - forward_before_s
+
+
+def run_ours(
+    model_dir: Path,
+    work: Workload,
+    batch_size: int,
+    device: str = "cpu",
+    eager: bool = False,
+    dtype: torch.dtype | None = None,
+) -> tuple[float, float]:
+    """(wall seconds, seconds inside model forward passes) for our engine."""
+    llm = our_llm(model_dir, batch_size, device, dtype or SETUPS[device].dtype, eager)
+    wall, _, forward_s = time_ours(llm, work)
     del llm
     if device == "cuda":
         # Freed memory stays reserved by torch's allocator until emptied, and the next engine
@@ -97,18 +119,19 @@ def run_ours(
     return wall, forward_s
 
 
-def _hf_model(model_dir: Path, device: str = "cpu"):
+def _hf_model(model_dir: Path, device: str, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
-    dtype = SETUPS[device].dtype
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     model.generation_config.eos_token_id = None
     return model
 
 
-def run_hf_static(model_dir: Path, work: Workload, batch_size: int, device: str = "cpu") -> float:
+def run_hf_static(
+    model_dir: Path, work: Workload, batch_size: int, device: str, dtype: torch.dtype
+) -> float:
     """Wall seconds for `generate` over static, left-padded batches of `batch_size` requests."""
-    model = _hf_model(model_dir, device)
+    model = _hf_model(model_dir, device, dtype)
     started = time.perf_counter()
     with torch.no_grad():
         for start in range(0, len(work.prompts), batch_size):
@@ -127,10 +150,10 @@ def run_hf_static(model_dir: Path, work: Workload, batch_size: int, device: str 
 
 
 def run_hf_continuous(
-    model_dir: Path, work: Workload, batch_size: int, device: str = "cpu"
+    model_dir: Path, work: Workload, batch_size: int, device: str, dtype: torch.dtype
 ) -> float | None:
     """Wall seconds for transformers' own continuous batching, or None where it is missing."""
-    model = _hf_model(model_dir, device)
+    model = _hf_model(model_dir, device, dtype)
     if not hasattr(model, "init_continuous_batching"):
         return None
     from transformers import GenerationConfig
@@ -162,11 +185,12 @@ def sync_device(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="halfmoon bench engine",
         description="Output tokens/s of our engine vs transformers generate (static batches) and "
-        "transformers continuous batching, on the same requests, one process, one thread.",
+        "transformers continuous batching, or (--peer vllm) vs vLLM's CPU build in a subprocess, "
+        "on the same requests.",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(
@@ -175,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         default="cpu",
         help="cpu: ~50M model in fp32, 64 requests; cuda: ~0.9B model in bf16, 256 requests",
     )
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="(the device's above)")
     parser.add_argument("--requests", type=int, help="number of requests (64 on CPU, 256 on CUDA)")
     parser.add_argument(
         "--eager", action="store_true", help="also time our engine without CUDA graphs (cuda)"
@@ -188,10 +213,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-hf-cb", action="store_true", help="skip transformers CB")
+    parser.add_argument(
+        "--peer",
+        choices=["vllm"],
+        help="instead of transformers: vLLM's CPU build from .peers-venv (`make peers`), "
+        "prefix caching off, its OpenMP threads bound to --threads CPUs; runs alternate",
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each with --peer (3)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA GPU is visible to torch")
+    if args.peer and args.device != "cpu":
+        parser.error("--peer vllm: the peer is vLLM's CPU build; use --device cpu")
     setup = SETUPS[args.device]
+    dtype = getattr(torch, args.dtype) if args.dtype else setup.dtype
     args.requests = args.requests or setup.num_requests
     torch.set_num_threads(args.threads)
     model_dir = ensure_model(default_model_dir().with_name(setup.model_name), setup.shape)
@@ -205,32 +245,47 @@ def main(argv: list[str] | None = None) -> int:
         setup.prompt_lens,
         setup.output_lens,
     )
-    log = sys.stderr
     print(
         f"model {model_dir} ({_num_params(model_dir) / 1e6:.1f}M params), {args.requests} "
         f"requests, {work.num_output_tokens} output tokens, batch {args.batch_size}, "
-        f"{args.threads} thread(s), device {args.device}, {setup.dtype}",
-        file=log,
+        f"{args.threads} thread(s), device {args.device}, {dtype}",
+        file=sys.stderr,
     )
-    ours_s, forward_s = run_ours(model_dir, work, args.batch_size, args.device)
+    compare = compare_with_peer if args.peer else compare_with_transformers
+    try:
+        figures = compare(model_dir, work, dtype, args)
+    except PeerUnavailableError as error:
+        print(f"bench engine --peer {args.peer}: {error}", file=sys.stderr)
+        return 2
+    result = {
+        "device": args.device,
+        "dtype": str(dtype).removeprefix("torch."),
+        "threads": args.threads,
+        "requests": args.requests,
+        "output_tokens": work.num_output_tokens,
+        **figures,
+    }
+    _print(result, args.json)
+    return 0
+
+
+def compare_with_transformers(model_dir: Path, work: Workload, dtype: torch.dtype, args) -> dict:
+    """Ours (and, with --eager on CUDA, ours without graphs), then transformers' two ways."""
+    log, device, batch = sys.stderr, args.device, args.batch_size
+    ours_s, forward_s = run_ours(model_dir, work, batch, device, dtype=dtype)
     print(f"ours: {ours_s:.1f}s", file=log)
     eager_s = None
-    if args.eager and args.device == "cuda":
-        eager_s, _ = run_ours(model_dir, work, args.batch_size, args.device, eager=True)
+    if args.eager and device == "cuda":
+        eager_s, _ = run_ours(model_dir, work, batch, device, eager=True, dtype=dtype)
         print(f"ours, eager: {eager_s:.1f}s", file=log)
-    static_s = run_hf_static(model_dir, work, args.batch_size, args.device)
+    static_s = run_hf_static(model_dir, work, batch, device, dtype)
     print(f"hf static: {static_s:.1f}s", file=log)
     cb_s = None
     if not args.skip_hf_cb:
-        cb_s = run_hf_continuous(model_dir, work, args.batch_size, args.device)
+        cb_s = run_hf_continuous(model_dir, work, batch, device, dtype)
     print(f"hf continuous batching: {cb_s if cb_s is None else round(cb_s, 1)}s", file=log)
     tokens = work.num_output_tokens
-    result = {
-        "device": args.device,
-        "dtype": str(setup.dtype).removeprefix("torch."),
-        "threads": args.threads,
-        "requests": args.requests,
-        "output_tokens": tokens,
+    return {
         "ours_tok_s": tokens / ours_s,
         "ours_eager_tok_s": tokens / eager_s if eager_s else None,
         "hf_static_tok_s": tokens / static_s,
@@ -239,12 +294,46 @@ def main(argv: list[str] | None = None) -> int:
         "ratio_vs_hf_cb": cb_s / ours_s if cb_s else None,
         "overhead_ratio": ours_s / forward_s,
     }
-    if args.json:
+
+
+def compare_with_peer(model_dir: Path, work: Workload, dtype: torch.dtype, args) -> dict:
+    """vLLM and ours in turns, `--repeats` runs each, both loaded once; medians, and the
+    median of each turn's ratio (the machine's load moves both alike within a turn)."""
+    name = str(dtype).removeprefix("torch.")
+    peer = VllmPeer(model_dir, work, name, args.threads, args.batch_size)
+    try:
+        llm = our_llm(model_dir, args.batch_size, "cpu", dtype)
+        turns = []
+        for turn in range(args.repeats):
+            theirs, (ours_s, ours_cpu_s, _) = peer.run(), time_ours(llm, work)
+            assert theirs.output_tokens == work.num_output_tokens, theirs
+            turns.append((ours_s, ours_cpu_s, theirs.wall_s, theirs.cpu_s))
+            print(f"turn {turn}: ours {ours_s:.1f}s, vllm {theirs.wall_s:.1f}s", file=sys.stderr)
+    finally:
+        peer.close()
+    return _peer_result(turns, work.num_output_tokens)
+
+
+def _peer_result(turns: list[tuple[float, float, float, float]], tokens: int) -> dict:
+    ours_s, ours_cpu_s, vllm_s, vllm_cpu_s = (
+        statistics.median(col) for col in zip(*turns, strict=True)
+    )
+    return {
+        "ours_tok_s": tokens / ours_s,
+        "vllm_tok_s": tokens / vllm_s,
+        "ratio_vs_vllm": statistics.median(v / o for o, _, v, _ in turns),
+        "ratios_vs_vllm": [round(v / o, 3) for o, _, v, _ in turns],
+        "ours_tok_per_cpu_s": tokens / ours_cpu_s,
+        "vllm_tok_per_cpu_s": tokens / vllm_cpu_s,
+    }
+
+
+def _print(result: dict, as_json: bool) -> None:
+    if as_json:
         print(json.dumps(result))
-    else:
-        for key, value in result.items():
-            print(f"{key:>20}: {value:.3f}" if isinstance(value, float) else f"{key:>20}: {value}")
-    return 0
+        return
+    for key, value in result.items():
+        print(f"{key:>20}: {value:.3f}" if isinstance(value, float) else f"{key:>20}: {value}")
 
 
 def _num_params(model_dir: Path) -> int:
