@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import ray
 
 from halfmoon.cluster.bench.chaos_killer import POOLS, Kill, Killer
-from halfmoon.cluster.bench.options import bench_parser
+from halfmoon.cluster.bench.options import add_pool_options, bench_parser
 from halfmoon.cluster.bench.ttft import add_prompt_options, make_prompts
 from halfmoon.cluster.client.grpc_client import AsyncClient, ServerError
 from halfmoon.cluster.config import load_config
@@ -245,8 +245,7 @@ def build_parser():
     )
     # Two per pool: a kill leaves a live worker, where with one the pool is empty until its
     # replacement serves (7-20 s on the 2-core machine, longer than a kill's interval).
-    parser.add_argument("--prefill", type=int, default=2, help="prefill workers (%(default)s)")
-    parser.add_argument("--decode", type=int, default=2, help="decode workers (%(default)s)")
+    add_pool_options(parser, prefill=2, decode=2)
     add_prompt_options(parser, prompt_tokens=128, max_tokens=128)
     parser.add_argument(
         "--concurrency", type=int, default=8, help="requests in flight at once (%(default)s)"

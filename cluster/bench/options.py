@@ -83,3 +83,11 @@ def add_slo_options(parser, ttft_help: str, tbt_help: str) -> None:
     """--ttft-slo and --tbt-slo, in seconds."""
     parser.add_argument("--ttft-slo", type=float, help=ttft_help)
     parser.add_argument("--tbt-slo", type=float, help=tbt_help)
+
+
+def add_pool_options(parser: argparse.ArgumentParser, prefill: int, decode: int) -> None:
+    """`--prefill` and `--decode`: the workers of each pool of the cluster a benchmark starts."""
+    parser.add_argument(
+        "--prefill", type=int, default=prefill, help="prefill workers (%(default)s)"
+    )
+    parser.add_argument("--decode", type=int, default=decode, help="decode workers (%(default)s)")

@@ -16,7 +16,7 @@ from dataclasses import asdict
 
 import ray
 
-from halfmoon.cluster.bench.options import add_slo_options, bench_parser
+from halfmoon.cluster.bench.options import add_pool_options, add_slo_options, bench_parser
 from halfmoon.cluster.bench.replay_predictions import (
     Figures,
     PredictionFigures,
@@ -246,8 +246,7 @@ def build_parser():
         help="arrival speed-up: live time = trace time / X, e.g. 4 for arrivals 4x closer "
         "together, 0.5 for 2x further apart (1.0)",
     )
-    parser.add_argument("--prefill", type=int, default=1, help="prefill workers (1)")
-    parser.add_argument("--decode", type=int, default=1, help="decode workers (1)")
+    add_pool_options(parser, prefill=1, decode=1)
     parser.add_argument("--policy", default="conductor", help="routing policy (conductor)")
     parser.add_argument(
         "--admission",
