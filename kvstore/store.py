@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 
 from halfmoon.kvstore.config import StoreConfig
-from halfmoon.kvstore.errors import LayerTimeout
+from halfmoon.kvstore.errors import LayerTimeout, StoreFull
 from halfmoon.kvstore.host_tier import EvictedBlock, HostTier, WriteResult
 from halfmoon.kvstore.index import BlockEvent, EventKind
 from halfmoon.kvstore.layout import KvLayout, LayerKV
@@ -207,8 +207,11 @@ class KvStore:
         if self.redis is None or host == len(keys):
             return host, 0
         depth = host + await self.redis.leading_depth(keys[host:])
-        for layer in range(self.layout.num_layers if depth > host else 0):
-            await self._promote(list(keys[host:depth]), layer)
+        try:
+            for layer in range(self.layout.num_layers if depth > host else 0):
+                await self._promote(list(keys[host:depth]), layer)
+        except StoreFull:  # leases hold the tier: the blocks not promoted are a miss, computed
+            pass
         return host, self.host.leading_complete(keys) - host
 
     def lease(self, keys: Sequence[bytes], ttl_s: float | None = None) -> int:

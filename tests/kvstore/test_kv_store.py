@@ -200,6 +200,15 @@ async def test_an_idle_store_reports_an_expired_lease_as_gone() -> None:
     assert kv_store.stats().host.leased_blocks == 0
 
 
+async def test_a_prefix_in_redis_with_no_room_to_promote_it_is_a_miss(redis_url: str) -> None:
+    kv_store, keys = store(num_blocks=2, redis_url=redis_url), make_keys(4)
+    await put_all_layers(kv_store, keys[:2])
+    await put_all_layers(kv_store, keys[2:], seed=7)  # evicts the first two to Redis
+    await kv_store.flush()
+    kv_store.lease(keys[2:])  # every host block leased: nothing can make room
+    assert await kv_store.prefix_depths(keys[:2]) == (0, 0)  # was StoreFull, a 500 when served
+
+
 async def test_prefix_depths_promotes_what_only_redis_holds(redis_url: str) -> None:
     kv_store, keys = store(num_blocks=2, redis_url=redis_url), make_keys(4)
     await put_all_layers(kv_store, keys[:2])
