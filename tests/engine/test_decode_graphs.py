@@ -58,9 +58,7 @@ def test_a_long_context_engine_decodes_short_sequences_over_the_narrowest_tables
     # At a 40k-token context a graph over the full tables would give a short sequence a few
     # long splits; its steps go through the 512-page bucket instead, with the eager tokens.
     model_dir = str(checkpoints["llama"])
-    eager = LLM(model_dir, **ENGINE_ARGS)
-    prompts = _prompts(eager.engine.facts.vocab_size)
-    expected = [out.token_ids for out in eager.generate(prompts, PARAMS)]
+    prompts, expected = _eager_tokens(model_dir)
     padded = LLM(model_dir, **ENGINE_ARGS)
     padded.engine.runner.enable_decode_graphs(6, 40_000, capture=False)
     graphs, widths = padded.engine.runner.decode_graphs, []
@@ -72,9 +70,7 @@ def test_a_long_context_engine_decodes_short_sequences_over_the_narrowest_tables
 
 def test_padded_decode_buffers_give_the_eager_tokens(checkpoints):
     model_dir = str(checkpoints["llama"])
-    eager = LLM(model_dir, **ENGINE_ARGS)
-    prompts = _prompts(eager.engine.facts.vocab_size)
-    expected = [out.token_ids for out in eager.generate(prompts, PARAMS)]
+    prompts, expected = _eager_tokens(model_dir)
 
     padded = LLM(model_dir, **ENGINE_ARGS)
     runner = padded.engine.runner
@@ -159,3 +155,10 @@ def test_cuda_graph_decode_equals_eager_on_cuda(checkpoints, arch):
     sizes = _count_graph_steps(graphed)
     assert [out.token_ids for out in graphed.generate(prompts, PARAMS)] == expected
     assert sizes, "decode steps were replayed from graphs"
+
+
+def _eager_tokens(model_dir: str) -> tuple[list, list[list[int]]]:
+    """The test prompts and an eager engine's greedy tokens for them."""
+    eager = LLM(model_dir, **ENGINE_ARGS)
+    prompts = _prompts(eager.engine.facts.vocab_size)
+    return prompts, [out.token_ids for out in eager.generate(prompts, PARAMS)]
