@@ -14,6 +14,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
+import torch
+
 from halfmoon.engine.errors import HalfmoonError, RequestNotFoundError
 from halfmoon.engine.llm_engine import LLMEngine, RequestOutput
 from halfmoon.engine.sampling_params import SamplingParams
@@ -139,6 +141,9 @@ class AsyncEngine:
             loop.call_soon_threadsafe(_put_all, items)
 
     def _loop(self) -> None:
+        # OpenMP's team size is a per-thread setting: this thread starts with the library's
+        # default (every core), not what `torch.set_num_threads` set for the process.
+        torch.set_num_threads(torch.get_num_threads())
         while True:
             with self._work:
                 while not self._stopped and not self.engine.has_unfinished_requests():

@@ -24,9 +24,9 @@ from collections.abc import Iterator
 from halfmoon.engine.llm_engine import LLMEngine
 from halfmoon.engine.sampling_params import SamplingParams
 from halfmoon.kernels import ops, reference
+from halfmoon.kernels.decode_splits import MIN_SPLIT_TOKENS  # contexts double from here
 
 log = logging.getLogger(__name__)
-SPLIT_TOKENS = 256  # the decode kernel's tokens per split; contexts double from here
 GREEDY = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
 # The sampler's other path (temperature, top-k/top-p sort, min-p, a seeded generator,
 # logprobs), which the first sampled request would otherwise pay for while serving.
@@ -62,7 +62,7 @@ def warm_up(engine: LLMEngine, seed: int = 0) -> float:
             _run(engine, rng, num_seqs, min(engine.config.block_size + 3, limit), waves=2)
         # Decode splits: a prompt of `context` tokens decodes with one split more than
         # context / SPLIT_TOKENS (its next token opens a page), one 4 tokens shorter with that many.
-        for context in _doubling(SPLIT_TOKENS, limit):
+        for context in _doubling(MIN_SPLIT_TOKENS, limit):
             _run(engine, rng, 1, context - 4)
             _run(engine, rng, 1, context)
         _run(engine, rng, 2, min(engine.config.block_size + 3, limit), params=SAMPLED)

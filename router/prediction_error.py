@@ -32,12 +32,14 @@ class PredictionErrorLog:
     def __init__(self, capacity: int = 10_000) -> None:
         self._pairs: deque[tuple[float, float]] = deque(maxlen=capacity)
         self._shortfalls: deque[tuple[float, float]] = deque(maxlen=CALIBRATION_WINDOW)
+        self._served: tuple[float, list[float]] | None = None  # (min predicted, sorted ratios)
 
     def record(self, predicted_s: float, actual_s: float) -> None:
         """Add one pair."""
         self._pairs.append((predicted_s, actual_s))
         if predicted_s > 0:
             self._shortfalls.append((predicted_s, actual_s / predicted_s))
+            self._served = None
 
     def shortfall(
         self, bound_s: float | None, waiting: Iterable[tuple[float, float]] = ()
@@ -50,12 +52,20 @@ class PredictionErrorLog:
         if bound_s is None:
             return 1.0
         min_predicted_s = bound_s * CALIBRATION_SHARE
-        ratios = [r for p, r in self._shortfalls if p >= min_predicted_s]
-        ratios += [w / p for p, w in waiting if p >= min_predicted_s]
+        late = [w / p for p, w in waiting if p >= min_predicted_s]
+        ratios = self._served_ratios(min_predicted_s)
+        ratios = sorted(ratios + late) if late else ratios
         if len(ratios) < CALIBRATION_MIN_COUNT:
-            return max(max(ratios, default=1.0), 1.0)
-        ratios.sort()
+            return max(ratios[-1] if ratios else 1.0, 1.0)
         return max(ratios[min(int(CALIBRATION_QUANTILE * len(ratios)), len(ratios) - 1)], 1.0)
+
+    def _served_ratios(self, min_predicted_s: float) -> list[float]:
+        """The recorded shortfalls of predictions of `min_predicted_s` or more, sorted; kept
+        until the next record, since every decision under a bound asks for them."""
+        if self._served is None or self._served[0] != min_predicted_s:
+            ratios = sorted(r for p, r in self._shortfalls if p >= min_predicted_s)
+            self._served = (min_predicted_s, ratios)
+        return self._served[1]
 
     def stats(self) -> PredictionErrorStats:
         """Mean and p90 absolute error, and mean error relative to the actual TTFT."""

@@ -40,13 +40,13 @@ class TtftBound:
         if self.max_ttft_s is None or (view is not None and not view.jobs):
             return ""
         own_s = predicted_ttft_s * self.shortfall
-        pushed_s = self._pushed_s(view, placement, predicted_ttft_s - placement.ttft_s)
         if own_s > self.max_ttft_s:
             what = f"predicted TTFT {own_s:.3f}s"
-        elif pushed_s > self.max_ttft_s:
-            what = f"it would slow a request already there to a TTFT of {pushed_s:.3f}s"
         else:
-            return ""
+            pushed_s = self._pushed_s(view, placement, predicted_ttft_s - placement.ttft_s)
+            if pushed_s <= self.max_ttft_s:
+                return ""
+            what = f"it would slow a request already there to a TTFT of {pushed_s:.3f}s"
         scale = f" ({self.shortfall:.2f}x, as recent requests waited)" if self.shortfall > 1 else ""
         return (
             f"{what}{scale} on {placement.prefill_instance} exceeds router.max_ttft_s "
