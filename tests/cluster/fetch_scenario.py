@@ -15,7 +15,7 @@ import time
 
 import ray
 from ray.cluster_utils import Cluster as RayCluster
-from scenario_kit import NODE, pool_settings, started, write_report
+from scenario_kit import NODE, NODES_TIMEOUT_S, pool_settings, started, write_report
 
 from halfmoon.cluster.client.grpc_client import Client
 from halfmoon.cluster.control.launcher import Cluster
@@ -41,7 +41,7 @@ def main(model: str, out_path: str) -> None:
     del offline
     nodes = RayCluster(initialize_head=True, head_node_args={**NODE, "resources": {"decode": 1}})
     first, second = (nodes.add_node(**NODE, resources={"prefill": 1}) for _ in range(2))
-    nodes.wait_for_nodes()
+    nodes.wait_for_nodes(NODES_TIMEOUT_S)
     with started(nodes, pool_settings(model, **SETTINGS)) as (cluster, ports):
         with Client(f"127.0.0.1:{ports['grpc_port']}") as client:
             report.update(serve(cluster, client, prompts))

@@ -15,7 +15,7 @@ import urllib.request
 import ray
 from prometheus_client.parser import text_string_to_metric_families
 from ray.cluster_utils import Cluster as RayCluster
-from scenario_kit import NODE, pool_settings, started, write_report
+from scenario_kit import NODE, NODES_TIMEOUT_S, pool_settings, started, write_report
 
 from halfmoon.cluster.client.grpc_client import Client
 from halfmoon.cluster.control.controller import Controller
@@ -133,7 +133,7 @@ def main(model: str, out_path: str) -> None:
     nodes = RayCluster(initialize_head=True, head_node_args=dict(NODE))
     prefill_node = nodes.add_node(**NODE, resources={"prefill": 1})
     decode_node = nodes.add_node(**NODE, resources={"decode": 1})
-    nodes.wait_for_nodes()
+    nodes.wait_for_nodes(NODES_TIMEOUT_S)
     report: dict = {
         "prefill_node": prefill_node.node_id,
         "decode_node": decode_node.node_id,
@@ -157,7 +157,7 @@ def main(model: str, out_path: str) -> None:
             controller.check_health()
             report["pending_without_room"] = sorted(controller.pending)
             spare = nodes.add_node(**NODE, resources={"decode": 1})
-            nodes.wait_for_nodes()
+            nodes.wait_for_nodes(NODES_TIMEOUT_S)
             report["spare_node"] = spare.node_id
             report["registered_on_spare"] = wait_for(lambda: all_registered(controller), 240)
             report["stores_before_removal"] = sorted(cluster.stores)
@@ -175,7 +175,7 @@ def main(model: str, out_path: str) -> None:
             report["pending_after_removal"] = sorted(controller.pending)
             report["outputs_while_pending"] = [greedy(client, p, MAX_TOKENS) for p in PROMPTS]
             second_spare = nodes.add_node(**NODE, resources={"decode": 1})
-            nodes.wait_for_nodes()
+            nodes.wait_for_nodes(NODES_TIMEOUT_S)
             report["second_spare_node"] = second_spare.node_id
             report["replaced"] = wait_for(lambda: all_registered(controller), 240)
             report["num_restarts"] = controller.num_restarts

@@ -20,12 +20,24 @@ from halfmoon.cluster.control.launcher import Cluster
 GiB = 1 << 30
 # One small Ray node of a scenario's cluster (the machine has 2 cores).
 NODE = {"num_cpus": 1, "memory": 2 * GiB, "object_store_memory": 100 * 1024 * 1024}
+# A raylet starved of CPU on a loaded 2-core machine answers its health checks late: give it
+# 30 s a check and 10 checks before the GCS takes its node for dead (Ray's defaults, 10 s and
+# 5, lost a live spare node in CI). A killed raylet still fails every check at once (connection
+# refused), so a removed node is marked dead within 10 periods of 3 s.
+SCENARIO_ENV = {
+    "RAY_AUTH_MODE": "disabled",
+    "TOKENIZERS_PARALLELISM": "false",
+    "RAY_health_check_timeout_ms": "30000",
+    "RAY_health_check_failure_threshold": "10",
+}
+# How long a scenario waits for its nodes to be registered (Ray's default is 30 s).
+NODES_TIMEOUT_S = 180
 
 
 def run_scenario(script: Path, model_dir, out_dir: Path, timeout_s: float) -> dict:
     """Run `script MODEL OUT.json` and return what it wrote (its output when it fails)."""
     out = out_dir / "report.json"
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, **SCENARIO_ENV}
     result = subprocess.run(
         [sys.executable, str(script), str(model_dir), str(out)],
         env=env, capture_output=True, text=True, timeout=timeout_s,
