@@ -6,7 +6,7 @@ import argparse
 import json
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields
 from types import ModuleType
 
 import torch
@@ -24,20 +24,25 @@ MATMUL_SIZE = 8192
 Timer = Callable[[Callable[[], object], int, int], float]
 
 
+def _option(default: int, help_: str):
+    """A `BenchConfig` field that is also an option of `halfmoon bench kernels`."""
+    return field(default=default, metadata={"help": help_})
+
+
 @dataclass(slots=True)
 class BenchConfig:
     """Workload shapes (decode batch x context, prefill batch x length) and timing repeats."""
 
-    decode_batch: int = 64
-    decode_context: int = 4096
-    prefill_batch: int = 8
-    prefill_len: int = 2048
-    num_q_heads: int = 32
-    num_kv_heads: int = 8
-    head_dim: int = 128
-    block_size: int = 16
-    warmup: int = 5
-    iters: int = 20
+    decode_batch: int = _option(64, "sequences in the decode workload")
+    decode_context: int = _option(4096, "cached tokens per decoding sequence")
+    prefill_batch: int = _option(8, "runs in the prefill workload")
+    prefill_len: int = _option(2048, "new tokens per prefill run")
+    num_q_heads: int = _option(32, "query heads")
+    num_kv_heads: int = _option(8, "KV heads")
+    head_dim: int = _option(128, "head dimension")
+    block_size: int = _option(16, "tokens per KV page")
+    warmup: int = _option(5, "untimed calls before timing")
+    iters: int = _option(20, "timed calls averaged")
 
 
 @dataclass(slots=True)
@@ -289,7 +294,6 @@ def format_table(device_name: str, peaks: DevicePeaks, results: list[KernelResul
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line of `halfmoon bench kernels`."""
-    defaults = BenchConfig()
     parser = bench_parser(
         "kernels",
         description="Time the Triton kernels on the CUDA device (fp16) and report achieved GB/s or "
@@ -297,22 +301,10 @@ def build_parser() -> argparse.ArgumentParser:
         "(scaled_dot_product_attention over already-gathered dense KV for attention, the "
         "reference kernels otherwise). Without CUDA it prints why and exits 0.",
     )
-    for field, help_ in (
-        ("decode_batch", "sequences in the decode workload"),
-        ("decode_context", "cached tokens per decoding sequence"),
-        ("prefill_batch", "runs in the prefill workload"),
-        ("prefill_len", "new tokens per prefill run"),
-        ("num_q_heads", "query heads"),
-        ("num_kv_heads", "KV heads"),
-        ("head_dim", "head dimension"),
-        ("block_size", "tokens per KV page"),
-        ("warmup", "untimed calls before timing"),
-        ("iters", "timed calls averaged"),
-    ):
-        default = getattr(defaults, field)
+    for option in fields(BenchConfig):
         parser.add_argument(
-            f"--{field.replace('_', '-')}", type=int, default=default,
-            help=f"{help_} (default {default})",
+            f"--{option.name.replace('_', '-')}", type=int, default=option.default,
+            help=f"{option.metadata['help']} (default {option.default})",
         )  # fmt: skip
     return parser
 

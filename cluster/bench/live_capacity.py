@@ -1,11 +1,13 @@
 """`halfmoon bench live-capacity`: the capacity simulator checked against a running cluster.
 
-The same requests (lengths, prompts' block structure, arrival times) go to the live cluster
-through `bench serve`'s load generator and to the simulator `bench capacity` uses (request-level
-disaggregated simulation, or colocated continuous batching), set up as the cluster is: its mode,
-its instance counts, its router settings and its profile (measured from its workers at start and
-refit online, as `GetServerInfo` reports it). Per rate: the share of requests within both SLOs,
-live and simulated, and whether they agree within a tolerance.
+The same requests (lengths, prompts' block structure, arrival times) go, at three rates, to the
+live cluster through `bench serve`'s load generator and to the simulator `bench capacity` uses
+(request-level disaggregated simulation, or colocated continuous batching), set up as the
+cluster is: its mode, its instance counts, its router settings and its profile (measured from
+its workers at start and refit online, as `GetServerInfo` reports it; or --profile). Per rate:
+the share of requests within both SLOs (TTFT and TBT = decode time per decoded token; failed or
+rejected requests miss), live and simulated, and whether they agree within --tolerance. Exit
+status 2 when the server cannot be reached or mirrored.
 """
 
 from __future__ import annotations
@@ -45,17 +47,7 @@ WARMUP_SEED = 1_000_003  # far from the runs' seeds, so warm-up prompts share no
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = bench_parser(
-        "live-capacity",
-        progress=True,
-        description="Check the capacity simulator against a running cluster: send the same "
-        "workload at three rates with `bench serve`'s load generator, simulate it with the "
-        "cluster's own mode, instance counts, router settings and profile (from GetServerInfo: "
-        "measured from its workers at start, refit online; or --profile), and print per rate the "
-        "share of requests within both SLOs (TTFT and TBT = decode time per decoded token; "
-        "failed or rejected requests miss), live and simulated, and whether they agree within "
-        "--tolerance. Exit status 2 when the server cannot be reached or mirrored.",
-    )
+    parser = bench_parser("live-capacity", __doc__, progress=True)
     add_server_options(parser.add_argument_group("server"), "seconds per request (%(default)s)")
     work = parser.add_argument_group("workload (as `bench serve`)")
     add_workload_options(

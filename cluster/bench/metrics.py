@@ -9,9 +9,8 @@ from dataclasses import dataclass, field
 
 from halfmoon.router.sim.summary import percentile
 
-LATENCIES = ("ttft", "tpot", "itl", "e2el")
 GOODPUT_METRICS = ("ttft", "tpot", "e2el")
-LATENCY_TITLES = {
+LATENCY_TITLES = {  # in report order
     "ttft": "Time to First Token",
     "tpot": "Time per Output Token (excl. 1st token)",
     "itl": "Inter-token Latency",
@@ -175,9 +174,9 @@ def format_summary(title: str, figures: dict, percentiles: list[float]) -> str:
         row("SLO attainment (share of all requests):", figures["slo_attainment"])
     row("Output token throughput (tok/s):", figures["output_throughput"])
     row("Total token throughput (tok/s):", figures["total_token_throughput"])
-    for name in LATENCIES:
+    for name, heading in LATENCY_TITLES.items():
         upper = name.upper()
-        lines.append(f"{LATENCY_TITLES[name]:-^60}")
+        lines.append(f"{heading:-^60}")
         row(f"Mean {upper} (ms):", figures[f"mean_{name}_ms"])
         row(f"Median {upper} (ms):", figures[f"median_{name}_ms"])
         for p in (p for p in percentiles if p != 50):  # p50 is the median, printed above

@@ -1,7 +1,10 @@
 """`halfmoon bench prefix-load`: a prompt whose prefix another prefill worker computed, loaded
-from the store of their node into this worker's pages, side by side: copied straight out of
-the store's shared arena (one call to lease the slots, the default) vs each layer read as a
-Ray object (`get_layer`, the path before, and still the one for blocks only in Redis)."""
+from the store of their node into this worker's pages (2 prefill + 1 decode worker; the ~50M
+model on cpu, the ~0.9B shape on cuda), side by side: copied straight out of the store's shared
+arena (one call to lease the slots, the default) vs each layer read as a Ray object
+(`get_layer`, the path before, and still the one for blocks only in Redis). Time = the loading
+prefill's first step to its first token (the load and the few tokens computed after it); median
+of --repeats, paths alternating."""
 
 from __future__ import annotations
 
@@ -62,14 +65,7 @@ def measure(cluster: Cluster, prefix_tokens: int, repeats: int, seed: int) -> di
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = bench_parser(
-        "prefix-load",
-        "A stored prefix loaded into a second prefill worker on the store's node "
-        "(2 prefill + 1 decode worker; the ~50M model on cpu, the ~0.9B shape on cuda): "
-        "copied out of the store's shared arena (the default) vs read layer by layer as Ray "
-        "objects. Time = the loading prefill's first step to its first token (the load and "
-        f"the last {TAIL_TOKENS} tokens); median of --repeats, paths alternating.",
-    )
+    parser = bench_parser("prefix-load", __doc__)
     parser.add_argument(
         "--tokens", default="512,2048", help="stored prefix lengths, multiples of 16 (512,2048)"
     )

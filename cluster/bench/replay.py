@@ -21,6 +21,7 @@ from halfmoon.cluster.bench.replay_predictions import (
     Figures,
     PredictionFigures,
     Side,
+    figures_of,
     live_views,
     prediction_summary,
     request_ids,
@@ -103,7 +104,7 @@ def simulate(cluster: Cluster, profile, records, block_tokens: int, router_profi
     )  # fmt: skip
     sim = make_simulation(router, instances, router_profile)
     summary = sim.run(records, progress=False)
-    return Side(Figures.of(summary), simulated_views(sim))
+    return Side(figures_of(summary), simulated_views(sim))
 
 
 def live_side(cluster: Cluster, address: str, records: list[TraceRecord], args) -> Side:

@@ -5,34 +5,29 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, make_dataclass
 
 from halfmoon.router.decision import Decision
 from halfmoon.router.sim.simulation import Simulation
 from halfmoon.router.sim.summary import SimSummary, percentile
 from halfmoon.router.sim.trace import TraceRecord
 
+# The simulator's headline figures, for a live or a simulated run: these fields of SimSummary.
+FIGURE_FIELDS = (
+    "requests", "rejected", "ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s",
+    "tbt_mean_s", "tbt_p99_s", "slo_attainment", "hit_rate", "throughput_rps",
+)  # fmt: skip
+Figures = make_dataclass(
+    "Figures",
+    [(f.name, f.type) for f in fields(SimSummary) if f.name in FIGURE_FIELDS],
+    slots=True,
+    namespace={"__module__": __name__},  # make_dataclass would name `types` (Python 3.11)
+)
 
-@dataclass(slots=True)
-class Figures:
-    """The simulator's headline figures, for a live or a simulated run."""
 
-    requests: int
-    rejected: int
-    ttft_mean_s: float
-    ttft_p50_s: float
-    ttft_p90_s: float
-    ttft_p99_s: float
-    tbt_mean_s: float
-    tbt_p99_s: float
-    slo_attainment: float
-    hit_rate: float
-    throughput_rps: float
-
-    @classmethod
-    def of(cls, summary: SimSummary) -> Figures:
-        """A simulated run's figures, taken from its summary."""
-        return cls(**{f.name: getattr(summary, f.name) for f in fields(cls)})
+def figures_of(summary: SimSummary) -> Figures:
+    """A simulated run's figures, taken from its summary."""
+    return Figures(**{name: getattr(summary, name) for name in FIGURE_FIELDS})
 
 
 @dataclass(slots=True)

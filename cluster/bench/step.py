@@ -4,7 +4,8 @@ For each batch size it fills the engine with that many decoding sequences, times
 steps on the wall clock, then profiles as many steps again and sums their device time. A
 ratio near 1 means the GPU is busy the whole step; a large one means Python and launches
 dominate. It also measures the device's copy bandwidth to price streaming the weights once,
-the floor of a batch-1 decode step.
+the floor of a batch-1 decode step. Issue 13's goals: wall <= 1.3x kernel time, batch-1 step
+<= 5x weight streaming.
 
 `host_ms` is the same step with the model replaced by fixed outputs: scheduling, the input
 copies, sampling and detokenization, what the host adds to a step on any device. A graphed
@@ -79,14 +80,7 @@ def decode_step_times(llm, batch_size: int, context: int, steps: int) -> tuple[f
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = bench_parser(
-        "step",
-        "Decode step wall time against its GPU kernel time per batch size, and the "
-        "batch-1 step against the time to stream the weights once (issue 13's goals: wall <= "
-        "1.3x kernel time, batch-1 step <= 5x weight streaming). host_ms is the same step with "
-        "the model replaced by fixed outputs: what scheduling, input copies, sampling and "
-        "detokenization add on any device.",
-    )
+    parser = bench_parser("step", __doc__)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
     parser.add_argument(
         "--batch-sizes", type=int, nargs="+", default=[1, 64], help="decode batch sizes (1 64)"

@@ -1,8 +1,13 @@
-"""`halfmoon bench transfer`: the TTFT breakdown of disaggregated prefill on a live local
-cluster, side by side: layer-wise KV streaming with the prefill worker's direct notices
-(kvstore/kv_notices.py), the decode worker copying out of the prefill worker's own pages (the
-default) or out of the store's arena; streaming with the notices through the store and the
-router's hand-off (the path across nodes); and no streaming."""
+"""`halfmoon bench transfer`: the TTFT breakdown (prefill compute, transfer stall, rest) of
+disaggregated prefill for prompts of 1 to 8 chunks on a live local cluster (1 prefill + 1 decode
+worker; the ~50M model on cpu, the ~0.9B shape on cuda), side by side: layer-wise KV streaming
+with the prefill worker's direct notices (kvstore/kv_notices.py), the decode worker copying each
+layer out of the prefill worker's own pages (path 'pages', the default) or out of the store's
+shared arena ('arena'); streaming with the notices through the store and the router's hand-off
+('store', the path across nodes); and no streaming ('off'). Stall = the last layer published to
+the request joining the decode batch; kv_in = the part of it until the KV was all in the decode
+worker's pages, token = until the first token was known there; lent_layers = layers copied out
+of the prefill worker's pages."""
 
 from __future__ import annotations
 
@@ -141,19 +146,7 @@ async def run(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = bench_parser(
-        "transfer",
-        "TTFT breakdown (prefill compute, transfer stall, rest) for prompts of 1 to 8 "
-        "chunks on a live local cluster (1 prefill + 1 decode worker; the ~50M model on cpu, the "
-        "~0.9B shape on cuda): layer-wise KV streaming with the prefill worker's direct "
-        "notices, the decode worker copying each layer out of the prefill worker's own pages "
-        "(path 'pages', the default) or out of the store's shared arena ('arena'); streaming "
-        "with the notices through the store ('store', the path across nodes); and no "
-        "streaming ('off'). Stall = the last layer published to the request joining the "
-        "decode batch; kv_in = the part of it until the KV was all in the decode worker's "
-        "pages, token = until the first token was known there; lent_layers = layers copied out "
-        "of the prefill worker's pages.",
-    )
+    parser = bench_parser("transfer", __doc__)
     parser.add_argument("--chunks", default="1,2,4,8", help="chunk counts (1,2,4,8)")
     parser.add_argument(
         "--chunk-tokens", type=int, help="prefill chunk size (64 on cpu, 256 on cuda)"

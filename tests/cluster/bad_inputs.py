@@ -60,6 +60,11 @@ def raw_body(name, param, says, body: bytes, path=COMPLETIONS) -> HttpCase:
     return HttpCase(name, 400, param, says, path, body)
 
 
+def raw_field(name, param, says, literal: bytes) -> HttpCase:
+    """A completion body whose field `param` is the raw JSON `literal` (NaN, Infinity: not JSON)."""
+    return raw_body(name, param, says, b'{"prompt": "hi", "%s": %s}' % (param.encode(), literal))
+
+
 def request_id(name, value: bytes, says) -> HttpCase:
     """A good completion request with a bad X-Request-Id header."""
     header = ((b"X-Request-Id", value),)
@@ -274,25 +279,19 @@ RAW_BODIES = [
              body=rb'{"messages": [{"role": "user", "content": "\ud800"}]}'),
     raw_body("short-unicode-escape", "body", "invalid escape", rb'{"prompt": "\u12"}'),
     raw_body("bad-escape", "body", "invalid escape", rb'{"prompt": "\x41"}'),
-    raw_body("temperature-nan", "temperature", "finite and >= 0",
-             b'{"prompt": "hi", "temperature": NaN}'),
-    raw_body("temperature-infinity", "temperature", "finite and >= 0",
-             b'{"prompt": "hi", "temperature": Infinity}'),
-    raw_body("temperature-minus-infinity", "temperature", "finite and >= 0",
-             b'{"prompt": "hi", "temperature": -Infinity}'),
-    raw_body("temperature-1e400", "temperature", "finite and >= 0",
-             b'{"prompt": "hi", "temperature": 1e400}'),
-    raw_body("top-p-nan", "top_p", "(0, 1]", b'{"prompt": "hi", "top_p": NaN}'),
-    raw_body("min-p-infinity", "min_p", "[0, 1]", b'{"prompt": "hi", "min_p": Infinity}'),
-    raw_body("max-tokens-nan", "max_tokens", "finite number",
-             b'{"prompt": "hi", "max_tokens": NaN}'),
-    raw_body("max-tokens-1e400", "max_tokens", "finite number",
-             b'{"prompt": "hi", "max_tokens": 1e400}'),
+    raw_field("temperature-nan", "temperature", "finite and >= 0", b"NaN"),
+    raw_field("temperature-infinity", "temperature", "finite and >= 0", b"Infinity"),
+    raw_field("temperature-minus-infinity", "temperature", "finite and >= 0", b"-Infinity"),
+    raw_field("temperature-1e400", "temperature", "finite and >= 0", b"1e400"),
+    raw_field("top-p-nan", "top_p", "(0, 1]", b"NaN"),
+    raw_field("min-p-infinity", "min_p", "[0, 1]", b"Infinity"),
+    raw_field("max-tokens-nan", "max_tokens", "finite number", b"NaN"),
+    raw_field("max-tokens-1e400", "max_tokens", "finite number", b"1e400"),
     raw_body("max-tokens-5000-digits", "body", "number out of range",
              b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}"),
-    raw_body("seed-nan", "seed", "finite number", b'{"prompt": "hi", "seed": NaN}'),
-    raw_body("ttft-slo-infinity", "ttft_slo_s", SLO, b'{"prompt": "hi", "ttft_slo_s": Infinity}'),
-    raw_body("tbt-slo-nan", "tbt_slo_s", SLO, b'{"prompt": "hi", "tbt_slo_s": NaN}'),
+    raw_field("seed-nan", "seed", "finite number", b"NaN"),
+    raw_field("ttft-slo-infinity", "ttft_slo_s", SLO, b"Infinity"),
+    raw_field("tbt-slo-nan", "tbt_slo_s", SLO, b"NaN"),
     raw_body("chat-top-logprobs-nan", "top_logprobs", "finite number", path=CHAT,
              body=b'{"messages": [{"role": "user", "content": "hi"}], "logprobs": true, '
              b'"top_logprobs": NaN}'),

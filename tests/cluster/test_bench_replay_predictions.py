@@ -121,6 +121,15 @@ def test_simulated_views_follow_trace_order_and_see_a_shared_prefix_cached():
     assert all(v.predicted_ttft_s > 0 and v.predicted_queue_s >= 0 for v in views)
 
 
+def test_simulated_figures_are_the_summary_headline_in_its_order():
+    sim = make_simulation(RouterConfig(block_size=16), SimInstances(profile(), 1, 1, 1000))
+    summary = sim.run([TraceRecord(i, 0.5 * i, 64, 4, [i]) for i in range(3)], progress=False)
+    figures = replay_predictions.figures_of(summary)
+    assert [f.name for f in dataclasses.fields(figures)] == list(replay_predictions.FIGURE_FIELDS)
+    assert (figures.requests, figures.rejected) == (3, 0)
+    assert figures.ttft_p99_s == summary.ttft_p99_s
+
+
 def test_request_rows_pair_each_record_with_every_side():
     records = [TraceRecord(1, 0.0, 64, 4, [0]), TraceRecord(2, 0.5, 32, 2, [1])]
     sides = {"live": [view(1.0, 1.0), None], "simulated": [view(1.5, 1.0), view(2.0, 1.0)]}

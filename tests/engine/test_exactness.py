@@ -6,6 +6,7 @@ import random
 
 import pytest
 import torch
+from hf_reference import greedy_tokens, reference_model
 
 from halfmoon.engine import LLM, SamplingParams
 
@@ -21,23 +22,13 @@ def _prompts(vocab_size: int) -> list[list[int]]:
 
 
 def _reference(model_dir, prompts, device="cpu"):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
-    model.generation_config.eos_token_id = None  # like ignore_eos: never stop early
+    model = reference_model(model_dir, device)
     tokens, logits = [], []
-    with torch.no_grad():
-        for prompt in prompts:
-            ids = torch.tensor([prompt], device=device)
+    for prompt in prompts:
+        ids = torch.tensor([prompt], device=device)
+        with torch.no_grad():
             logits.append(model(ids).logits[0, -1])
-            out = model.generate(
-                ids,
-                do_sample=False,
-                max_new_tokens=NEW_TOKENS,
-                attention_mask=torch.ones_like(ids),
-                pad_token_id=2,
-            )
-            tokens.append(out[0, len(prompt) :].tolist())
+        tokens.append(greedy_tokens(model, ids, NEW_TOKENS))
     return tokens, logits
 
 

@@ -6,6 +6,7 @@ from collections import Counter
 
 import pytest
 import torch
+from hf_reference import greedy_tokens, reference_model
 
 from halfmoon.engine import InvalidRequestError, SamplingParams
 from halfmoon.engine import penalties as penalties_module
@@ -167,24 +168,15 @@ def _greedy(llm, prompt: list[int], **params) -> list[int]:
 
 
 def _transformers_greedy(model_dir, prompt: list[int], params: SamplingParams) -> list[int]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None  # like ignore_eos
-    ids = torch.tensor([prompt])
     bias = [[[token_id], value] for token_id, value in params.logit_bias.items()] or None
-    with torch.no_grad():
-        out = model.generate(
-            ids,
-            do_sample=False,
-            max_new_tokens=NEW_TOKENS,
-            attention_mask=torch.ones_like(ids),
-            pad_token_id=2,
-            repetition_penalty=params.repetition_penalty,
-            sequence_bias=bias,
-            logits_processor=[OpenAIPenalties(params, len(prompt))],
-        )
-    return out[0, len(prompt) :].tolist()
+    return greedy_tokens(
+        reference_model(model_dir),
+        torch.tensor([prompt]),
+        NEW_TOKENS,
+        repetition_penalty=params.repetition_penalty,
+        sequence_bias=bias,
+        logits_processor=[OpenAIPenalties(params, len(prompt))],
+    )
 
 
 def test_greedy_repetition_penalty_equals_transformers_generate(tiny_llm, tiny_model_dir):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -58,3 +59,11 @@ def test_bench_workloads_relate_each_kernel_to_peak_and_torch():
     assert decode.speedup_vs_torch == 1.0
     table = bench.format_table("cpu", peaks, results)
     assert "prefill_attention" in table and "TFLOP/s" in table
+
+
+def test_every_config_field_is_an_option_with_its_default():
+    parser = bench.build_parser()
+    args = vars(parser.parse_args(["--decode-batch", "3"]))
+    assert args.pop("json") is False
+    assert bench.BenchConfig(**args) == dataclasses.replace(bench.BenchConfig(), decode_batch=3)
+    assert "KV heads (default 8)" in parser.format_help()
