@@ -1,8 +1,9 @@
 """The one dispatch point: every kernel the engine calls goes through here.
 
-CUDA tensors run the Triton kernels, everything else the torch references.
-`HALFMOON_KERNELS=torch|triton` forces one backend (tests run Triton on CPU with
-`TRITON_INTERPRET=1`).
+CUDA tensors run the Triton kernels, everything else the torch references, but for CPU
+decode attention, which takes the compiled kernel of `cpu_attention` where it builds.
+`HALFMOON_KERNELS=torch|triton` forces one backend (`torch`: the references alone; tests run
+Triton on CPU with `TRITON_INTERPRET=1`).
 
 Prefill runs with no cached prefix attend over the step's own K/V with torch's fused
 attention (`causal_attention`; FlashAttention on CUDA), which measured faster than the paged
@@ -17,7 +18,7 @@ from types import ModuleType
 
 import torch
 
-from halfmoon.kernels import reference
+from halfmoon.kernels import cpu_attention, reference
 
 BACKEND_ENV = "HALFMOON_KERNELS"
 PREFILL_ENV = "HALFMOON_PREFILL_ATTENTION"
@@ -40,9 +41,16 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
 
 
 def paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale):
-    return backend_for(query).paged_decode_attention(
-        query, k_cache, v_cache, block_tables, seq_lens, scale
-    )
+    backend = backend_for(query)
+    if backend is reference and _native_cpu() and cpu_attention.supports(query, k_cache):
+        backend = cpu_attention
+    return backend.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale)
+
+
+def _native_cpu() -> bool:
+    """Whether CPU decode attention may take the compiled kernel (`cpu_attention`): unless
+    `HALFMOON_KERNELS=torch` asks for the references alone."""
+    return os.environ.get(BACKEND_ENV, "auto") == "auto"
 
 
 def prefill_attention(query, k_cache, v_cache, cu_seqlens_q, block_tables, prefix_lens, scale):

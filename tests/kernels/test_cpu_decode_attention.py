@@ -1,5 +1,6 @@
-"""The torch decode attention (the CPU serving path) against the plain per-sequence loop it
-replaced: one sequence at a time over exactly its own pages, nothing padded or masked."""
+"""The CPU decode attentions (the compiled kernel of `cpu_attention`, the serving path, and the
+torch reference) against the plain per-sequence loop: one sequence at a time over exactly its
+own pages, nothing padded or masked."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from halfmoon.kernels import reference
+from halfmoon.kernels import cpu_attention, ops, reference
 
 DTYPES = (torch.float32, torch.bfloat16)
 DTYPE_IDS = ("fp32", "bf16")
@@ -28,34 +29,46 @@ def per_sequence_attention(query, k_cache, v_cache, block_tables, seq_lens, scal
     return out
 
 
-def decode_both(paged_kv, lens, ratio, dtype, num_kv_heads=2, head_dim=64, block_size=16):
-    """(the batched kernel's output, the per-sequence loop's) on the same paged K/V."""
+# The two CPU implementations; the compiled one needs g++ (every CI machine has it).
+KERNELS = (cpu_attention, reference)
+KERNEL_IDS = ("native", "torch")
+
+
+@pytest.fixture(params=KERNELS, ids=KERNEL_IDS)
+def kernel(request):
+    if request.param is cpu_attention and not cpu_attention.available():
+        pytest.skip("no C++ compiler: the torch reference serves CPU decode")
+    return request.param
+
+
+def decode_both(kernel, paged_kv, lens, ratio, dtype, num_kv_heads=2, head_dim=64, block_size=16):
+    """(the kernel's output, the per-sequence loop's) on the same paged K/V."""
     kv = paged_kv(lens, block_size, num_kv_heads, head_dim, dtype)
     query = torch.randn(len(lens), num_kv_heads * ratio, head_dim).to(dtype)
     args = (query, kv.k_cache, kv.v_cache, kv.block_tables, torch.tensor(lens), head_dim**-0.5)
-    return reference.paged_decode_attention(*args), per_sequence_attention(*args)
+    return kernel.paged_decode_attention(*args), per_sequence_attention(*args)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("ratio", (1, 2, 4))
 @pytest.mark.parametrize("num_seqs", (1, 7, 64))
 def test_decode_matches_the_per_sequence_loop_over_mixed_contexts(
-    paged_kv, assert_close, num_seqs, ratio, dtype
+    kernel, paged_kv, assert_close, num_seqs, ratio, dtype
 ):
     lens = torch.randint(1, 2049, (num_seqs,), generator=torch.Generator().manual_seed(num_seqs))
-    actual, expected = decode_both(paged_kv, lens.tolist(), ratio, dtype)
+    actual, expected = decode_both(kernel, paged_kv, lens.tolist(), ratio, dtype)
     assert_close(actual, expected)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_decode_matches_on_page_edges_in_any_order(paged_kv, assert_close, dtype):
+def test_decode_matches_on_page_edges_in_any_order(kernel, paged_kv, assert_close, dtype):
     lens = [17, 1, 2048, 16, 15, 300, 32, 2047, 1]  # unsorted, repeated, page edges
-    actual, expected = decode_both(paged_kv, lens, 4, dtype, head_dim=32)
+    actual, expected = decode_both(kernel, paged_kv, lens, 4, dtype, head_dim=32)
     assert_close(actual, expected)
 
 
-def test_decode_of_equal_whole_page_contexts_needs_no_mask(paged_kv, assert_close):
-    actual, expected = decode_both(paged_kv, [64] * 5, 2, torch.float32)
+def test_decode_of_equal_whole_page_contexts_needs_no_mask(kernel, paged_kv, assert_close):
+    actual, expected = decode_both(kernel, paged_kv, [64] * 5, 2, torch.float32)
     assert_close(actual, expected)
 
 
@@ -69,11 +82,45 @@ def test_decode_splits_the_batch_into_chunks_without_changing_the_result(
     chunks = reference._decode_chunks(sorted(lens, reverse=True), 16, 256)
     assert chunks == [(0, 1, 912, 900), (1, 2, 400, 400), (2, 3, 48, 33), (3, 5, 16, 5),
                       (5, 7, 16, 2), (7, 8, 16, 1)]  # fmt: skip
-    actual, expected = decode_both(paged_kv, lens, 2, torch.float32, head_dim=32)
+    actual, expected = decode_both(reference, paged_kv, lens, 2, torch.float32, head_dim=32)
     assert_close(actual, expected)
 
 
-def test_decode_ignores_whatever_the_masked_slots_hold(paged_kv, assert_close):
+@pytest.mark.parametrize("num_threads", (2, 3))
+def test_native_decode_gives_the_same_bits_on_any_number_of_threads(
+    paged_kv, assert_close, num_threads
+):
+    if not cpu_attention.available():
+        pytest.skip("no C++ compiler")
+    lens = [900, 3, 70, 1, 16]
+    kv = paged_kv(lens, 16, 2, 64, torch.bfloat16)
+    query = torch.randn(len(lens), 4, 64).to(torch.bfloat16)
+    args = (query, kv.k_cache, kv.v_cache, kv.block_tables, torch.tensor(lens), 0.125)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = cpu_attention.paged_decode_attention(*args)
+        torch.set_num_threads(num_threads)
+        shared = cpu_attention.paged_decode_attention(*args)
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(shared, alone)  # a sequence is one thread's work, whatever the count
+    assert_close(alone, per_sequence_attention(*args))
+
+
+def test_cpu_decode_dispatches_to_the_native_kernel_unless_torch_is_forced(monkeypatch):
+    query, cache = torch.zeros(1, 2, 8), torch.zeros(1, 16, 1, 8)
+    calls = []
+    for module in KERNELS:
+        monkeypatch.setattr(module, "paged_decode_attention", lambda *a, m=module: calls.append(m))
+    ops.paged_decode_attention(query, cache, cache, torch.zeros(1, 1), torch.ones(1), 1.0)
+    monkeypatch.setenv(ops.BACKEND_ENV, "torch")
+    ops.paged_decode_attention(query, cache, cache, torch.zeros(1, 1), torch.ones(1), 1.0)
+    native = cpu_attention if cpu_attention.available() else reference
+    assert calls == [native, reference]
+
+
+def test_decode_ignores_whatever_the_masked_slots_hold(kernel, paged_kv, assert_close):
     # Slots past a sequence's length (its last page's tail, the pages its padded table row
     # names) are read into the padded chunk but masked: nan there must not reach the output.
     lens = [3, 40, 17]
@@ -86,7 +133,7 @@ def test_decode_ignores_whatever_the_masked_slots_hold(paged_kv, assert_close):
         cache[[p for p in range(len(cache)) if all(p not in pages for pages in owned)]] = torch.nan
         for pages, length in zip(owned, lens, strict=True):
             cache[pages[-1], (length - 1) % 16 + 1 :] = torch.nan
-    assert_close(reference.paged_decode_attention(*args), expected)
+    assert_close(kernel.paged_decode_attention(*args), expected)
 
 
 def per_run_prefill(query, k_cache, v_cache, cu_seqlens_q, block_tables, prefix_lens, scale):

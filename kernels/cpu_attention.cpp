@@ -1,0 +1,159 @@
+// Paged decode attention for CPUs: one query token per sequence over its cached tokens, read
+// in place from the pages (no gather), K and V each read once for all query heads of a KV
+// head. Built by cpu_attention.py with g++ -O3 -march=native -fopenmp and called through
+// ctypes; the OpenMP runtime is torch's own libgomp (same soname, already loaded).
+//
+// Layouts (DESIGN.md, "KV layout"): a cache is [num_pages, block_size, kv_heads, head_dim];
+// query and out are [num_seqs, q_heads, head_dim], contiguous; block tables
+// [num_seqs, table_width] int32; seq_lens [num_seqs] int32.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+inline float bf16_to_float(uint16_t bits) {
+  uint32_t word = static_cast<uint32_t>(bits) << 16;
+  float value;
+  std::memcpy(&value, &word, sizeof(value));
+  return value;
+}
+
+inline uint16_t float_to_bf16(float value) {  // round to nearest even, as torch does
+  uint32_t word;
+  std::memcpy(&word, &value, sizeof(word));
+  if (std::isnan(value)) return 0x7FC0;
+  word += 0x7FFF + ((word >> 16) & 1);
+  return static_cast<uint16_t>(word >> 16);
+}
+
+inline float load(const float* row, int64_t i) { return row[i]; }
+inline float load(const uint16_t* row, int64_t i) { return bf16_to_float(row[i]); }
+inline void store(float* row, int64_t i, float value) { row[i] = value; }
+inline void store(uint16_t* row, int64_t i, float value) { row[i] = float_to_bf16(value); }
+
+template <typename T>
+inline void prefetch(const T* row, int64_t n) {
+  const char* bytes = reinterpret_cast<const char*>(row);
+  for (int64_t i = 0; i < n * int64_t(sizeof(T)); i += 64) __builtin_prefetch(bytes + i);
+}
+
+template <typename T>
+inline void widen(const T* row, int64_t n, float* out) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = load(row, i);
+}
+
+struct Shape {
+  int64_t num_seqs, q_heads, kv_heads, head_dim, block_size, table_width;
+  float scale;
+};
+
+// e^x for x <= 0 (scores minus their maximum) in plain arithmetic that vectorizes, unlike
+// std::exp: 2^k * 2^f with f in [-0.5, 0.5] by a degree-6 polynomial (relative error ~2e-7).
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float k = std::nearbyint(x * 1.44269504f);
+  const float f = x * 1.44269504f - k;
+  float p = 1.5353362e-4f;
+  p = p * f + 1.3398874e-3f;
+  p = p * f + 9.6184197e-3f;
+  p = p * f + 5.5503366e-2f;
+  p = p * f + 2.4022649e-1f;
+  p = p * f + 6.9314718e-1f;
+  p = p * f + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+constexpr int64_t kAhead = 8;  // tokens ahead to prefetch: pages are scattered in memory
+
+// One cached token's row of every KV head, in place in its page.
+template <typename T>
+inline const T* token_row(const T* cache, const int32_t* table, int64_t t, const Shape& s) {
+  const int64_t page = table[t / s.block_size], offset = t % s.block_size;
+  return cache + (page * s.block_size + offset) * s.kv_heads * s.head_dim;
+}
+
+// One sequence: each query head against the `len` cached tokens of its KV head. Tokens are
+// read in order, a row of all KV heads at a time (contiguous within a page), K then V once.
+template <typename T>
+void attend(const T* query, const T* k_cache, const T* v_cache, const int32_t* table,
+            int64_t len, const Shape& s, T* out) {
+  const int64_t group = s.q_heads / s.kv_heads, dim = s.head_dim;
+  std::vector<float> q(s.q_heads * dim), acc(s.q_heads * dim, 0.0f), scores(s.q_heads * len);
+  for (int64_t i = 0; i < s.q_heads * dim; ++i) q[i] = load(query, i) * s.scale;
+  std::vector<float> row(s.kv_heads * dim);  // a token's K or V, widened once for its group
+  for (int64_t t = 0; t < len; ++t) {
+    if (t + kAhead < len) prefetch(token_row(k_cache, table, t + kAhead, s), s.kv_heads * dim);
+    widen(token_row(k_cache, table, t, s), s.kv_heads * dim, row.data());
+    for (int64_t h = 0; h < s.q_heads; ++h) {
+      const float* key = row.data() + (h / group) * dim;
+      const float* qh = q.data() + h * dim;
+      float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t d = 0; d < dim; ++d) dot += qh[d] * key[d];
+      scores[h * len + t] = dot;
+    }
+  }
+  for (int64_t h = 0; h < s.q_heads; ++h) {
+    float* row = scores.data() + h * len;
+    const float top = *std::max_element(row, row + len);
+    float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t t = 0; t < len; ++t) {
+      row[t] = exp_nonpositive(row[t] - top);
+      total += row[t];
+    }
+    const float inverse = 1.0f / total;
+#pragma omp simd
+    for (int64_t t = 0; t < len; ++t) row[t] *= inverse;
+  }
+  for (int64_t t = 0; t < len; ++t) {
+    if (t + kAhead < len) prefetch(token_row(v_cache, table, t + kAhead, s), s.kv_heads * dim);
+    widen(token_row(v_cache, table, t, s), s.kv_heads * dim, row.data());
+    for (int64_t h = 0; h < s.q_heads; ++h) {
+      const float* value = row.data() + (h / group) * dim;
+      const float p = scores[h * len + t];
+      float* ah = acc.data() + h * dim;
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) ah[d] += p * value[d];
+    }
+  }
+  for (int64_t i = 0; i < s.q_heads * dim; ++i) store(out, i, acc[i]);
+}
+
+template <typename T>
+void decode(const void* query, const void* k_cache, const void* v_cache, const int32_t* tables,
+            const int32_t* seq_lens, const Shape& s, int num_threads, void* out) {
+  const int64_t row = s.q_heads * s.head_dim;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+  for (int64_t seq = 0; seq < s.num_seqs; ++seq) {
+    attend(static_cast<const T*>(query) + seq * row, static_cast<const T*>(k_cache),
+           static_cast<const T*>(v_cache), tables + seq * s.table_width, seq_lens[seq], s,
+           static_cast<T*>(out) + seq * row);
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// dtype: 0 float32, 1 bfloat16 (query, caches and out alike). Every sequence has len >= 1.
+void paged_decode_attention(const void* query, const void* k_cache, const void* v_cache,
+                            const int32_t* tables, const int32_t* seq_lens, int64_t num_seqs,
+                            int64_t q_heads, int64_t kv_heads, int64_t head_dim,
+                            int64_t block_size, int64_t table_width, float scale, int dtype,
+                            int num_threads, void* out) {
+  const Shape s{num_seqs, q_heads, kv_heads, head_dim, block_size, table_width, scale};
+  if (dtype == 1)
+    decode<uint16_t>(query, k_cache, v_cache, tables, seq_lens, s, num_threads, out);
+  else
+    decode<float>(query, k_cache, v_cache, tables, seq_lens, s, num_threads, out);
+}
+}
