@@ -84,5 +84,9 @@ def rms_norm(x, weight, eps, residual=None):
     return backend_for(x).rms_norm(x, weight, eps, residual)
 
 
+def silu_and_mul(x):
+    return reference.silu_and_mul(x)
+
+
 def rotary_embedding(positions, query, key, cos_sin_cache) -> None:
     backend_for(query).rotary_embedding(positions, query, key, cos_sin_cache)

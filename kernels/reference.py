@@ -194,6 +194,12 @@ def rms_norm(
     return weight * normed.to(x.dtype), x
 
 
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SiLU of the first half of the last dimension times its second half (SwiGLU)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def rotary_embedding(
     positions: torch.Tensor,
     query: torch.Tensor,
