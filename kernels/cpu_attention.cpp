@@ -1,39 +1,18 @@
 // Paged decode attention for CPUs: one query token per sequence over its cached tokens, read
 // in place from the pages (no gather), K and V each read once for all query heads of a KV
-// head. Built by cpu_attention.py with g++ -O3 -march=native -fopenmp and called through
-// ctypes; the OpenMP runtime is torch's own libgomp (same soname, already loaded).
+// head. Built and loaded by cpu_build.py, called by cpu_attention.py.
 //
 // Layouts (DESIGN.md, "KV layout"): a cache is [num_pages, block_size, kv_heads, head_dim];
 // query and out are [num_seqs, q_heads, head_dim], contiguous; block tables
 // [num_seqs, table_width] int32; seq_lens [num_seqs] int32.
 
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
 #include <vector>
+
+#include "cpu_common.h"
 
 namespace {
 
-inline float bf16_to_float(uint16_t bits) {
-  uint32_t word = static_cast<uint32_t>(bits) << 16;
-  float value;
-  std::memcpy(&value, &word, sizeof(value));
-  return value;
-}
-
-inline uint16_t float_to_bf16(float value) {  // round to nearest even, as torch does
-  uint32_t word;
-  std::memcpy(&word, &value, sizeof(word));
-  if (std::isnan(value)) return 0x7FC0;
-  word += 0x7FFF + ((word >> 16) & 1);
-  return static_cast<uint16_t>(word >> 16);
-}
-
-inline float load(const float* row, int64_t i) { return row[i]; }
-inline float load(const uint16_t* row, int64_t i) { return bf16_to_float(row[i]); }
-inline void store(float* row, int64_t i, float value) { row[i] = value; }
-inline void store(uint16_t* row, int64_t i, float value) { row[i] = float_to_bf16(value); }
+using namespace halfmoon;
 
 template <typename T>
 inline void prefetch(const T* row, int64_t n) {
@@ -51,25 +30,6 @@ struct Shape {
   int64_t num_seqs, q_heads, kv_heads, head_dim, block_size, table_width;
   float scale;
 };
-
-// e^x for x <= 0 (scores minus their maximum) in plain arithmetic that vectorizes, unlike
-// std::exp: 2^k * 2^f with f in [-0.5, 0.5] by a degree-6 polynomial (relative error ~2e-7).
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  const float k = std::nearbyint(x * 1.44269504f);
-  const float f = x * 1.44269504f - k;
-  float p = 1.5353362e-4f;
-  p = p * f + 1.3398874e-3f;
-  p = p * f + 9.6184197e-3f;
-  p = p * f + 5.5503366e-2f;
-  p = p * f + 2.4022649e-1f;
-  p = p * f + 6.9314718e-1f;
-  p = p * f + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
 
 constexpr int64_t kAhead = 8;  // tokens ahead to prefetch: pages are scattered in memory
 
@@ -107,7 +67,7 @@ void attend(const T* query, const T* k_cache, const T* v_cache, const int32_t* t
     float total = 0.0f;
 #pragma omp simd reduction(+ : total)
     for (int64_t t = 0; t < len; ++t) {
-      row[t] = exp_nonpositive(row[t] - top);
+      row[t] = fast_exp(row[t] - top);
       total += row[t];
     }
     const float inverse = 1.0f / total;

@@ -1,7 +1,8 @@
 """The one dispatch point: every kernel the engine calls goes through here.
 
-CUDA tensors run the Triton kernels, everything else the torch references, but for CPU
-decode attention, which takes the compiled kernel of `cpu_attention` where it builds.
+CUDA tensors run the Triton kernels; CPU tensors the compiled C++ kernels of `cpu_attention`
+(decode attention) and `cpu_elementwise` (RMSNorm, rotary, SwiGLU, the KV write) where they
+build (`cpu_build`), and the torch references for the rest.
 `HALFMOON_KERNELS=torch|triton` forces one backend (`torch`: the references alone; tests run
 Triton on CPU with `TRITON_INTERPRET=1`).
 
@@ -18,7 +19,7 @@ from types import ModuleType
 
 import torch
 
-from halfmoon.kernels import cpu_attention, reference
+from halfmoon.kernels import cpu_attention, cpu_elementwise, reference
 
 BACKEND_ENV = "HALFMOON_KERNELS"
 PREFILL_ENV = "HALFMOON_PREFILL_ATTENTION"
@@ -37,7 +38,7 @@ def backend_for(tensor: torch.Tensor) -> ModuleType:
 
 
 def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
-    backend_for(key).store_kv(key, value, k_cache, v_cache, slot_mapping)
+    _per_token(key).store_kv(key, value, k_cache, v_cache, slot_mapping)
 
 
 def paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale):
@@ -45,6 +46,15 @@ def paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scal
     if backend is reference and _native_cpu() and cpu_attention.supports(query, k_cache):
         backend = cpu_attention
     return backend.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale)
+
+
+def _per_token(tensor: torch.Tensor) -> ModuleType:
+    """Where RMSNorm, rotary, SwiGLU and the KV write run: Triton on CUDA, the compiled
+    `cpu_elementwise` on CPU (when it builds), the torch references when forced or else."""
+    backend = backend_for(tensor)
+    if backend is reference and _native_cpu() and cpu_elementwise.available():
+        return cpu_elementwise
+    return backend
 
 
 def _native_cpu() -> bool:
@@ -81,12 +91,13 @@ def scatter_pages(cache, page_ids, buffer) -> None:
 
 
 def rms_norm(x, weight, eps, residual=None):
-    return backend_for(x).rms_norm(x, weight, eps, residual)
+    return _per_token(x).rms_norm(x, weight, eps, residual)
 
 
 def silu_and_mul(x):
-    return reference.silu_and_mul(x)
+    backend = _per_token(x)
+    return (backend if backend is cpu_elementwise else reference).silu_and_mul(x)
 
 
 def rotary_embedding(positions, query, key, cos_sin_cache) -> None:
-    backend_for(query).rotary_embedding(positions, query, key, cos_sin_cache)
+    _per_token(query).rotary_embedding(positions, query, key, cos_sin_cache)

@@ -1,0 +1,54 @@
+// What the C++ CPU kernels share: bf16 <-> fp32 as torch rounds, loads and stores of either
+// dtype as fp32, and an e^x in plain arithmetic that vectorizes (std::exp does not).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace halfmoon {
+
+inline float bf16_to_float(uint16_t bits) {
+  uint32_t word = static_cast<uint32_t>(bits) << 16;
+  float value;
+  std::memcpy(&value, &word, sizeof(value));
+  return value;
+}
+
+inline uint16_t float_to_bf16(float value) {  // round to nearest even, as torch does
+  uint32_t word;
+  std::memcpy(&word, &value, sizeof(word));
+  if (std::isnan(value)) return 0x7FC0;
+  word += 0x7FFF + ((word >> 16) & 1);
+  return static_cast<uint16_t>(word >> 16);
+}
+
+inline float load(const float* row, int64_t i) { return row[i]; }
+inline float load(const uint16_t* row, int64_t i) { return bf16_to_float(row[i]); }
+inline void store(float* row, int64_t i, float value) { row[i] = value; }
+inline void store(uint16_t* row, int64_t i, float value) { row[i] = float_to_bf16(value); }
+// A value rounded to T's precision, as torch rounds every op's result in T.
+inline float round_as(const float*, float value) { return value; }
+inline float round_as(const uint16_t*, float value) { return bf16_to_float(float_to_bf16(value)); }
+
+// e^x: 2^k * 2^f with f in [-0.5, 0.5] by a degree-6 polynomial (relative error ~2e-7);
+// x clamped to [-87, 88], where e^x is a normal float.
+inline float fast_exp(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  const float k = std::nearbyint(x * 1.44269504f);
+  const float f = x * 1.44269504f - k;
+  float p = 1.5353362e-4f;
+  p = p * f + 1.3398874e-3f;
+  p = p * f + 9.6184197e-3f;
+  p = p * f + 5.5503366e-2f;
+  p = p * f + 2.4022649e-1f;
+  p = p * f + 6.9314718e-1f;
+  p = p * f + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+}  // namespace halfmoon

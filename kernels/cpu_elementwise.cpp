@@ -1,0 +1,143 @@
+// The per-token layers around attention and the MLP for CPUs, each one pass over its rows
+// where the torch references take 4-8 ops: RMSNorm (with the residual add), rotary embedding
+// (in place), SwiGLU, and the KV write into the pages. Results round as the references' ops
+// do (in the tensors' dtype after each op that torch would round), so bf16 outputs match.
+// Built and loaded by cpu_build.py, called by cpu_elementwise.py; dtype 0 is float32, 1 bf16.
+
+#include "cpu_common.h"
+
+namespace {
+
+using namespace halfmoon;
+
+// out = weight * (x' * rsqrt(mean(x'^2) + eps)), x' = x + residual (when given; written to
+// residual_out). Rows of `dim` elements, contiguous.
+template <typename T>
+void rms_norm(const T* x, const T* residual, const T* weight, float eps, int64_t rows,
+              int64_t dim, int num_threads, T* out, T* residual_out) {
+#pragma omp parallel for num_threads(num_threads)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * dim;
+    float squares = 0.0f;
+    if (residual != nullptr) {
+      const T* rr = residual + r * dim;
+      T* sum_row = residual_out + r * dim;
+#pragma omp simd reduction(+ : squares)
+      for (int64_t i = 0; i < dim; ++i) {
+        const float value = round_as(xr, load(xr, i) + load(rr, i));
+        store(sum_row, i, value);
+        squares += value * value;
+      }
+      xr = sum_row;
+    } else {
+#pragma omp simd reduction(+ : squares)
+      for (int64_t i = 0; i < dim; ++i) squares += load(xr, i) * load(xr, i);
+    }
+    const float inverse = 1.0f / std::sqrt(squares / dim + eps);
+    T* out_row = out + r * dim;
+#pragma omp simd
+    for (int64_t i = 0; i < dim; ++i)
+      store(out_row, i, load(weight, i) * round_as(xr, load(xr, i) * inverse));
+  }
+}
+
+// Rotates `heads` heads of `dim` (contiguous, one token's heads `dim` apart) in place,
+// half-split (NeoX) style, by the cos/sin row of each token's position.
+template <typename T>
+void rotate(T* x, int64_t token_stride, int64_t heads, int64_t dim, const int64_t* positions,
+            const float* cos_sin, int64_t tokens, int num_threads) {
+  const int64_t half = dim / 2;
+#pragma omp parallel for num_threads(num_threads)
+  for (int64_t n = 0; n < tokens; ++n) {
+    const float* cos = cos_sin + positions[n] * dim;
+    const float* sin = cos + half;
+    for (int64_t h = 0; h < heads; ++h) {
+      T* row = x + n * token_stride + h * dim;
+#pragma omp simd
+      for (int64_t i = 0; i < half; ++i) {
+        const float first = load(row, i), second = load(row, i + half);
+        store(row, i, first * cos[i] - second * sin[i]);
+        store(row, i + half, second * cos[i] + first * sin[i]);
+      }
+    }
+  }
+}
+
+// out[r] = silu(gate) * up for x[r] = [gate | up], each `width` wide.
+template <typename T>
+void silu_and_mul(const T* x, int64_t rows, int64_t width, int num_threads, T* out) {
+#pragma omp parallel for num_threads(num_threads)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* gate = x + r * 2 * width;
+    const T* up = gate + width;
+    T* out_row = out + r * width;
+#pragma omp simd
+    for (int64_t i = 0; i < width; ++i) {
+      const float g = load(gate, i);
+      store(out_row, i, round_as(gate, g / (1.0f + fast_exp(-g))) * load(up, i));
+    }
+  }
+}
+
+// Row n of `src` (`row` elements, `src_stride` apart) to row slots[n] of `cache`; -1 skips.
+template <typename T>
+void store_rows(const T* src, int64_t src_stride, const int64_t* slots, int64_t tokens,
+                int64_t row, T* cache) {
+  for (int64_t n = 0; n < tokens; ++n) {
+    if (slots[n] >= 0) std::memcpy(cache + slots[n] * row, src + n * src_stride, row * sizeof(T));
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+void rms_norm(const void* x, const void* residual, const void* weight, float eps, int64_t rows,
+              int64_t dim, int dtype, int num_threads, void* out, void* residual_out) {
+  if (dtype == 1)
+    rms_norm(static_cast<const uint16_t*>(x), static_cast<const uint16_t*>(residual),
+             static_cast<const uint16_t*>(weight), eps, rows, dim, num_threads,
+             static_cast<uint16_t*>(out), static_cast<uint16_t*>(residual_out));
+  else
+    rms_norm(static_cast<const float*>(x), static_cast<const float*>(residual),
+             static_cast<const float*>(weight), eps, rows, dim, num_threads,
+             static_cast<float*>(out), static_cast<float*>(residual_out));
+}
+
+void rotary_embedding(void* x, int64_t token_stride, int64_t heads, int64_t dim,
+                      const int64_t* positions, const float* cos_sin, int64_t tokens, int dtype,
+                      int num_threads) {
+  if (dtype == 1)
+    rotate(static_cast<uint16_t*>(x), token_stride, heads, dim, positions, cos_sin, tokens,
+           num_threads);
+  else
+    rotate(static_cast<float*>(x), token_stride, heads, dim, positions, cos_sin, tokens,
+           num_threads);
+}
+
+void silu_and_mul(const void* x, int64_t rows, int64_t width, int dtype, int num_threads,
+                  void* out) {
+  if (dtype == 1)
+    silu_and_mul(static_cast<const uint16_t*>(x), rows, width, num_threads,
+                 static_cast<uint16_t*>(out));
+  else
+    silu_and_mul(static_cast<const float*>(x), rows, width, num_threads,
+                 static_cast<float*>(out));
+}
+
+void store_kv(const void* key, const void* value, int64_t key_stride, int64_t value_stride,
+              const int64_t* slots, int64_t tokens, int64_t row, int dtype, void* k_cache,
+              void* v_cache) {
+  if (dtype == 1) {
+    store_rows(static_cast<const uint16_t*>(key), key_stride, slots, tokens, row,
+               static_cast<uint16_t*>(k_cache));
+    store_rows(static_cast<const uint16_t*>(value), value_stride, slots, tokens, row,
+               static_cast<uint16_t*>(v_cache));
+  } else {
+    store_rows(static_cast<const float*>(key), key_stride, slots, tokens, row,
+               static_cast<float*>(k_cache));
+    store_rows(static_cast<const float*>(value), value_stride, slots, tokens, row,
+               static_cast<float*>(v_cache));
+  }
+}
+}

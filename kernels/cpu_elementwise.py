@@ -1,0 +1,126 @@
+"""The per-token CPU kernels of `cpu_elementwise.cpp`: RMSNorm with its residual add, rotary
+embedding, SwiGLU and the KV write, each one pass where the torch references take 4-8 ops.
+
+Each takes its reference's arguments and falls back to it for a layout or dtype the kernel
+does not cover (a tensor not dense where the kernel needs it, a dtype other than fp32 or bf16).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from halfmoon.kernels import cpu_build, reference
+
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def available() -> bool:
+    """Whether the kernels are built (or can be) and load on this machine."""
+    return _library() is not None
+
+
+def rms_norm(x, weight, eps: float, residual=None):
+    """`reference.rms_norm`: RMSNorm of `x + residual`; returns (normed, the new residual)."""
+    tensors = (x, weight) if residual is None else (x, weight, residual)
+    if not _dense(*tensors) or x.shape[-1] != weight.numel() or _mixed(*tensors):
+        return reference.rms_norm(x, weight, eps, residual)
+    out = torch.empty_like(x)
+    summed = None if residual is None else torch.empty_like(x)
+    _library().rms_norm(
+        x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
+        eps, x.numel() // x.shape[-1], x.shape[-1], DTYPES[x.dtype], torch.get_num_threads(),
+        out.data_ptr(), None if summed is None else summed.data_ptr(),
+    )  # fmt: skip
+    return out, x if summed is None else summed
+
+
+def rotary_embedding(positions, query, key, cos_sin_cache) -> None:
+    """`reference.rotary_embedding`: rotates `query` and `key` ([N, heads, D]) in place."""
+    positions = positions.to(torch.int64).contiguous()
+    head_dim = query.shape[-1]
+    dense = _heads_dense(query) and _heads_dense(key) and _fits_cache(cos_sin_cache, head_dim)
+    if _mixed(query, key) or not dense:
+        reference.rotary_embedding(positions, query, key, cos_sin_cache)
+        return
+    for x in (query, key):
+        _library().rotary_embedding(
+            x.data_ptr(), x.stride(0), x.shape[1], head_dim, positions.data_ptr(),
+            cos_sin_cache.data_ptr(), x.shape[0], DTYPES[x.dtype], torch.get_num_threads(),
+        )  # fmt: skip
+
+
+def silu_and_mul(x):
+    """`reference.silu_and_mul`: SiLU of the first half of the last dimension times the second."""
+    if not _dense(x):
+        return reference.silu_and_mul(x)
+    width = x.shape[-1] // 2
+    out = torch.empty(*x.shape[:-1], width, dtype=x.dtype)
+    _library().silu_and_mul(
+        x.data_ptr(), x.numel() // x.shape[-1], width, DTYPES[x.dtype], torch.get_num_threads(),
+        out.data_ptr(),
+    )  # fmt: skip
+    return out
+
+
+def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
+    """`reference.store_kv`: row `key[i]`, `value[i]` to slot `slot_mapping[i]`; -1 skips."""
+    dense = _heads_dense(key) and _heads_dense(value) and _dense(k_cache, v_cache)
+    if _mixed(key, value, k_cache, v_cache) or not dense:
+        reference.store_kv(key, value, k_cache, v_cache, slot_mapping)
+        return
+    slots = slot_mapping.to(torch.int64).contiguous()
+    _library().store_kv(
+        key.data_ptr(), value.data_ptr(), key.stride(0), value.stride(0), slots.data_ptr(),
+        key.shape[0], key.shape[1] * key.shape[2], DTYPES[key.dtype], k_cache.data_ptr(),
+        v_cache.data_ptr(),
+    )  # fmt: skip
+
+
+def _dense(*tensors: torch.Tensor) -> bool:
+    return all(t.device.type == "cpu" and t.dtype in DTYPES and t.is_contiguous() for t in tensors)
+
+
+def _mixed(*tensors: torch.Tensor) -> bool:
+    return len({t.dtype for t in tensors}) > 1
+
+
+def _heads_dense(x: torch.Tensor) -> bool:
+    """[N, heads, D] with each token's heads one dense row (tokens may be any stride apart)."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype in DTYPES
+        and x.dim() == 3
+        and x.stride(2) == 1
+        and x.stride(1) == x.shape[2]
+    )
+
+
+def _fits_cache(cos_sin_cache: torch.Tensor, head_dim: int) -> bool:
+    return (
+        cos_sin_cache.dtype == torch.float32
+        and cos_sin_cache.is_contiguous()
+        and cos_sin_cache.shape[-1] == head_dim
+        and head_dim % 2 == 0
+    )
+
+
+@cache
+def _library() -> ctypes.CDLL | None:
+    library = cpu_build.load(Path(__file__).with_name("cpu_elementwise.cpp"))
+    if library is None:
+        return None
+    i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    signatures = {
+        "rms_norm": [ptr, ptr, ptr, ctypes.c_float, i64, i64, i32, i32, ptr, ptr],
+        "rotary_embedding": [ptr, i64, i64, i64, ptr, ptr, i64, i32, i32],
+        "silu_and_mul": [ptr, i64, i64, i32, i32, ptr],
+        "store_kv": [ptr, ptr, i64, i64, ptr, i64, i64, i32, ptr, ptr],
+    }
+    for name, argtypes in signatures.items():
+        getattr(library, name).argtypes = argtypes
+        getattr(library, name).restype = None
+    return library
