@@ -88,15 +88,95 @@ void attend(const T* query, const T* k_cache, const T* v_cache, const int32_t* t
   for (int64_t i = 0; i < s.q_heads * dim; ++i) store(out, i, acc[i]);
 }
 
+// One sequence with the head size D and group size G known at compile time (the inner loops
+// unroll, a group's queries stay in registers): a token's K of all KV heads (one dense row of
+// its page) read once, then its V; pages are streamed in order, the next rows prefetched.
+template <typename T, int D, int G>
+void attend_fixed(const T* query, const T* k_cache, const T* v_cache, const int32_t* table,
+                  int64_t len, const Shape& s, float* q, float* scores, float* acc, T* out) {
+  const int64_t kv_heads = s.kv_heads, row = kv_heads * D;
+  for (int64_t i = 0; i < row * G; ++i) q[i] = load(query, i) * s.scale;
+  for (int64_t t = 0; t < len; ++t) {
+    if (t + kAhead < len) prefetch(token_row(k_cache, table, t + kAhead, s), row);
+    const T* keys = token_row(k_cache, table, t, s);
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      float k[D];
+      for (int d = 0; d < D; ++d) k[d] = load(keys + h * D, d);
+      for (int j = 0; j < G; ++j) {
+        const float* qj = q + (h * G + j) * D;
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int d = 0; d < D; ++d) dot += qj[d] * k[d];
+        scores[(h * G + j) * len + t] = dot;
+      }
+    }
+  }
+  for (int64_t i = 0; i < kv_heads * G; ++i) {
+    float* probs = scores + i * len;
+    const float top = *std::max_element(probs, probs + len);
+    float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t t = 0; t < len; ++t) {
+      probs[t] = fast_exp(probs[t] - top);
+      total += probs[t];
+    }
+    const float inverse = 1.0f / total;
+#pragma omp simd
+    for (int64_t t = 0; t < len; ++t) probs[t] *= inverse;
+  }
+  std::fill(acc, acc + row * G, 0.0f);
+  for (int64_t t = 0; t < len; ++t) {
+    if (t + kAhead < len) prefetch(token_row(v_cache, table, t + kAhead, s), row);
+    const T* values = token_row(v_cache, table, t, s);
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      float v[D];
+      for (int d = 0; d < D; ++d) v[d] = load(values + h * D, d);
+      for (int j = 0; j < G; ++j) {
+        const float p = scores[(h * G + j) * len + t];
+        float* aj = acc + (h * G + j) * D;
+        for (int d = 0; d < D; ++d) aj[d] += p * v[d];
+      }
+    }
+  }
+  for (int64_t i = 0; i < row * G; ++i) store(out, i, acc[i]);
+}
+
+template <typename T, int D, int G>
+void decode_fixed(const T* query, const T* k_cache, const T* v_cache, const int32_t* tables,
+                  const int32_t* seq_lens, const Shape& s, int num_threads, T* out) {
+  const int64_t row = s.q_heads * D;
+#pragma omp parallel num_threads(num_threads)
+  {
+    std::vector<float> q(row), acc(row), scores;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t seq = 0; seq < s.num_seqs; ++seq) {
+      scores.resize(s.q_heads * seq_lens[seq]);
+      attend_fixed<T, D, G>(query + seq * row, k_cache, v_cache, tables + seq * s.table_width,
+                            seq_lens[seq], s, q.data(), scores.data(), acc.data(),
+                            out + seq * row);
+    }
+  }
+}
+
 template <typename T>
-void decode(const void* query, const void* k_cache, const void* v_cache, const int32_t* tables,
-            const int32_t* seq_lens, const Shape& s, int num_threads, void* out) {
+void decode(const void* query_, const void* k_cache_, const void* v_cache_,
+            const int32_t* tables, const int32_t* seq_lens, const Shape& s, int num_threads,
+            void* out_) {
+  const T *query = static_cast<const T*>(query_), *k_cache = static_cast<const T*>(k_cache_),
+          *v_cache = static_cast<const T*>(v_cache_);
+  T* out = static_cast<T*>(out_);
+  const int64_t group = s.q_heads / s.kv_heads;
+#define HALFMOON_FIXED(D, G)                                                                   \
+  if (s.head_dim == D && group == G)                                                           \
+    return decode_fixed<T, D, G>(query, k_cache, v_cache, tables, seq_lens, s, num_threads, out);
+  HALFMOON_FIXED(64, 1) HALFMOON_FIXED(64, 2) HALFMOON_FIXED(64, 4) HALFMOON_FIXED(64, 8)
+  HALFMOON_FIXED(128, 1) HALFMOON_FIXED(128, 2) HALFMOON_FIXED(128, 4) HALFMOON_FIXED(128, 8)
+#undef HALFMOON_FIXED
   const int64_t row = s.q_heads * s.head_dim;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
   for (int64_t seq = 0; seq < s.num_seqs; ++seq) {
-    attend(static_cast<const T*>(query) + seq * row, static_cast<const T*>(k_cache),
-           static_cast<const T*>(v_cache), tables + seq * s.table_width, seq_lens[seq], s,
-           static_cast<T*>(out) + seq * row);
+    attend(query + seq * row, k_cache, v_cache, tables + seq * s.table_width, seq_lens[seq], s,
+           out + seq * row);
   }
 }
 

@@ -61,9 +61,10 @@ def test_decode_matches_the_per_sequence_loop_over_mixed_contexts(
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_decode_matches_on_page_edges_in_any_order(kernel, paged_kv, assert_close, dtype):
+@pytest.mark.parametrize("head_dim", (32, 128))  # the native kernel: any size, and a fixed one
+def test_decode_matches_on_page_edges_in_any_order(kernel, paged_kv, assert_close, dtype, head_dim):
     lens = [17, 1, 2048, 16, 15, 300, 32, 2047, 1]  # unsorted, repeated, page edges
-    actual, expected = decode_both(kernel, paged_kv, lens, 4, dtype, head_dim=32)
+    actual, expected = decode_both(kernel, paged_kv, lens, 4, dtype, head_dim=head_dim)
     assert_close(actual, expected)
 
 
