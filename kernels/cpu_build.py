@@ -20,7 +20,15 @@ import warnings
 from functools import cache
 from pathlib import Path
 
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu++17"]
+FLAGS = [
+    "-O3",
+    "-march=native",
+    "-mprefer-vector-width=512",
+    "-fopenmp",
+    "-shared",
+    "-fPIC",
+    "-std=gnu++17",
+]
 _lock = threading.Lock()
 
 

@@ -19,9 +19,8 @@ inline float bf16_to_float(uint16_t bits) {
 inline uint16_t float_to_bf16(float value) {  // round to nearest even, as torch does
   uint32_t word;
   std::memcpy(&word, &value, sizeof(word));
-  if (std::isnan(value)) return 0x7FC0;
-  word += 0x7FFF + ((word >> 16) & 1);
-  return static_cast<uint16_t>(word >> 16);
+  const uint32_t rounded = (word + 0x7FFF + ((word >> 16) & 1)) >> 16;
+  return static_cast<uint16_t>(value != value ? 0x7FC0 : rounded);  // a select: vectorizes
 }
 
 inline float load(const float* row, int64_t i) { return row[i]; }
@@ -36,7 +35,8 @@ inline float round_as(const uint16_t*, float value) { return bf16_to_float(float
 // x clamped to [-87, 88], where e^x is a normal float.
 inline float fast_exp(float x) {
   x = std::min(std::max(x, -87.0f), 88.0f);
-  const float k = std::nearbyint(x * 1.44269504f);
+  // Round to nearest by adding and taking away 1.5 * 2^23 (std::nearbyint does not vectorize).
+  const float k = (x * 1.44269504f + 12582912.0f) - 12582912.0f;
   const float f = x * 1.44269504f - k;
   float p = 1.5353362e-4f;
   p = p * f + 1.3398874e-3f;
@@ -49,6 +49,19 @@ inline float fast_exp(float x) {
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return p * scale;
+}
+
+// 1 / d for d in [1, 2^100]: a bit-trick guess refined by three Newton steps (relative error
+// ~1e-7), where a vector division takes 10-16 cycles.
+inline float reciprocal(float d) {
+  uint32_t bits;
+  std::memcpy(&bits, &d, sizeof(bits));
+  bits = 0x7EF311C3u - bits;
+  float r;
+  std::memcpy(&r, &bits, sizeof(r));
+  r = r * (2.0f - d * r);
+  r = r * (2.0f - d * r);
+  return r * (2.0f - d * r);
 }
 
 }  // namespace halfmoon

@@ -74,7 +74,9 @@ void silu_and_mul(const T* x, int64_t rows, int64_t width, int num_threads, T* o
 #pragma omp simd
     for (int64_t i = 0; i < width; ++i) {
       const float g = load(gate, i);
-      store(out_row, i, round_as(gate, g / (1.0f + fast_exp(-g))) * load(up, i));
+      // silu(g) = g / (1 + e^-g); below g = -60 the sigmoid is taken at -60 (9e-27), as good as 0.
+      const float sigmoid = reciprocal(1.0f + fast_exp(-std::max(g, -60.0f)));
+      store(out_row, i, round_as(gate, g * sigmoid) * load(up, i));
     }
   }
 }
