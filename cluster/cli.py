@@ -117,7 +117,8 @@ def _add_serve(commands) -> None:
     cmd.add_argument(
         "--tensor-parallel-size",
         type=int,
-        help="only 1 is supported: each worker runs on one device",
+        help="ranks per worker; the cluster's workers support only 1 so far (each runs on one "
+        "device; the offline engine, LLM(..., tensor_parallel_size=T), splits a model)",
     )
     cmd.add_argument(
         "--enforce-eager",
@@ -281,6 +282,10 @@ def _add_generate(commands) -> None:
     cmd.add_argument("prompt")
     cmd.add_argument("--local", action="store_true", help="run the engine in this process")
     cmd.add_argument("--model", help="checkpoint directory for --local (default: tiny model)")
+    cmd.add_argument(
+        "--tensor-parallel-size", type=int, default=1, metavar="T",
+        help="with --local: split the model across T ranks, one process each (1)",
+    )  # fmt: skip
     cmd.add_argument("--server", default="127.0.0.1:50051", help="server host:port")
     add_tls_ca(cmd)
     cmd.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (64)")
@@ -323,7 +328,8 @@ def _run_generate(args) -> int:
     from halfmoon.engine.model_source import resolve_model
 
     params = SamplingParams(**sampling_kwargs(args))
-    engine = LLMEngine(EngineConfig(model=str(resolve_model(args.model))))
+    model, ranks = str(resolve_model(args.model)), args.tensor_parallel_size
+    engine = LLMEngine(EngineConfig(model=model, tensor_parallel_size=ranks))
     request_id = engine.add_request(args.prompt, params)
     token_ids, text, last = [], "", None
     while engine.has_unfinished_requests():

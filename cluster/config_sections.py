@@ -35,7 +35,6 @@ class EngineSection(EngineSettings):
 
     # Each chunk's KV is published layer by layer, so a cluster always prefills in chunks.
     prefill_chunk_size: int = Field(64, ge=1)
-    tensor_parallel_size: int = Field(1, ge=1)
 
     @field_validator("tensor_parallel_size")
     @classmethod
@@ -43,8 +42,9 @@ class EngineSection(EngineSettings):
         if size != 1:
             raise PydanticCustomError(
                 "tensor_parallel",
-                "tensor parallelism is not supported yet: each worker runs on one device; "
-                "scale with more prefill/decode replicas instead (set 1)",
+                "tensor parallelism is not supported yet in the cluster's workers (only in the "
+                "offline engine): each worker runs on one device; scale with more prefill/decode "
+                "replicas instead (set 1)",
             )
         return size
 

@@ -31,6 +31,9 @@ class EngineSettings(BaseModel):
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     # False replays decode steps from CUDA graphs on a GPU; True always runs them eagerly.
     enforce_eager: bool = False
+    # Ranks the model is split across (tensor_parallel.py): rank 0 in this process, the others
+    # in processes of their own, one device each. The KV budget is per rank.
+    tensor_parallel_size: int = Field(1, ge=1)
 
     @model_validator(mode="after")
     def _chunk_on_blocks(self) -> EngineSettings:
@@ -57,3 +60,17 @@ class EngineConfig(EngineSettings):
     # allocated in shared memory; on CUDA it is shared by IPC handles. Prefill workers lend
     # their pages to decode workers this way (the device tier).
     share_kv: bool = False
+
+    @model_validator(mode="after")
+    def _share_one_rank(self) -> EngineConfig:
+        if self.share_kv and self.tensor_parallel_size > 1:
+            raise PydanticCustomError(
+                "cross_field",
+                "{reason}",
+                {
+                    "field": "share_kv",
+                    "reason": "KV sharing needs tensor_parallel_size = 1 (each rank holds only "
+                    f"its KV heads; got {self.tensor_parallel_size})",
+                },
+            )
+        return self

@@ -48,3 +48,7 @@ class OutOfPagesError(HalfmoonError):
         super().__init__(f"needs {needed} free KV pages, {free} are free")
         self.needed = needed
         self.free = free
+
+
+class RankFailedError(HalfmoonError):
+    """A rank of a tensor-parallel engine died or failed; the engine cannot step without it."""

@@ -116,7 +116,8 @@ def size_kv(
             config.kv_cache_memory_bytes, config.gpu_memory_utilization, memory, activations
         )
         capped = memory is None and config.kv_cache_memory_bytes is None
-        bytes_per_page = page_bytes(cfg, config.block_size, dtype)
+        # A rank holds its slice of the KV heads.
+        bytes_per_page = page_bytes(cfg, config.block_size, dtype) // config.tensor_parallel_size
         num_pages = plan_num_pages(
             budget, bytes_per_page, pages_per_seq, config.max_num_seqs, capped
         )

@@ -70,6 +70,10 @@ class LLM:
                         bar.update()
         return list(results.values())
 
+    def close(self) -> None:
+        """Stop the engine's other tensor-parallel ranks now, not when it is collected."""
+        self.engine.runner.close()
+
 
 def _is_single_non_text(prompts) -> bool:
     """A bare token-id list or a bare message list is one prompt, not a batch."""

@@ -50,7 +50,7 @@ class LLMEngine:
         self.device = pick_device(config.device)
         self.dtype = pick_dtype(config.dtype, model_dir, self.device)
         self.tokenizer = load_tokenizer(model_dir)
-        self.runner = ModelRunner(model_dir, cfg, config.block_size, self.dtype, self.device)
+        self.runner = ModelRunner.start(model_dir, cfg, config, self.dtype, self.device)
         self.num_pages, self.max_model_len = size_kv(
             config, cfg, self.dtype, self.device, self.runner.weights_bytes
         )

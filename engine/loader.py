@@ -48,13 +48,14 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
 
 def load_weights(model: CausalLM, model_dir: Path) -> None:
-    """Copy every tensor of the checkpoint into `model`, fusing q/k/v and gate/up."""
+    """Copy the checkpoint into `model`, fusing q/k/v and gate/up; at T > 1 only this rank's
+    slice of each tensor is read (see tensor_parallel.py)."""
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     for file in checkpoint_files(model_dir):
         with safe_open(str(file), framework="pt") as shard:
             for name in shard.keys():  # noqa: SIM118 - safe_open is not a mapping
-                target = _copy(model, params, name, shard.get_tensor(name))
+                target = _copy(model, params, name, shard.get_slice(name))
                 if target:
                     loaded.add(target)
     if model.config.tie_word_embeddings:
@@ -66,29 +67,54 @@ def load_weights(model: CausalLM, model_dir: Path) -> None:
         )
 
 
-def _copy(model: CausalLM, params: dict, name: str, tensor: torch.Tensor) -> str | None:
+def _copy(model: CausalLM, params: dict, name: str, source) -> str | None:
     match = _LAYER.match(name)
     if match and match.group(3) in _FUSED:
         layer, block, proj, kind = match.groups()
         fused, shard = _FUSED[proj]
         target = f"layers.{layer}.{block}.{fused}.{kind}"
-        _shard_of(model, params[target], fused, shard).copy_(tensor)
+        start, size = _shard_of(model, fused, shard)
+        first = model.group.rank * size
+        params[target].data[start : start + size].copy_(source[first : first + size])
         return target
     target = name.removeprefix("model.")
     if target not in params:
         return None
-    params[target].data.copy_(tensor)
+    _copy_slice(name, params[target].data, source, model.group.size, model.group.rank)
     return target
 
 
-def _shard_of(model: CausalLM, param: torch.Tensor, fused: str, shard: int) -> torch.Tensor:
-    cfg = model.config
+def _shard_of(model: CausalLM, fused: str, shard: int) -> tuple[int, int]:
+    """(first row, rows) of one of a fused parameter's parts, as this rank holds it."""
+    cfg, ranks = model.config, model.group.size
     if fused == "gate_up_proj":
-        sizes = [cfg.intermediate_size] * 2
+        sizes = [cfg.intermediate_size // ranks] * 2
     else:
         sizes = [cfg.num_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2
-    start = sum(sizes[:shard])
-    return param.data[start : start + sizes[shard]]
+        sizes = [size // ranks for size in sizes]
+    return sum(sizes[:shard]), sizes[shard]
+
+
+def _copy_slice(name: str, param: torch.Tensor, source, ranks: int, rank: int) -> None:
+    """Copy `source`, or this rank's slice of it along the one dimension the parameter holds
+    a part of (row-parallel columns, vocabulary rows, the last rank's padded with zeros)."""
+    shape, ours = list(source.get_shape()), list(param.shape)
+    if shape == ours:
+        param.copy_(source[:])
+        return
+    split = [dim for dim in range(len(ours)) if len(shape) == len(ours) and shape[dim] != ours[dim]]
+    if len(split) != 1 or -(-shape[split[0]] // ranks) != ours[split[0]]:
+        raise ModelLoadError(
+            f"checkpoint tensor {name} of shape {shape} does not fit our parameter of "
+            f"shape {ours} at tensor_parallel_size={ranks}"
+        )
+    dim = split[0]
+    first = rank * param.shape[dim]
+    count = max(0, min(param.shape[dim], shape[dim] - first))
+    param.zero_()
+    if count:
+        part = source[(slice(None),) * dim + (slice(first, first + count),)]
+        param.narrow(dim, 0, count).copy_(part)
 
 
 def model_identity(model_dir: Path) -> str:

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from halfmoon.engine.model_config import ModelConfig
+from halfmoon.engine.tensor_parallel import SINGLE, TPGroup, VocabParallelEmbedding, vocab_rows
 from halfmoon.kernels import ops
 from halfmoon.kernels.attention import AttentionMetadata, paged_attention
 
@@ -23,16 +24,19 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """This rank's query and KV heads: `qkv_proj` column-, `o_proj` row-parallel."""
+
+    def __init__(self, cfg: ModelConfig, group: TPGroup) -> None:
         super().__init__()
+        self.group = group
         self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_heads,
-            cfg.num_kv_heads,
+            cfg.num_heads // group.size,
+            cfg.num_kv_heads // group.size,
             cfg.head_dim,
         )
-        qkv_size = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+        qkv_size = (self.num_heads + 2 * self.num_kv_heads) * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, qkv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim**-0.5
@@ -47,26 +51,31 @@ class Attention(nn.Module):
             q, k = self.q_norm(q)[0], self.k_norm(k)[0]
         ops.rotary_embedding(positions, q, k, cos_sin)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return self.o_proj(out.reshape(-1, q_size))
+        return self.group.all_reduce(self.o_proj(out.reshape(-1, q_size)))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """This rank's slice of the intermediate size: `gate_up_proj` column-, `down_proj`
+    row-parallel."""
+
+    def __init__(self, cfg: ModelConfig, group: TPGroup) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.group = group
+        size = cfg.intermediate_size // group.size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * size, bias=False)
+        self.down_proj = nn.Linear(size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.group.all_reduce(self.down_proj(ops.silu_and_mul(self.gate_up_proj(x))))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, group: TPGroup) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, group)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, group)
 
     def forward(self, x, residual, positions, cos_sin, kv_cache, meta):
         x, residual = self.input_layernorm(x, residual)
@@ -76,18 +85,23 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """The whole model: `forward` returns final hidden states, `logits` projects chosen rows."""
+    """The whole model: `forward` returns final hidden states, `logits` projects chosen rows.
+    With a `group` of T ranks, this rank's slice of it (see tensor_parallel.py)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, group: TPGroup = SINGLE) -> None:
         super().__init__()
-        self.config = cfg
-        # `_weight` skips the random init (the checkpoint overwrites it), whose meta-device
-        # `normal_` would import torch._dynamo: ~3 s of every worker's start.
-        weight = torch.empty(cfg.vocab_size, cfg.hidden_size)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=weight)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.config, self.group = cfg, group
+        if group.size > 1:
+            self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, group)
+        else:
+            # `_weight` skips the random init (the checkpoint overwrites it), whose meta-device
+            # `normal_` would import torch._dynamo: ~3 s of every worker's start.
+            weight = torch.empty(cfg.vocab_size, cfg.hidden_size)
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=weight)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, group) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        vocab = vocab_rows(cfg.vocab_size, group.size)
+        self.lm_head = nn.Linear(cfg.hidden_size, vocab, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -110,5 +124,10 @@ class CausalLM(nn.Module):
                 after_layer(index)
         return self.norm(x, residual)[0]
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """fp32 logits of `hidden`'s rows; at T > 1 on rank 0 only (None on the others)."""
+        logits = self.lm_head(hidden).float()
+        if self.group.size == 1:
+            return logits
+        logits = self.group.gather_columns(logits)
+        return None if logits is None else logits[:, : self.config.vocab_size]

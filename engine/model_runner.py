@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import itertools
+import logging
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
+from halfmoon.engine import step_inputs
+from halfmoon.engine.config import EngineConfig
 from halfmoon.engine.cpu_linear import pack_linears
 from halfmoon.engine.cpu_memory import keep_freed_memory
 from halfmoon.engine.cuda_graphs import DecodeBatch, DecodeGraphs
@@ -20,20 +21,30 @@ from halfmoon.engine.model_config import ModelConfig
 from halfmoon.engine.rope import cos_sin_cache
 from halfmoon.engine.scheduler import ScheduledSeq
 from halfmoon.engine.sequence import Sequence
-from halfmoon.kernels import ops
-from halfmoon.kernels.attention import AttentionMetadata
+from halfmoon.engine.tensor_parallel import SINGLE, TPGroup, check_divisible
+from halfmoon.engine.tp_workers import RankWorkers
+
+log = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    """Owns the model weights and the KV pages; runs one step's forward pass."""
+    """Owns the model weights and the KV pages; runs one step's forward pass. With a `group` of
+    T ranks, this rank's slices of them (rank 0 drives the others: `workers`)."""
 
     def __init__(
-        self, model_dir: Path, cfg: ModelConfig, block_size: int, dtype: torch.dtype, device
+        self,
+        model_dir: Path,
+        cfg: ModelConfig,
+        block_size: int,
+        dtype: torch.dtype,
+        device,
+        group: TPGroup = SINGLE,
     ) -> None:
-        self.cfg, self.block_size, self.device = cfg, block_size, device
+        self.cfg, self.block_size, self.device, self.group = cfg, block_size, device, group
+        self.workers: RankWorkers | None = None
         self.forward_s = 0.0  # time inside the model's forward passes, for overhead figures
         with torch.device("meta"):
-            model = CausalLM(cfg)
+            model = CausalLM(cfg, group)
         _materialize(model, device, dtype)
         if cfg.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
@@ -48,6 +59,30 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.decode_graphs: DecodeGraphs | None = None
 
+    @classmethod
+    def start(
+        cls, model_dir: Path, cfg: ModelConfig, config: EngineConfig, dtype: torch.dtype, device
+    ) -> ModelRunner:
+        """The engine's runner: at `tensor_parallel_size` T > 1 rank 0, with ranks 1..T-1
+        started in processes of their own (loading their slices meanwhile)."""
+        size = config.tensor_parallel_size
+        if size == 1:
+            return cls(model_dir, cfg, config.block_size, dtype, device)
+        check_divisible(cfg, size)
+        workers = RankWorkers(model_dir, config.block_size, dtype, device, size)
+        try:
+            runner = cls(model_dir, cfg, config.block_size, dtype, device, workers.group)
+        except BaseException:
+            workers.close()
+            raise
+        runner.workers = workers
+        return runner
+
+    def close(self) -> None:
+        """Stop the other ranks, if any (also done when the runner is collected or at exit)."""
+        if self.workers is not None:
+            self.workers.close()
+
     def allocate_kv(self, num_pages: int, max_model_len: int, shared: bool = False) -> str | None:
         """Allocate the KV pages and the rotary table once the weights' size is known.
 
@@ -58,7 +93,7 @@ class ModelRunner:
         self.cos_sin = cos_sin_cache(
             cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_model_len
         ).to(device)
-        shape = (num_pages, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (num_pages, self.block_size, cfg.num_kv_heads // self.group.size, cfg.head_dim)
         shared_file = None
         if shared and device.type == "cpu":
             shared_file = create_shared_kv(cfg.num_layers, shape, dtype)
@@ -72,11 +107,16 @@ class ModelRunner:
             )
             for _ in range(cfg.num_layers)
         ]
+        if self.workers is not None:
+            self.workers.allocate(num_pages, max_model_len)
         return None
 
     def enable_decode_graphs(self, max_batch: int, max_model_len: int, capture: bool) -> None:
         """Serve decode-only steps of up to `max_batch` sequences from static buffers, replayed
         as CUDA graphs when `capture` (the caller decides: CUDA and not `enforce_eager`)."""
+        if self.group.size > 1:  # the other ranks would have to replay theirs in step
+            log.info("tensor_parallel_size > 1: decode steps run eagerly")
+            return
         max_blocks = -(-max_model_len // self.block_size)
         self.decode_graphs = DecodeGraphs(
             self.model, self.kv_caches, self.cos_sin, max_batch, max_blocks, capture
@@ -92,6 +132,13 @@ class ModelRunner:
             graphed = self._run_decode_graph(batch)
             if graphed is not None:
                 return graphed
+        if self.workers is None:
+            return self._forward(batch, hooks)
+        if hooks is not None:
+            raise NotImplementedError("KV hooks need tensor_parallel_size = 1")
+        return self.workers.guard(self._forward, batch, None)
+
+    def _forward(self, batch: list[ScheduledSeq], hooks: KVHooks | None):
         batch = sorted(batch, key=lambda item: item.num_new_tokens == 1)  # prefill runs first
         token_ids, positions, meta, sample_rows, sampled = self._prepare(batch)
         started = time.perf_counter()
@@ -127,75 +174,21 @@ class ModelRunner:
         return logits, [batch[i].seq for i in rows]
 
     def _prepare(self, batch: list[ScheduledSeq]):
-        """A step's inputs and attention metadata, computed with numpy on the host (each small
-        torch op costs several times more) and moved to the device in two non-blocking copies:
-        one int64 buffer for everything but the block tables, whose parts are the views.
+        """A step's inputs and attention metadata, built on the host and moved to the device in
+        one copy (step_inputs.py); at T > 1 the other ranks get them too."""
+        inputs = step_inputs.pack(batch, self.block_size)
+        if self.workers is not None:
+            self.workers.wake()
+        header, body = step_inputs.share(self.group, inputs, self.device)
+        return *step_inputs.unpack(header, body, inputs.body), inputs.sampled
 
-        A blocking copy would wait for the stream to drain; from pageable memory CUDA stages
-        the bytes at once, so the host arrays may go away after the call."""
-        device, bs = self.device, self.block_size
-        counts = [item.num_new_tokens for item in batch]
-        starts = [item.seq.num_computed_tokens for item in batch]
-        tokens = list(
-            itertools.chain.from_iterable(
-                item.seq.token_ids[s : s + n]
-                for item, s, n in zip(batch, starts, counts, strict=True)
-            )
-        )
-        # Widths rounded up to 16 pages: one kernel specialisation instead of one per width.
-        width = -(-max(len(item.seq.block_table) for item in batch) // 16) * 16
-        tables = np.zeros((len(batch), width), dtype=np.int32)
-        for row, item in enumerate(batch):
-            tables[row, : len(item.seq.block_table)] = item.seq.block_table
-        counts_np = np.array(counts, dtype=np.int64)
-        ends = np.cumsum(counts_np)
-        row_of_token = np.repeat(np.arange(len(batch)), counts_np)
-        offsets = np.arange(len(tokens)) - (ends - counts_np)[row_of_token]
-        positions = np.array(starts, dtype=np.int64)[row_of_token] + offsets
-        slots = tables[row_of_token, positions // bs].astype(np.int64) * bs + positions % bs
-        num_prefill = sum(1 for n in counts if n > 1)
-        sampled = [
-            i
-            for i, (item, s, n) in enumerate(zip(batch, starts, counts, strict=True))
-            if s + n == len(item.seq)
-        ]
-        parts = [
-            tokens,
-            positions,
-            slots,
-            [0, *ends[:num_prefill].tolist()],  # prefill runs' cumulative lengths
-            starts[:num_prefill],  # their cached prefixes
-            [s + 1 for s in starts[num_prefill:]],  # decode context lengths
-            (ends[sampled] - 1).tolist(),  # rows to sample from
-        ]
-        token_ids, positions_t, slots_t, cu_seqlens, prefix_lens, seq_lens, sample_rows = (
-            _on_device(parts, device)
-        )
-        tables_t = torch.from_numpy(tables).to(device, non_blocking=True)
-        meta = AttentionMetadata(
-            slot_mapping=slots_t,
-            num_prefill_tokens=int(ends[num_prefill - 1]) if num_prefill else 0,
-            prefill_cu_seqlens_q=cu_seqlens,
-            prefill_block_tables=tables_t[:num_prefill],
-            prefill_prefix_lens=prefix_lens,
-            decode_block_tables=tables_t[num_prefill:],
-            decode_seq_lens=seq_lens,
-        )
-        if num_prefill and not any(starts[:num_prefill]) and ops.dense_prefill():
-            meta.prefill_dense_lens = counts[:num_prefill]
-        return token_ids, positions_t, meta, sample_rows, sampled
-
-
-def _on_device(parts: list, device) -> list[torch.Tensor]:
-    """int64 tensors of `parts` on `device` from one copy: views of one buffer, each starting
-    16 bytes aligned (Triton specialises a kernel on its pointers' alignment)."""
-    sizes = [len(part) for part in parts]
-    starts = np.cumsum([0] + [-(-size // 2) * 2 for size in sizes])
-    host = np.zeros(int(starts[-1]), dtype=np.int64)
-    for part, start, size in zip(parts, starts, sizes, strict=False):
-        host[start : start + size] = part
-    packed = torch.from_numpy(host).to(device, non_blocking=True)
-    return [packed[start : start + size] for start, size in zip(starts, sizes, strict=False)]
+    @torch.inference_mode()
+    def follow(self) -> None:
+        """Ranks 1..T-1: run the step rank 0 broadcasts, in step with it."""
+        header, body = step_inputs.share(self.group, None, self.device)
+        token_ids, positions, meta, sample_rows = step_inputs.unpack(header, body, None)
+        hidden = self.model(token_ids, positions, self.cos_sin, self.kv_caches, meta)
+        self.model.logits(hidden[sample_rows])
 
 
 def _materialize(model: torch.nn.Module, device, dtype: torch.dtype) -> None:
