@@ -31,6 +31,23 @@ struct Shape {
   float scale;
 };
 
+// Each of `rows` rows of `len` scores becomes its softmax, in place.
+inline void softmax_rows(float* scores, int64_t rows, int64_t len) {
+  for (int64_t i = 0; i < rows; ++i) {
+    float* row = scores + i * len;
+    const float top = *std::max_element(row, row + len);
+    float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t t = 0; t < len; ++t) {
+      row[t] = fast_exp(row[t] - top);
+      total += row[t];
+    }
+    const float inverse = 1.0f / total;
+#pragma omp simd
+    for (int64_t t = 0; t < len; ++t) row[t] *= inverse;
+  }
+}
+
 constexpr int64_t kAhead = 8;  // tokens ahead to prefetch: pages are scattered in memory
 
 // One cached token's row of every KV head, in place in its page.
@@ -61,19 +78,7 @@ void attend(const T* query, const T* k_cache, const T* v_cache, const int32_t* t
       scores[h * len + t] = dot;
     }
   }
-  for (int64_t h = 0; h < s.q_heads; ++h) {
-    float* row = scores.data() + h * len;
-    const float top = *std::max_element(row, row + len);
-    float total = 0.0f;
-#pragma omp simd reduction(+ : total)
-    for (int64_t t = 0; t < len; ++t) {
-      row[t] = fast_exp(row[t] - top);
-      total += row[t];
-    }
-    const float inverse = 1.0f / total;
-#pragma omp simd
-    for (int64_t t = 0; t < len; ++t) row[t] *= inverse;
-  }
+  softmax_rows(scores.data(), s.q_heads, len);
   for (int64_t t = 0; t < len; ++t) {
     if (t + kAhead < len) prefetch(token_row(v_cache, table, t + kAhead, s), s.kv_heads * dim);
     widen(token_row(v_cache, table, t, s), s.kv_heads * dim, row.data());
@@ -111,19 +116,7 @@ void attend_fixed(const T* query, const T* k_cache, const T* v_cache, const int3
       }
     }
   }
-  for (int64_t i = 0; i < kv_heads * G; ++i) {
-    float* probs = scores + i * len;
-    const float top = *std::max_element(probs, probs + len);
-    float total = 0.0f;
-#pragma omp simd reduction(+ : total)
-    for (int64_t t = 0; t < len; ++t) {
-      probs[t] = fast_exp(probs[t] - top);
-      total += probs[t];
-    }
-    const float inverse = 1.0f / total;
-#pragma omp simd
-    for (int64_t t = 0; t < len; ++t) probs[t] *= inverse;
-  }
+  softmax_rows(scores, kv_heads * G, len);
   std::fill(acc, acc + row * G, 0.0f);
   for (int64_t t = 0; t < len; ++t) {
     if (t + kAhead < len) prefetch(token_row(v_cache, table, t + kAhead, s), row);
