@@ -117,8 +117,8 @@ def _add_serve(commands) -> None:
     cmd.add_argument(
         "--tensor-parallel-size",
         type=int,
-        help="ranks per worker; the cluster's workers support only 1 so far (each runs on one "
-        "device; the offline engine, LLM(..., tensor_parallel_size=T), splits a model)",
+        help="ranks each prefill and decode worker splits the model across, on CPU (a config "
+        "sets each pool's: prefill.tensor_parallel_size, decode.tensor_parallel_size)",
     )
     cmd.add_argument(
         "--enforce-eager",
@@ -196,7 +196,7 @@ SERVE_OVERRIDES = {
     "max_model_len": "engine.max_model_len",
     "gpu_memory_utilization": "engine.gpu_memory_utilization",
     "kv_cache_memory": "engine.kv_cache_memory_bytes",
-    "tensor_parallel_size": "engine.tensor_parallel_size",
+    "tensor_parallel_size": ("prefill.tensor_parallel_size", "decode.tensor_parallel_size"),
     "enforce_eager": "engine.enforce_eager",
     "prefill": "prefill.replicas",
     "decode": "decode.replicas",
@@ -221,7 +221,8 @@ def _run_serve(args) -> int:
 
     overrides = {
         key: getattr(args, flag)
-        for flag, key in SERVE_OVERRIDES.items()
+        for flag, keys in SERVE_OVERRIDES.items()
+        for key in ((keys,) if isinstance(keys, str) else keys)
         if getattr(args, flag) is not None
     }
     return serve(load_config(args.config, overrides))

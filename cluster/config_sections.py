@@ -38,13 +38,12 @@ class EngineSection(EngineSettings):
 
     @field_validator("tensor_parallel_size")
     @classmethod
-    def _no_tensor_parallel(cls, size: int) -> int:
+    def _degree_per_pool(cls, size: int) -> int:
         if size != 1:
             raise PydanticCustomError(
                 "tensor_parallel",
-                "tensor parallelism is not supported yet in the cluster's workers (only in the "
-                "offline engine): each worker runs on one device; scale with more prefill/decode "
-                "replicas instead (set 1)",
+                "a cluster sets the degree per pool: prefill.tensor_parallel_size and "
+                "decode.tensor_parallel_size (or --tensor-parallel-size for both); leave this 1",
             )
         return size
 
@@ -74,6 +73,21 @@ class PoolConfig(Section):
     num_gpus: float = Field(0.0, ge=0)
     # Custom Ray resources, e.g. {"prefill": 1} to pin workers to prefill nodes.
     resources: dict[str, float] = Field(default_factory=dict)
+    # Ranks each worker splits the model across (engine/tensor_parallel.py): processes of the
+    # worker's actor, which reserves num_cpus and num_gpus for each. Prefill and decode may
+    # differ: the KV moves between them whole-head (engine/kv_shards.py).
+    tensor_parallel_size: int = Field(1, ge=1)
+
+    @model_validator(mode="after")
+    def _tensor_parallel_on_cpu(self) -> PoolConfig:
+        if self.tensor_parallel_size > 1 and self.num_gpus > 0:
+            raise invalid(
+                "tensor_parallel_size",
+                f"{self.tensor_parallel_size} with num_gpus = {self.num_gpus}: a worker's ranks "
+                "move KV through shared CPU memory only so far; set num_gpus: 0 or "
+                "tensor_parallel_size: 1",
+            )
+        return self
 
     @field_validator("resources")
     @classmethod

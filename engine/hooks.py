@@ -20,6 +20,11 @@ class KVHooks:
         """Start loading blocks `first_block...` into `pages`; each layer must land before
         `before_layer` of that layer returns."""
 
+    def writes_before(self, batch: list[ScheduledSeq]) -> bool:
+        """Whether `before_layer` writes KV during this step (at tensor_parallel_size > 1 the
+        other ranks then wait for it before each layer)."""
+        return False
+
     def before_layer(self, layer: int, batch: list[ScheduledSeq]) -> None:
         """Layer `layer` of this step is about to run."""
 

@@ -67,6 +67,15 @@ def create_shared_kv(
     return path, _as_layers(memory.view(dtype).view(shape))
 
 
+def map_shared_kv(
+    path: str, num_layers: int, page_shape: tuple[int, ...], dtype: torch.dtype
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer K and V of the KV pages another process made with `create_shared_kv`."""
+    shape = (num_layers, 2, *page_shape)
+    pages = torch.from_file(path, shared=True, size=math.prod(shape), dtype=dtype)
+    return _as_layers(pages.view(shape))
+
+
 def _as_layers(pages: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """`[layer, k|v, ...]` pages as per layer (K, V)."""
     return [(pages[layer, 0], pages[layer, 1]) for layer in range(len(pages))]
@@ -121,6 +130,11 @@ class PagedKvCache:
         return len(self.layers)
 
     @property
+    def page_shape(self) -> tuple[int, ...]:
+        """num_pages, block_size, num_kv_heads, head_dim: the layout a layer is read in."""
+        return tuple(self.layers[0][0].shape)
+
+    @property
     def page_layer_bytes(self) -> int:
         """Bytes of K and V of one page in one layer."""
         k = self.layers[0][0]
@@ -144,7 +158,7 @@ class PagedKvCache:
     def open_peer(self, export: KvExport) -> PeerKv:
         """Another engine's cache from its `export`, to `copy_pages` from; ValueError saying
         why when it cannot be (another model or dtype, another device)."""
-        mine = tuple(self.layers[0][0].shape)
+        mine = self.page_shape
         if export.num_layers != self.num_layers or tuple(export.page_shape[1:]) != mine[1:]:
             raise ValueError(
                 f"its pages are {export.num_layers} x {tuple(export.page_shape)}, "
@@ -155,10 +169,9 @@ class PagedKvCache:
         if self.device.type == "cpu":
             if export.path is None:
                 raise ValueError("it is on a GPU and this cache on the CPU")
-            shape = (export.num_layers, 2, *export.page_shape)
-            count = math.prod(shape)
-            pages = torch.from_file(export.path, shared=True, size=count, dtype=self.dtype)
-            return PeerKv(_as_layers(pages.view(shape)))
+            return PeerKv(
+                map_shared_kv(export.path, export.num_layers, export.page_shape, self.dtype)
+            )
         uuid = str(torch.cuda.get_device_properties(self.device).uuid)
         if export.device_uuid != uuid:
             raise ValueError(f"it is on GPU {export.device_uuid}, this cache on {uuid}")

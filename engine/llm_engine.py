@@ -18,7 +18,6 @@ from halfmoon.engine.forks import Forks
 from halfmoon.engine.grammar import Grammars
 from halfmoon.engine.hooks import KVHooks
 from halfmoon.engine.intake import Intake
-from halfmoon.engine.kv_cache import PagedKvCache
 from halfmoon.engine.kv_sizing import size_kv
 from halfmoon.engine.loader import model_directory, model_identity, pick_device, pick_dtype
 from halfmoon.engine.model_config import load_model_config
@@ -55,8 +54,7 @@ class LLMEngine:
             config, cfg, self.dtype, self.device, self.runner.weights_bytes
         )
         cfg.max_model_len = self.max_model_len
-        shared_path = self.runner.allocate_kv(self.num_pages, self.max_model_len, config.share_kv)
-        self.kv = PagedKvCache(self.runner.kv_caches, shared_path)
+        self.kv = self.runner.allocate_kv(self.num_pages, self.max_model_len, config.share_kv)
         self.root_key = model_root_key(
             model_identity(model_dir), str(self.dtype), cfg.num_layers, cfg.num_kv_heads,
             cfg.head_dim, config.block_size,

@@ -14,7 +14,8 @@ from halfmoon.engine.cpu_linear import pack_linears
 from halfmoon.engine.cpu_memory import keep_freed_memory
 from halfmoon.engine.cuda_graphs import DecodeBatch, DecodeGraphs
 from halfmoon.engine.hooks import KVHooks
-from halfmoon.engine.kv_cache import create_shared_kv
+from halfmoon.engine.kv_cache import PagedKvCache, create_shared_kv, map_shared_kv
+from halfmoon.engine.kv_shards import whole_cache
 from halfmoon.engine.loader import load_weights
 from halfmoon.engine.model import CausalLM
 from halfmoon.engine.model_config import ModelConfig
@@ -83,12 +84,24 @@ class ModelRunner:
         if self.workers is not None:
             self.workers.close()
 
-    def allocate_kv(self, num_pages: int, max_model_len: int, shared: bool = False) -> str | None:
-        """Allocate the KV pages and the rotary table once the weights' size is known.
+    def allocate_kv(self, num_pages: int, max_model_len: int, shared: bool = False) -> PagedKvCache:
+        """Allocate the KV pages and the rotary table once the weights' size is known; returns
+        the engine's KV cache, at T > 1 whole-head over every rank's pages (kv_shards.py).
 
         `shared` on CPU: all layers in one anonymous memory file that other processes of this
-        node can map (returns its path; see `PagedKvCache.export`). A CUDA cache is shared by
-        IPC handles and needs nothing here."""
+        node can map (see `PagedKvCache.export`). A CUDA cache is shared by IPC handles and
+        needs nothing here."""
+        path = self.allocate_pages(num_pages, max_model_len, shared)
+        if self.workers is None:
+            return PagedKvCache(self.kv_caches, path)
+        paths = self.workers.allocate(num_pages, max_model_len)
+        shape, layers = self.kv_caches[0][0].shape, self.cfg.num_layers
+        dtype = self.kv_caches[0][0].dtype
+        return whole_cache(self.kv_caches, paths, lambda p: map_shared_kv(p, layers, shape, dtype))
+
+    def allocate_pages(self, num_pages: int, max_model_len: int, shared: bool) -> str | None:
+        """This rank's KV pages (its KV heads) and rotary table; on CPU and `shared`, in a
+        memory file other processes map by the path returned."""
         cfg, dtype, device = self.cfg, self.model.embed_tokens.weight.dtype, self.device
         self.cos_sin = cos_sin_cache(
             cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_model_len
@@ -107,8 +120,6 @@ class ModelRunner:
             )
             for _ in range(cfg.num_layers)
         ]
-        if self.workers is not None:
-            self.workers.allocate(num_pages, max_model_len)
         return None
 
     def enable_decode_graphs(self, max_batch: int, max_model_len: int, capture: bool) -> None:
@@ -134,22 +145,29 @@ class ModelRunner:
                 return graphed
         if self.workers is None:
             return self._forward(batch, hooks)
-        if hooks is not None:
-            raise NotImplementedError("KV hooks need tensor_parallel_size = 1")
-        return self.workers.guard(self._forward, batch, None)
+        return self.workers.guard(self._forward, batch, hooks)
 
     def _forward(self, batch: list[ScheduledSeq], hooks: KVHooks | None):
         batch = sorted(batch, key=lambda item: item.num_new_tokens == 1)  # prefill runs first
-        token_ids, positions, meta, sample_rows, sampled = self._prepare(batch)
+        # At T > 1 the other ranks wait for a `before_layer` that writes into their pages.
+        waits = self.workers is not None and hooks is not None and hooks.writes_before(batch)
+        token_ids, positions, meta, sample_rows, sampled = self._prepare(batch, waits)
         started = time.perf_counter()
         before = after = None
         if hooks is not None:
             before = lambda layer: hooks.before_layer(layer, batch)  # noqa: E731
+            if waits:
+                before = lambda layer: self._before(hooks, layer, batch)  # noqa: E731
             after = lambda layer: hooks.after_layer(layer, batch)  # noqa: E731
         hidden = self.model(token_ids, positions, self.cos_sin, self.kv_caches, meta, before, after)
         logits = self.model.logits(hidden[sample_rows])
         self.forward_s += time.perf_counter() - started
         return logits, [batch[i].seq for i in sampled]
+
+    def _before(self, hooks: KVHooks, layer: int, batch: list[ScheduledSeq]) -> None:
+        """`before_layer`, then the other ranks, waiting for it, go on (T > 1)."""
+        hooks.before_layer(layer, batch)
+        self.group.barrier()
 
     def _run_decode_graph(self, batch: list[ScheduledSeq]):
         """This step through the decode graphs; None unless it is decode-only and fits them."""
@@ -173,10 +191,10 @@ class ModelRunner:
         self.forward_s += time.perf_counter() - started
         return logits, [batch[i].seq for i in rows]
 
-    def _prepare(self, batch: list[ScheduledSeq]):
+    def _prepare(self, batch: list[ScheduledSeq], waits: bool = False):
         """A step's inputs and attention metadata, built on the host and moved to the device in
         one copy (step_inputs.py); at T > 1 the other ranks get them too."""
-        inputs = step_inputs.pack(batch, self.block_size)
+        inputs = step_inputs.pack(batch, self.block_size, waits)
         if self.workers is not None:
             self.workers.wake()
         header, body = step_inputs.share(self.group, inputs, self.device)
@@ -187,7 +205,8 @@ class ModelRunner:
         """Ranks 1..T-1: run the step rank 0 broadcasts, in step with it."""
         header, body = step_inputs.share(self.group, None, self.device)
         token_ids, positions, meta, sample_rows = step_inputs.unpack(header, body, None)
-        hidden = self.model(token_ids, positions, self.cos_sin, self.kv_caches, meta)
+        before = (lambda layer: self.group.barrier()) if step_inputs.waits(header) else None
+        hidden = self.model(token_ids, positions, self.cos_sin, self.kv_caches, meta, before)
         self.model.logits(hidden[sample_rows])
 
 

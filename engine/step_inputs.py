@@ -15,10 +15,11 @@ from halfmoon.engine.tensor_parallel import TPGroup
 from halfmoon.kernels import ops
 from halfmoon.kernels.attention import AttentionMetadata
 
-# The header: the 7 parts' sizes, the block tables' rows and width, the prefill tokens and
-# whether the prefill runs attend densely (`AttentionMetadata.prefill_dense_lens`).
+# The header: the 7 parts' sizes, the block tables' rows and width, the prefill tokens,
+# whether the prefill runs attend densely (`AttentionMetadata.prefill_dense_lens`) and whether
+# the other ranks wait for rank 0 before each layer (its KV hooks write into their pages).
 NUM_PARTS = 7
-HEADER_LEN = NUM_PARTS + 4
+HEADER_LEN = NUM_PARTS + 5
 
 
 @dataclass(slots=True)
@@ -30,7 +31,7 @@ class StepInputs:
     sampled: list[int]
 
 
-def pack(batch: list[ScheduledSeq], block_size: int) -> StepInputs:
+def pack(batch: list[ScheduledSeq], block_size: int, waits: bool = False) -> StepInputs:
     """The inputs of `batch` (prefill runs first), computed with numpy on the host: each small
     torch op costs several times more."""
     bs = block_size
@@ -69,7 +70,7 @@ def pack(batch: list[ScheduledSeq], block_size: int) -> StepInputs:
     ]
     num_prefill_tokens = int(ends[num_prefill - 1]) if num_prefill else 0
     dense = bool(num_prefill and not any(starts[:num_prefill]) and ops.dense_prefill())
-    header = [*map(len, parts), len(batch), width, num_prefill_tokens, int(dense)]
+    header = [*map(len, parts), len(batch), width, num_prefill_tokens, int(dense), int(waits)]
     # Each width is a multiple of 16 int32s: the tables pack into whole int64s.
     parts.append(tables.reshape(-1).view(np.int64))
     return StepInputs(np.array(header, dtype=np.int64), _concat(parts), sampled)
@@ -110,13 +111,18 @@ def _sizes(header: np.ndarray) -> list[int]:
     return [*map(int, header[:NUM_PARTS]), rows * width // 2]
 
 
+def waits(header: np.ndarray) -> bool:
+    """Whether the other ranks wait for rank 0 before each layer of this step."""
+    return bool(header[NUM_PARTS + 4])
+
+
 def unpack(header: np.ndarray, body: torch.Tensor, host: np.ndarray | None):
     """(token ids, positions, attention metadata, rows to sample) as views of `body`; `host`,
     its copy on the host where at hand, gives the dense prefill lengths without a device read."""
     sizes, starts = _sizes(header), _starts(_sizes(header)).tolist()
     views = [body[start : start + size] for start, size in zip(starts, sizes, strict=False)]
     token_ids, positions, slots, cu_seqlens, prefix_lens, seq_lens, sample_rows, packed = views
-    rows, width, num_prefill_tokens, dense = map(int, header[NUM_PARTS:])
+    rows, width, num_prefill_tokens, dense = map(int, header[NUM_PARTS : NUM_PARTS + 4])
     tables = packed.view(torch.int32).view(rows, width)
     num_prefill = len(prefix_lens)
     meta = AttentionMetadata(

@@ -45,6 +45,10 @@ class TPGroup:
             self.pg.allreduce([x]).wait()
         return x
 
+    def barrier(self) -> None:
+        """Wait until every rank has reached it."""
+        self.pg.barrier().wait()
+
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's `x` on every rank, in place."""
         options = dist.BroadcastOptions()

@@ -76,12 +76,13 @@ class RankWorkers:
     def pids(self) -> list[int]:
         return [proc.pid for proc in self.procs]
 
-    def allocate(self, num_pages: int, max_model_len: int) -> None:
-        """Every other rank allocates its KV pages (its KV heads) and its rotary table."""
+    def allocate(self, num_pages: int, max_model_len: int) -> list[str | None]:
+        """Every other rank allocates its KV pages (its KV heads) and its rotary table; returns
+        the memory file each rank's pages are in (None where it cannot share them)."""
         with contextlib.suppress(OSError):  # a dead rank is reported by `_expect`
             for conn in self.conns:
                 conn.send(("kv", num_pages, max_model_len))
-        self._expect(READY, "loading the model")
+        return self._expect(READY, "loading the model")
 
     def guard(self, step, *args):
         """`step(*args)` (which calls `wake`), failing with a RankFailedError if a rank died;
@@ -94,6 +95,13 @@ class RankWorkers:
             self.failed = self._failure("in a step")
             self.close()
             raise self.failed from error
+        except Exception as error:  # a KV hook's: the other ranks are left mid-step
+            self.failed = RankFailedError(
+                f"tensor-parallel rank 0 failed in a step ({error!r}), leaving the other ranks "
+                "mid-step; it cannot continue: create it again"
+            )
+            self.close()
+            raise self.failed from error
 
     def wake(self) -> None:
         """The other ranks join the step rank 0 is about to broadcast."""
@@ -104,8 +112,10 @@ class RankWorkers:
         """Stop the other ranks (at once if they are waiting for a step)."""
         self._finalizer()
 
-    def _expect(self, message: str, doing: str) -> None:
-        """Wait for `message` from every other rank; if one fails instead, stop them all."""
+    def _expect(self, message: str, doing: str) -> list:
+        """Wait for `message` (or `(message, payload)`) from every other rank and return the
+        payloads; if one fails instead, stop them all."""
+        payloads = []
         for rank, (conn, proc) in enumerate(zip(self.conns, self.procs, strict=True), 1):
             while not conn.poll(0.1) and proc.poll() is None:
                 pass
@@ -113,7 +123,11 @@ class RankWorkers:
                 got = conn.recv()
             except (EOFError, OSError):  # it exited with nothing to say
                 got = None
+            if isinstance(got, tuple) and got[0] == message:
+                payloads.append(got[1])
+                continue
             if got == message:
+                payloads.append(None)
                 continue
             error = (
                 self._failure(f"while {doing}")
@@ -122,6 +136,7 @@ class RankWorkers:
             )
             self.close()
             raise error
+        return payloads
 
     def _failure(self, what: str) -> RankFailedError:
         deadline = time.monotonic() + 1.0  # a rank whose connection just closed is exiting
@@ -182,8 +197,8 @@ def rank_main(fd: int) -> None:
         cfg = load_model_config(model_dir)
         runner = ModelRunner(Path(model_dir), cfg, block_size, dtype, device, group)
         _, num_pages, max_model_len = conn.recv()
-        runner.allocate_kv(num_pages, max_model_len)
-        conn.send(READY)
+        # In a memory file rank 0 maps: it reads and writes these pages itself (kv_shards.py).
+        conn.send((READY, runner.allocate_pages(num_pages, max_model_len, shared=True)))
         while conn.recv() == STEP:
             runner.follow()
     except EOFError:  # rank 0's process is gone

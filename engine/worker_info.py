@@ -25,6 +25,7 @@ class WorkerInfo:
     num_pages: int
     root_key: bytes
     device: str = "cpu"  # the device type its weights and KV are on: cpu or cuda
+    tensor_parallel_size: int = 1  # ranks it splits the model across; its KV moves whole-head
 
 
 def worker_info(name: str, kind: str, engine: LLMEngine) -> WorkerInfo:
@@ -44,6 +45,7 @@ def worker_info(name: str, kind: str, engine: LLMEngine) -> WorkerInfo:
         num_pages=engine.num_pages,
         root_key=engine.root_key,
         device=engine.device.type,
+        tensor_parallel_size=engine.config.tensor_parallel_size,
     )
 
 

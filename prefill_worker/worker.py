@@ -158,6 +158,13 @@ class PrefillWorker(EngineWorker, KVHooks):
     def load_prefix(self, seq: Sequence, first_block: int, pages: list[int]) -> None:
         self.prefix.start(self.jobs[seq.request_id], first_block, pages)
 
+    def writes_before(self, batch: list[ScheduledSeq]) -> bool:
+        return any(
+            job.load is not None
+            for item in batch
+            if (job := self.jobs.get(item.seq.request_id)) is not None
+        )
+
     def before_layer(self, layer: int, batch: list[ScheduledSeq]) -> None:
         for item in batch:
             if (job := self.jobs.get(item.seq.request_id)) is not None:

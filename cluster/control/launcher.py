@@ -237,12 +237,14 @@ class Cluster:
         return self.engine_config.model_copy(update={"gpu_memory_utilization": utilization})
 
     def _worker_engine_config(self, kind: str) -> EngineConfig:
-        """A pool's engine config; prefill workers' KV caches shared with their node when they
-        lend pages to decode workers (`store.lend_pages`)."""
-        config = self._pool_engine_config(self.pools[kind])
+        """A pool's engine config at its degree; prefill workers' KV caches shared with their
+        node when they lend pages to decode workers (`store.lend_pages`, at degree 1)."""
+        pool = self.pools[kind]
+        config = self._pool_engine_config(pool)
+        config = config.model_copy(update={"tensor_parallel_size": pool.tensor_parallel_size})
         store = self.config.store
         lend = self.config.mode == "disaggregated" and store.direct_notices and store.lend_pages
-        if kind == "prefill" and lend:
+        if kind == "prefill" and lend and pool.tensor_parallel_size == 1:  # at T > 1 it cannot
             config = config.model_copy(update={"share_kv": True})
         return config
 
@@ -272,8 +274,8 @@ class Cluster:
             ray.remote(WORKER_CLASSES[kind])
             .options(
                 name=f"halfmoon-{self.cluster_id}-{name}",
-                num_cpus=pool.num_cpus,
-                num_gpus=pool.num_gpus,
+                num_cpus=pool.num_cpus * pool.tensor_parallel_size,  # its ranks' processes
+                num_gpus=pool.num_gpus * pool.tensor_parallel_size,
                 resources=pool.resources or None,
                 max_concurrency=10_000,
                 max_restarts=0,

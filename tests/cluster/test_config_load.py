@@ -123,3 +123,12 @@ def test_section_values_reach_the_part_configs():
     assert (engine.max_num_seqs, engine.prefill_chunk_size, engine.dtype) == (256, 2048, "bfloat16")
     assert config.store.store_config().redis_ttl_s == 86400
     assert router_config(config, 16).bypass_max_tokens == 256
+
+
+def test_each_pool_sets_its_tensor_parallel_degree_on_cpu():
+    config = load_config(None, {"prefill.tensor_parallel_size": 2})
+    assert (config.prefill.tensor_parallel_size, config.decode.tensor_parallel_size) == (2, 1)
+    with pytest.raises(ConfigError, match="decode.tensor_parallel_size"):
+        load_config(None, {"engine.tensor_parallel_size": 2})
+    with pytest.raises(ConfigError, match="shared CPU memory"):
+        load_config(None, {"decode.tensor_parallel_size": 2, "decode.num_gpus": 1})

@@ -114,9 +114,9 @@ def test_version_flag_prints_the_version(capsys):
     assert capsys.readouterr().out.startswith("halfmoon 0.")
 
 
-def test_serve_rejects_a_missing_model_and_tensor_parallelism_before_starting(tmp_path, capsys):
+def test_serve_rejects_a_missing_model_and_a_bad_tensor_parallel_size_early(tmp_path, capsys):
     assert main(["serve", "--model", str(tmp_path / "missing")]) == 2
     assert "does not exist" in capsys.readouterr().err
     assert not (tmp_path / "missing").exists()
-    assert main(["serve", "--tensor-parallel-size", "2"]) == 2
-    assert "tensor parallelism is not supported" in capsys.readouterr().err
+    assert main(["serve", "--tensor-parallel-size", "0"]) == 2
+    assert "prefill.tensor_parallel_size" in capsys.readouterr().err

@@ -1,0 +1,91 @@
+"""The KV API of a tensor-parallel engine is whole-head: a layer read at T = 2 gathers both
+ranks' heads into the layout T = 1 reads, a write gives each rank its heads, and blocks read at
+one degree are a cached prefix at the other (real rank processes, gloo on CPU)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from halfmoon.engine import LLM, SamplingParams
+from halfmoon.kvstore.keys import block_keys
+from halfmoon.kvstore.layout import LayerKV
+
+ENGINE_ARGS = dict(num_pages=32, max_num_batched_tokens=128)
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _prompt(seed: int, length: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(6, 262) for _ in range(length)]
+
+
+@pytest.fixture(scope="module")
+def one(tiny_model_dir):
+    return LLM(str(tiny_model_dir), **ENGINE_ARGS)
+
+
+@pytest.fixture(scope="module")
+def two(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), tensor_parallel_size=2, **ENGINE_ARGS)
+    yield llm
+    llm.close()
+
+
+def _blocks(llm: LLM, prompt: list[int]) -> tuple[list[bytes], list[LayerKV]]:
+    """The keys of `prompt`'s full blocks, computed by `llm`, and every layer of them read
+    through its KV API."""
+    engine = llm.engine
+    keys = block_keys(engine.root_key, prompt, engine.config.block_size)
+    llm.generate([prompt], GREEDY)
+    pages = [engine.pool.key_to_page[key] for key in keys]
+    layers = [engine.kv.read_layer(layer, pages).wait() for layer in range(engine.kv.num_layers)]
+    return keys, layers
+
+
+def test_a_layer_read_at_two_ranks_is_the_layer_one_rank_reads(one, two):
+    prompt = _prompt(1, 40)
+    keys, at_one = _blocks(one, prompt)
+    assert _blocks(two, prompt)[0] == keys, "block keys do not depend on the degree"
+    at_two = _blocks(two, prompt)[1]
+    assert len(keys) == 2 and at_two[0].k.shape == at_one[0].k.shape == (2, 16, 2, 32)
+    # Layer 0's K and V come from the embedding alone: the same bytes; the later layers' inputs
+    # went through all-reduces, which round differently.
+    assert torch.equal(at_two[0].k, at_one[0].k) and torch.equal(at_two[0].v, at_one[0].v)
+    for ours, theirs in zip(at_two, at_one, strict=True):
+        torch.testing.assert_close(ours.k, theirs.k, atol=1e-5, rtol=0)
+        torch.testing.assert_close(ours.v, theirs.v, atol=1e-5, rtol=0)
+
+
+def test_a_layer_written_at_two_ranks_gives_each_rank_its_heads(two):
+    kv_cache = two.engine.kv
+    # Pages no cached block is in: the other tests' prefixes stay intact.
+    first, second, third = [p for p in range(32) if p not in two.engine.pool.page_to_key][-3:]
+    written = LayerKV(torch.randn(2, 16, 2, 32), torch.randn(2, 16, 2, 32))
+    kv_cache.write_layer(3, [third, first], written)
+    read = kv_cache.read_layer(3, [third, first]).wait()
+    assert torch.equal(read.k, written.k) and torch.equal(read.v, written.v)
+    for rank, shard in enumerate(kv_cache.shards):
+        k_cache, v_cache = shard[3]
+        assert torch.equal(k_cache[[third, first]], written.k[:, :, rank : rank + 1])
+        assert torch.equal(v_cache[[third, first]], written.v[:, :, rank : rank + 1])
+    kv_cache.copy_within([third], [second])
+    copied = kv_cache.read_layer(3, [second]).wait()
+    assert torch.equal(copied.k, written.k[:1]) and torch.equal(copied.v, written.v[:1])
+    assert kv_cache.page_shape == (32, 16, 2, 32) and kv_cache.export() is None
+
+
+@pytest.mark.parametrize("direction", ["2->1", "1->2"])
+def test_blocks_read_at_one_degree_are_a_cached_prefix_at_the_other(one, two, tiny_llm, direction):
+    source, target = (two, one) if direction == "2->1" else (one, two)
+    prompt = _prompt(2 if direction == "2->1" else 3, 48)
+    keys, layers = _blocks(source, prompt)
+    assert target.engine.adopt_blocks(keys, layers) == 3
+    longer = [*prompt, 7, 8, 9]
+    (out,) = target.generate([longer], GREEDY)
+    assert out.num_cached_tokens == 48
+    assert out.token_ids == tiny_llm.generate([longer], GREEDY)[0].token_ids
