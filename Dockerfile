@@ -12,9 +12,10 @@ ARG TORCH_VERSION=2.13.0
 ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PATH=/opt/venv/bin:$PATH \
     HALFMOON_CACHE=/opt/halfmoon-cache
 
-# redis-server gives the KV store its Redis tier; CUDA bases also lack Python.
+# redis-server gives the KV store its Redis tier, g++ builds the CPU kernels on first use
+# (kernels/cpu_build.py); CUDA bases also lack Python.
 RUN apt-get update -qq \
-    && apt-get install -y -qq --no-install-recommends redis-server \
+    && apt-get install -y -qq --no-install-recommends redis-server g++ \
        $(command -v python3 > /dev/null || echo python3 python3-venv) \
     && rm -rf /var/lib/apt/lists/* \
     && python3 -m venv /opt/venv

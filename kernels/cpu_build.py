@@ -42,7 +42,7 @@ def load(source: Path) -> ctypes.CDLL | None:
 
 def _build(source: Path) -> Path | None:
     compiler = shutil.which(os.environ.get("CXX", "g++"))
-    if compiler is None:
+    if compiler is None or not source.is_file():  # no compiler, or an install without sources
         return None
     headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("cpu_*.h")))
     key = hashlib.sha256(source.read_bytes() + headers + " ".join(FLAGS).encode() + _cpu_flags())

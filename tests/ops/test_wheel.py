@@ -23,6 +23,9 @@ PACKAGE_DATA = [
     "deploy/configs/gpu-cluster.yaml",
     "deploy/autoscaling/slo-planner.yaml",
     "cluster/bench/router_report_template.md",
+    "kernels/cpu_attention.cpp",
+    "kernels/cpu_elementwise.cpp",
+    "kernels/cpu_common.h",
 ]
 
 
