@@ -1,5 +1,5 @@
 """`halfmoon bench engine`: our engine against transformers, or vLLM's CPU build (`--peer
-vllm`), on the same requests.
+vllm`), or itself at tensor_parallel_size T (`--tp T`), on the same requests.
 
 CPU: a ~50M model, 64 requests (prompts 32-512, outputs 16-128), fp32, one thread.
 CUDA: the ~0.9B shape of the GPU issues, 256 requests (prompts 128-1024, 128 outputs), bf16.
@@ -67,7 +67,14 @@ def make_workload(
     return Workload(prompts, output_lens)
 
 
-def our_llm(model_dir: Path, batch_size: int, device: str, dtype: torch.dtype, eager: bool = False):
+def our_llm(
+    model_dir: Path,
+    batch_size: int,
+    device: str,
+    dtype: torch.dtype,
+    eager: bool = False,
+    tensor_parallel_size: int = 1,
+):
     """Our offline engine on the benchmark's settings, warmed up; no prefix caching, so that
     repeated runs of the same prompts do not hit their own cache."""
     from halfmoon.engine import LLM, SamplingParams
@@ -80,6 +87,7 @@ def our_llm(model_dir: Path, batch_size: int, device: str, dtype: torch.dtype, e
         dtype=str(dtype).removeprefix("torch."),
         enforce_eager=eager,
         enable_prefix_caching=False,
+        tensor_parallel_size=tensor_parallel_size,
     )
     llm.generate([[6] * 8], SamplingParams(max_tokens=2))
     return llm
@@ -190,7 +198,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="halfmoon bench engine",
         description="Output tokens/s of our engine vs transformers generate (static batches) and "
         "transformers continuous batching, or (--peer vllm) vs vLLM's CPU build in a subprocess, "
-        "on the same requests.",
+        "or (--tp T) at T ranks vs one, on the same requests.",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(
@@ -210,7 +218,9 @@ def _parser() -> argparse.ArgumentParser:
         "engine's default max_num_seqs)",
     )  # fmt: skip
     parser.add_argument("--scale", type=float, default=1.0, help="shrink lengths for a quick run")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (1)")
+    parser.add_argument(
+        "--threads", type=int, help="torch threads (1; with --tp T, T: its ranks split them)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-hf-cb", action="store_true", help="skip transformers CB")
     parser.add_argument(
@@ -219,7 +229,20 @@ def _parser() -> argparse.ArgumentParser:
         help="instead of transformers: vLLM's CPU build from .peers-venv (`make peers`), "
         "prefix caching off, its OpenMP threads bound to --threads CPUs; runs alternate",
     )
-    parser.add_argument("--repeats", type=int, default=3, help="runs of each with --peer (3)")
+    parser.add_argument(
+        "--tp",
+        type=int,
+        metavar="T",
+        help="instead of transformers: our engine at tensor_parallel_size T against T=1 on the "
+        "same requests and --threads (the T ranks split them), one engine loaded at a time; "
+        "prints tp1_tok_s, tp_tok_s and their ratio",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="runs of each with --peer (medians) or --tp (the best) (3)",
+    )
     return parser
 
 
@@ -230,6 +253,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--device cuda: no CUDA GPU is visible to torch")
     if args.peer and args.device != "cpu":
         parser.error("--peer vllm: the peer is vLLM's CPU build; use --device cpu")
+    if args.tp is not None and (args.tp < 2 or args.peer):
+        parser.error(f"--tp {args.tp}: give a degree of 2 or more, without --peer")
+    args.threads = args.threads or args.tp or 1
     setup = SETUPS[args.device]
     dtype = getattr(torch, args.dtype) if args.dtype else setup.dtype
     args.requests = args.requests or setup.num_requests
@@ -252,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
         file=sys.stderr,
     )
     compare = compare_with_peer if args.peer else compare_with_transformers
+    if args.tp:
+        from halfmoon.cluster.bench.engine_degrees import compare_degrees as compare
     try:
         figures = compare(model_dir, work, dtype, args)
     except PeerUnavailableError as error:

@@ -7,12 +7,14 @@ shared arena ('arena'); streaming with the notices through the store and the rou
 ('store', the path across nodes); and no streaming ('off'). Stall = the last layer published to
 the request joining the decode batch; kv_in = the part of it until the KV was all in the decode
 worker's pages, token = until the first token was known there; lent_layers = layers copied out
-of the prefill worker's pages."""
+of the prefill worker's pages. `--prefill-tp P --decode-tp D`: the workers at those
+tensor-parallel degrees (a prefill worker of P > 1 lends no pages: no 'pages' path)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import sys
 import time
@@ -130,7 +132,7 @@ async def run(
     rng = random.Random(seed)
     rows = []
     for num_chunks in chunk_counts:
-        for path in PATHS:
+        for path in paths(cluster.config.prefill.tensor_parallel_size):
             samples = []
             for r in range(repeats):
                 ids = [
@@ -145,6 +147,24 @@ async def run(
     return rows
 
 
+def paths(prefill_tp: int) -> list[str]:
+    """The paths a prefill worker of degree `prefill_tp` offers: lent pages need one rank."""
+    return [path for path in PATHS if prefill_tp == 1 or not PATHS[path][2]]
+
+
+def degree_settings(prefill_tp: int, decode_tp: int) -> dict:
+    """Both pools' degrees; where their ranks outnumber the cores, each rank reserves a share
+    of them, so that the workers fit this machine (the reservation times nothing)."""
+    settings = {
+        "prefill.tensor_parallel_size": prefill_tp,
+        "decode.tensor_parallel_size": decode_tp,
+    }
+    ranks = prefill_tp + decode_tp
+    if ranks > (cores := os.cpu_count() or 1):
+        settings |= {"prefill.num_cpus": cores / ranks, "decode.num_cpus": cores / ranks}
+    return settings
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = bench_parser("transfer", __doc__)
     parser.add_argument("--chunks", default="1,2,4,8", help="chunk counts (1,2,4,8)")
@@ -157,17 +177,27 @@ def main(argv: list[str] | None = None) -> int:
         default=3,
         help="runs per point: the table keeps the best, the stall's p50 and p99 use every run (3)",
     )
+    for pool in ("prefill", "decode"):
+        parser.add_argument(
+            f"--{pool}-tp",
+            type=int,
+            default=1,
+            help=f"the {pool} worker's tensor-parallel degree (1)",
+        )
     args = parse_device_args(parser, argv, on_cpu="the ~50M model in fp32")
     chunk_counts = int_list(parser, "--chunks", args.chunks)
     chunk_tokens = args.chunk_tokens or (256 if args.device == "cuda" else 64)
     if min(chunk_counts) < 1 or chunk_tokens < 16 or chunk_tokens % 16 or args.repeats < 1:
         parser.error("--chunks and --repeats must be at least 1, --chunk-tokens a multiple of 16")
+    if min(args.prefill_tp, args.decode_tp) < 1:
+        parser.error("--prefill-tp and --decode-tp must be at least 1")
     settings = live_bench_settings(
         bench_model(args.device, args.model),
         args.device,
         **{
             "engine.prefill_chunk_size": chunk_tokens,
             "engine.max_num_batched_tokens": max(2048, chunk_tokens),
+            **degree_settings(args.prefill_tp, args.decode_tp),
         },
     )
     if args.device != "cuda":
@@ -186,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         cluster.stop()  # shuts Ray down too when it started it
-    return _report(rows, args.json, args.device, samples)
+    return _report(rows, args.json, args.device, samples, (args.prefill_tp, args.decode_tp))
 
 
 def stall_percentiles(samples: list[Breakdown]) -> dict:
@@ -217,6 +247,7 @@ def _report(
     as_json: bool,
     device: str = "cpu",
     samples: list[Breakdown] | None = None,
+    degrees: tuple[int, int] = (1, 1),
 ) -> int:
     worst = {}  # per streaming path: the worst stall / one layer and TTFT / compute
     for path in ("pages", "arena", "store"):
@@ -228,11 +259,14 @@ def _report(
             "max_ttft_over_compute": max(r.ttft_s / r.prefill_compute_s for r in on),
             "max_stall_ms": max(r.transfer_stall_s for r in on) * 1e3,
         }
+    default = "pages" if "pages" in worst else "arena"  # the arena where no pages are lent
     summary = {
         "device": device,
+        "prefill_tp": degrees[0],
+        "decode_tp": degrees[1],
         "rows": [{**asdict(r), "path": r.path} for r in rows],
-        # The default path (lent pages), as these keys always reported.
-        **{k: v for k, v in worst["pages"].items() if k != "max_stall_ms"},
+        # The default path, as these keys always reported.
+        **{k: v for k, v in worst[default].items() if k != "max_stall_ms"},
         "by_path": worst,
         "stall_percentiles": stall_percentiles(samples or []),
     }

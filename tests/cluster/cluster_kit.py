@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import time
+import urllib.request
 from collections.abc import Iterator
 
 import ray
+from prometheus_client.parser import text_string_to_metric_families
 
 from halfmoon.cluster.client.grpc_client import Client
 from halfmoon.cluster.config import load_config
@@ -57,3 +59,15 @@ def wait_until(condition, timeout_s: float = 20.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError("condition not reached in time")
         time.sleep(0.05)
+
+
+def kv_transfer_bytes(metrics_port: int) -> float:
+    """The router's halfmoon_kv_transfer_bytes_total, over every path."""
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "halfmoon_kv_transfer_bytes_total"
+    )

@@ -10,10 +10,9 @@ from __future__ import annotations
 import sys
 import threading
 import time
-import urllib.request
 
 import ray
-from prometheus_client.parser import text_string_to_metric_families
+from cluster_kit import kv_transfer_bytes
 from ray.cluster_utils import Cluster as RayCluster
 from scenario_kit import NODE, NODES_TIMEOUT_S, pool_settings, started, write_report
 
@@ -47,17 +46,6 @@ def greedy(client: Client, prompt: str, max_tokens: int) -> list[int] | str:
     except ServerError as error:
         return error.code
     return out.token_ids
-
-
-def kv_transfer_bytes(metrics_port: int) -> float:
-    url = f"http://127.0.0.1:{metrics_port}/metrics"
-    text = urllib.request.urlopen(url, timeout=10).read().decode()
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == "halfmoon_kv_transfer_bytes_total"
-    )
 
 
 def placement(cluster: Cluster) -> dict[str, str]:

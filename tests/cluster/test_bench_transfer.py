@@ -34,6 +34,20 @@ def test_the_report_gives_each_streaming_path_its_worst_stall(capsys):
     assert "pages" in text.out and "path store: worst stall = 10.0 ms" in text.err
 
 
+def test_a_prefill_worker_of_several_ranks_is_measured_without_lent_pages(capsys):
+    assert bench_transfer.paths(1) == ["pages", "arena", "store", "off"]
+    assert bench_transfer.paths(2) == ["arena", "store", "off"]
+    rows = [
+        Breakdown(1, True, True, 0.070, 0.065, 0.003, 0.005, 0.005),
+        Breakdown(1, True, False, 0.080, 0.065, 0.010, 0.005, 0.015),
+    ]
+    bench_transfer._report(rows, as_json=True, degrees=(2, 1))
+    out = json.loads(capsys.readouterr().out)
+    assert (out["prefill_tp"], out["decode_tp"]) == (2, 1)
+    assert out["max_stall_over_one_layer"] == pytest.approx(0.6)  # the arena's, with no pages
+    assert set(out["by_path"]) == {"arena", "store"}
+
+
 def test_the_stall_percentiles_are_against_moving_one_layer_alone(capsys):
     def sample(lent, direct, layerwise, stall_s, layer_s):
         return Breakdown(1, layerwise, direct, 0.1, 0.09, stall_s, layer_s, 0.01, lent=lent)
