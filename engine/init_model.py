@@ -19,20 +19,20 @@ SPECIAL_TOKENS = ["<s>", "</s>", "<pad>", "<|system|>", "<|user|>", "<|assistant
 
 @dataclass(slots=True)
 class TinyModelShape:
-    """Sizes of a generated checkpoint; the defaults are the ~1M-parameter serving default."""
+    """Sizes of a generated checkpoint (`SHAPES` names the ones halfmoon makes)."""
 
-    hidden_size: int = 128
-    intermediate_size: int = 352
-    num_hidden_layers: int = 4
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
     max_position_embeddings: int = 4096
 
 
 # The checkpoints `init-model` and the benchmarks make, by name; columns: hidden, intermediate,
 # layers, attention heads, KV heads (every one with a 4k context).
 SHAPES = {
-    "tiny": TinyModelShape(),  # ~1M parameters: the serving default
+    "tiny": TinyModelShape(128, 352, 4, 4, 2),  # ~1M parameters: the serving default
     "bench": TinyModelShape(512, 1792, 14, 8, 4),  # ~50M: the CPU benchmarks' model
     "gpu": TinyModelShape(2048, 5632, 16, 32, 8),  # ~0.9B: the GPU issues' figures were measured at
 }
@@ -51,7 +51,7 @@ def ensure_model(model_dir: str | Path | None = None, shape: TinyModelShape | No
     """Return `model_dir` (default: the cached tiny model), creating the checkpoint if absent."""
     path = Path(model_dir) if model_dir else default_model_dir()
     if not (path / "config.json").is_file():
-        init_model(path, shape or TinyModelShape())
+        init_model(path, shape or SHAPES["tiny"])
     return path
 
 
@@ -90,7 +90,7 @@ def init_model(model_dir: str | Path, shape: TinyModelShape | None = None, seed:
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
-        **asdict(shape or TinyModelShape()),
+        **asdict(shape or SHAPES["tiny"]),
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)

@@ -93,45 +93,49 @@ void attend(const T* query, const T* k_cache, const T* v_cache, const int32_t* t
   for (int64_t i = 0; i < s.q_heads * dim; ++i) store(out, i, acc[i]);
 }
 
+// Calls visit(t, h, row) for each of the `len` cached tokens t in order and each KV head h,
+// `row` that head's D values widened to fp32: a dense token row (every KV head, contiguous
+// in its page) read at a time, the rows kAhead tokens on prefetched.
+template <typename T, int D, typename Visit>
+inline void stream_tokens(const T* cache, const int32_t* table, int64_t len, const Shape& s,
+                          Visit&& visit) {
+  for (int64_t t = 0; t < len; ++t) {
+    if (t + kAhead < len) prefetch(token_row(cache, table, t + kAhead, s), s.kv_heads * D);
+    const T* heads = token_row(cache, table, t, s);
+    for (int64_t h = 0; h < s.kv_heads; ++h) {
+      float row[D];
+      for (int d = 0; d < D; ++d) row[d] = load(heads + h * D, d);
+      visit(t, h, row);
+    }
+  }
+}
+
 // One sequence with the head size D and group size G known at compile time (the inner loops
-// unroll, a group's queries stay in registers): a token's K of all KV heads (one dense row of
-// its page) read once, then its V; pages are streamed in order, the next rows prefetched.
+// unroll, a group's queries stay in registers): K of every token read once, then its V.
 template <typename T, int D, int G>
 void attend_fixed(const T* query, const T* k_cache, const T* v_cache, const int32_t* table,
                   int64_t len, const Shape& s, float* q, float* scores, float* acc, T* out) {
-  const int64_t kv_heads = s.kv_heads, row = kv_heads * D;
-  for (int64_t i = 0; i < row * G; ++i) q[i] = load(query, i) * s.scale;
-  for (int64_t t = 0; t < len; ++t) {
-    if (t + kAhead < len) prefetch(token_row(k_cache, table, t + kAhead, s), row);
-    const T* keys = token_row(k_cache, table, t, s);
-    for (int64_t h = 0; h < kv_heads; ++h) {
-      float k[D];
-      for (int d = 0; d < D; ++d) k[d] = load(keys + h * D, d);
-      for (int j = 0; j < G; ++j) {
-        const float* qj = q + (h * G + j) * D;
-        float dot = 0.0f;
+  const int64_t rows = s.kv_heads * G;
+  for (int64_t i = 0; i < rows * D; ++i) q[i] = load(query, i) * s.scale;
+  stream_tokens<T, D>(k_cache, table, len, s, [&](int64_t t, int64_t h, const float* k) {
+    for (int j = 0; j < G; ++j) {
+      const float* qj = q + (h * G + j) * D;
+      float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-        for (int d = 0; d < D; ++d) dot += qj[d] * k[d];
-        scores[(h * G + j) * len + t] = dot;
-      }
+      for (int d = 0; d < D; ++d) dot += qj[d] * k[d];
+      scores[(h * G + j) * len + t] = dot;
     }
-  }
-  softmax_rows(scores, kv_heads * G, len);
-  std::fill(acc, acc + row * G, 0.0f);
-  for (int64_t t = 0; t < len; ++t) {
-    if (t + kAhead < len) prefetch(token_row(v_cache, table, t + kAhead, s), row);
-    const T* values = token_row(v_cache, table, t, s);
-    for (int64_t h = 0; h < kv_heads; ++h) {
-      float v[D];
-      for (int d = 0; d < D; ++d) v[d] = load(values + h * D, d);
-      for (int j = 0; j < G; ++j) {
-        const float p = scores[(h * G + j) * len + t];
-        float* aj = acc + (h * G + j) * D;
-        for (int d = 0; d < D; ++d) aj[d] += p * v[d];
-      }
+  });
+  softmax_rows(scores, rows, len);
+  std::fill(acc, acc + rows * D, 0.0f);
+  stream_tokens<T, D>(v_cache, table, len, s, [&](int64_t t, int64_t h, const float* v) {
+    for (int j = 0; j < G; ++j) {
+      const float p = scores[(h * G + j) * len + t];
+      float* aj = acc + (h * G + j) * D;
+      for (int d = 0; d < D; ++d) aj[d] += p * v[d];
     }
-  }
-  for (int64_t i = 0; i < row * G; ++i) store(out, i, acc[i]);
+  });
+  for (int64_t i = 0; i < rows * D; ++i) store(out, i, acc[i]);
 }
 
 template <typename T, int D, int G>

@@ -17,7 +17,7 @@ import torch
 
 from halfmoon.engine import LLM, SamplingParams
 from halfmoon.engine.device_copy import device_tensor
-from halfmoon.engine.init_model import TinyModelShape, ensure_model
+from halfmoon.engine.init_model import SHAPES, ensure_model
 from halfmoon.kvstore.layout import LayerKV
 
 pytestmark = pytest.mark.gpu
@@ -150,7 +150,7 @@ def test_mixed_prefill_and_decode_steps_in_bf16_give_the_one_at_a_time_tokens(ch
 def test_decode_graphs_capture_at_production_sizes(tmp_path):
     # The serving engine's batch (deploy/configs/gpu-cluster.yaml: 256 sequences) and a 32k
     # context: graphs per batch bucket and per context bucket (split-K sized per bucket).
-    shape = replace(TinyModelShape(), max_position_embeddings=32768)
+    shape = replace(SHAPES["tiny"], max_position_embeddings=32768)
     model_dir = str(ensure_model(tmp_path / "tiny-32k", shape))
     args = dict(device="cuda", dtype="bfloat16", max_num_seqs=256, num_pages=4096)
     started = time.perf_counter()
