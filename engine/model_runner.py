@@ -84,6 +84,11 @@ class ModelRunner:
         if self.workers is not None:
             self.workers.close()
 
+    def check_ranks(self) -> None:
+        """Raise a RankFailedError if another rank has died (the engine cannot step)."""
+        if self.workers is not None:
+            self.workers.check()
+
     def allocate_kv(self, num_pages: int, max_model_len: int, shared: bool = False) -> PagedKvCache:
         """Allocate the KV pages and the rotary table once the weights' size is known; returns
         the engine's KV cache, at T > 1 whole-head over every rank's pages (kv_shards.py).

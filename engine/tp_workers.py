@@ -16,6 +16,7 @@ import sys
 import time
 import traceback
 import weakref
+from collections.abc import Callable
 from multiprocessing import Pipe
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -103,6 +104,16 @@ class RankWorkers:
             self.close()
             raise self.failed from error
 
+    def check(self) -> None:
+        """Raise a RankFailedError if a step failed or a rank has exited since; reads state
+        only, so any thread may ask (a worker's health check) while a step runs."""
+        if self.failed is not None:
+            raise self.failed
+        if dead := self._exited():
+            raise RankFailedError(
+                f"tensor-parallel engine cannot step: {'; '.join(dead)}; create it again"
+            )
+
     def wake(self) -> None:
         """The other ranks join the step rank 0 is about to broadcast."""
         for conn in self.conns:
@@ -143,15 +154,19 @@ class RankWorkers:
         for proc in self.procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(max(0.0, deadline - time.monotonic()))
-        dead = [
-            f"rank {rank} (pid {proc.pid}) exited with code {proc.returncode}{_last_words(conn)}"
-            for rank, (proc, conn) in enumerate(zip(self.procs, self.conns, strict=True), 1)
-            if proc.poll() is not None
-        ]
+        dead = self._exited(_last_words)
         return RankFailedError(
             f"tensor-parallel engine failed {what}: {'; '.join(dead) or 'every rank is alive'}; "
             "it cannot continue: create it again"
         )
+
+    def _exited(self, last_words: Callable[[Connection], str] = lambda _: "") -> list[str]:
+        """One line for each other rank whose process has exited."""
+        return [
+            f"rank {rank} (pid {proc.pid}) exited with code {proc.returncode}{last_words(conn)}"
+            for rank, (proc, conn) in enumerate(zip(self.procs, self.conns, strict=True), 1)
+            if proc.poll() is not None
+        ]
 
 
 def _last_words(conn: Connection) -> str:

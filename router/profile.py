@@ -36,6 +36,8 @@ class Profile:
     # (the last layers' transfer, the hand-off to decode, the join) and in routing under load;
     # a bypassed prompt does not pay it. Refit online from live requests, 0 if unknown.
     handoff_s: float = 0.0
+    # Devices one instance splits the model across (its timings are at this degree).
+    tensor_parallel_size: int = 1
 
     def transfer_time(self, num_tokens: int, remote: bool = True) -> float:
         """Seconds to move the KV of `num_tokens` from another instance (or from local host)."""
@@ -104,6 +106,7 @@ def profile_from_dict(data: object, source: str | Path) -> Profile:
         assumptions=dict(assumptions),
         request_overhead_s=_overhead(path, data, "request_overhead_s"),
         handoff_s=_overhead(path, data, "handoff_s"),
+        tensor_parallel_size=_degree(path, data),
     )
 
 
@@ -118,6 +121,7 @@ def profile_to_dict(profile: Profile) -> dict:
     data.update({name: getattr(profile, name) for name in _FIELDS})
     data["request_overhead_s"] = profile.request_overhead_s
     data["handoff_s"] = profile.handoff_s
+    data["tensor_parallel_size"] = profile.tensor_parallel_size
     data.update(profile.cost.to_dict())
     return data
 
@@ -129,4 +133,13 @@ def _overhead(path: str | Path, data: dict, name: str) -> float:
         raise ProfileError(f"profile {path}: `{name}` = {data[name]!r} is not a number") from None
     if not math.isfinite(value) or value < 0:
         raise ProfileError(f"profile {path}: `{name}` = {value!r} must be >= 0")
+    return value
+
+
+def _degree(path: str | Path, data: dict) -> int:
+    value = data.get("tensor_parallel_size", 1)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ProfileError(
+            f"profile {path}: `tensor_parallel_size` = {value!r} must be an int >= 1"
+        )
     return value

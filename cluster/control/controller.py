@@ -7,7 +7,7 @@ import threading
 import time
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from halfmoon.cluster.control.autoscaling import Autoscaler
 from halfmoon.cluster.control.autoscaling_policy import AutoscalingError
@@ -37,8 +37,9 @@ class Controller:
         self.silent_since: dict[str, float] = {}  # workers whose last pings timed out: since when
 
     def check_health(self) -> list[str]:
-        """Ping every worker; replace each one that is dead, or silent for longer than
-        `health.unresponsive_s`. Returns the replaced names."""
+        """Ping every worker; replace each one that is dead, failed (its ping raises: e.g. a
+        tensor-parallel rank died), or silent for longer than `health.unresponsive_s`.
+        Returns the replaced names."""
         self.register_started()
         workers = [w for w in self.cluster.workers.values() if w.name not in self.pending]
         timeout_s = self.cluster.config.health.timeout_s
@@ -49,6 +50,9 @@ class Controller:
                 ray.get(refs[worker.name], timeout=timeout_s)
                 self.silent_since.pop(worker.name, None)
             except RayActorError:
+                dead.append(worker)
+            except RayTaskError as error:  # alive, but its engine cannot step (a rank died)
+                log.warning("worker %s failed its health check: %s", worker.name, error.cause)
                 dead.append(worker)
             except GetTimeoutError:
                 if self._silent_too_long(worker.name):

@@ -135,9 +135,13 @@ def test_a_killed_rank_fails_the_next_step_with_an_error_naming_it(checkpoints):
     llm = LLM(str(checkpoints["llama"]), tensor_parallel_size=2, **ENGINE_ARGS)
     try:
         llm.generate([[7, 8, 9]], GREEDY)
+        llm.engine.runner.check_ranks()  # every rank alive: nothing to say
         (rank,) = llm.engine.runner.workers.procs
         rank.send_signal(signal.SIGKILL)
         rank.wait()
+        # A worker's health check learns of it before any step does.
+        with pytest.raises(RankFailedError, match=r"cannot step: rank 1 \(pid \d+\) exited with"):
+            llm.engine.runner.check_ranks()
         with pytest.raises(RankFailedError, match=r"rank 1 \(pid \d+\) exited with code -9"):
             llm.generate([[7, 8, 9]], GREEDY)
         with pytest.raises(RankFailedError):  # and stays failed, without waiting on anything
