@@ -23,13 +23,14 @@ def available() -> bool:
     return _library() is not None
 
 
-def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
+def supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """Whether this kernel serves these tensors: CPU, one dtype it knows, contiguous caches."""
     return (
         query.device.type == "cpu"
         and query.dtype in DTYPES
-        and k_cache.dtype == query.dtype
+        and k_cache.dtype == v_cache.dtype == query.dtype
         and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
         and available()
     )
 
@@ -38,7 +39,7 @@ def paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scal
     """`reference.paged_decode_attention`'s contract: one query per sequence ([S, q_heads, D])
     over its first `seq_lens[s]` (>= 1) cached tokens, read in place."""
     num_seqs, q_heads, head_dim = query.shape
-    num_pages, block_size, kv_heads, _ = k_cache.shape
+    _, block_size, kv_heads, _ = k_cache.shape
     query = query.contiguous()
     tables = block_tables.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
@@ -46,7 +47,7 @@ def paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scal
     if num_seqs == 0:
         return out
     _library().paged_decode_attention(
-        query.data_ptr(), k_cache.data_ptr(), v_cache.contiguous().data_ptr(),
+        query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         tables.data_ptr(), lens.data_ptr(), num_seqs, q_heads, kv_heads, head_dim,
         block_size, tables.shape[1], scale, DTYPES[query.dtype], torch.get_num_threads(),
         out.data_ptr(),

@@ -43,7 +43,7 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
 
 def paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale):
     backend = backend_for(query)
-    if backend is reference and _native_cpu() and cpu_attention.supports(query, k_cache):
+    if backend is reference and _native_cpu() and cpu_attention.supports(query, k_cache, v_cache):
         backend = cpu_attention
     return backend.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale)
 
@@ -58,8 +58,8 @@ def _per_token(tensor: torch.Tensor) -> ModuleType:
 
 
 def _native_cpu() -> bool:
-    """Whether CPU decode attention may take the compiled kernel (`cpu_attention`): unless
-    `HALFMOON_KERNELS=torch` asks for the references alone."""
+    """Whether CPU tensors may take the compiled C++ kernels: unless `HALFMOON_KERNELS=torch`
+    asks for the references alone."""
     return os.environ.get(BACKEND_ENV, "auto") == "auto"
 
 
