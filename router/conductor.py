@@ -9,6 +9,7 @@ from halfmoon.kvstore.index import BlockEvent, PrefixIndex
 from halfmoon.router.config import RouterConfig
 from halfmoon.router.cost_model import step_sample
 from halfmoon.router.decision import Decision
+from halfmoon.router.degree import instance_degree, measures_side
 from halfmoon.router.online_fit import OnlineRefit, RecentMean
 from halfmoon.router.placed import Hold, PlacedRequests
 from halfmoon.router.placement import Placement, PlacementContext
@@ -64,20 +65,31 @@ class Conductor:
         self.replicator = make_replicator(config)
         self._with_nodes: list[PrefillView] = []  # prefill views with a store node of their own
 
-    def add_prefill(self, instance: Hashable, node: str | None = None) -> PrefillView:
+    def add_prefill(
+        self, instance: Hashable, node: str | None = None, tensor_parallel_size: int | None = None
+    ) -> PrefillView:
         """Register a prefill instance; `node` names the store node whose host tier it loads
-        prefixes from without a fetch (None: its own blocks only, as in the simulator)."""
+        prefixes from without a fetch (None: its own blocks only, as in the simulator), and
+        `tensor_parallel_size` its degree (None: the profile's prefill degree)."""
         self.remove_prefill_view(instance)
         shared = self.profile.cost.chunk_tokens > 0  # a chunking engine shares its steps
-        view = self.prefill[instance] = PrefillView(instance, node=node, shared=shared)
+        degree = instance_degree(self.profile, "prefill", instance, tensor_parallel_size)
+        view = self.prefill[instance] = PrefillView(instance, node, shared, degree)
         if node is not None:
             self._with_nodes.append(view)
         return view
 
-    def add_decode(self, instance: Hashable, capacity_tokens: int | None = None) -> DecodeView:
-        """Register a decode instance with `capacity_tokens` of KV (default: the profile's)."""
+    def add_decode(
+        self,
+        instance: Hashable,
+        capacity_tokens: int | None = None,
+        tensor_parallel_size: int | None = None,
+    ) -> DecodeView:
+        """Register a decode instance with `capacity_tokens` of KV (default: the profile's) at
+        `tensor_parallel_size` (None: the profile's decode degree)."""
         capacity = capacity_tokens or self.profile.decode_kv_capacity_tokens
-        view = self.decode[instance] = DecodeView(instance, capacity)
+        degree = instance_degree(self.profile, "decode", instance, tensor_parallel_size)
+        view = self.decode[instance] = DecodeView(instance, capacity, degree)
         return view
 
     def remove_instance(self, instance: Hashable) -> None:
@@ -112,7 +124,8 @@ class Conductor:
         ctx = self._context(request, now, own, decode_views, ask.decode_tokens)
         placement = self._place(ctx, ask.tbt_slo_s)
         handoff_s = 0.0 if placement.bypass else self.profile.handoff_s
-        fill_decision(decision, placement, self.profile.request_overhead_s + handoff_s)
+        overhead_s = self.profile.request_overhead_s + handoff_s
+        fill_decision(decision, placement, overhead_s, self.prefill)
         decision.reason = ask.rejection(
             self.config, placement, self.predictor, decision, self._ttft_bound(now)
         )
@@ -220,11 +233,12 @@ class Conductor:
         before them), for the online refit."""
         self.refit.observe_prefill_step(chunks, seconds)
 
-    def observe_step(self, step) -> None:
+    def observe_step(self, step, tensor_parallel_size: int | None = None) -> None:
         """A worker's `engine.llm_engine.StepTiming`: pure prefill and pure decode steps
-        refine the cost model; mixed steps (a bypassed prefill beside decodes) are skipped."""
+        refine the cost model; mixed steps (a bypassed prefill beside decodes) and steps of a
+        worker at another degree than the profile's side of that step are skipped."""
         sample = step_sample(step)
-        if sample is None:
+        if sample is None or not measures_side(self.profile, sample[0], tensor_parallel_size):
             return
         kind, shape, step_s = sample
         if kind == "prefill":

@@ -40,6 +40,8 @@ class Decision:
     bypass: bool = False
     rejected: bool = False
     reason: str = ""
+    prefill_degree: int = 1  # tensor-parallel degree of the instance that prefills it
+    decode_degree: int = 1
     candidates: list[Candidate] = field(default_factory=list)
     replications: list[Replication] = field(default_factory=list)
 
@@ -56,6 +58,7 @@ class Decision:
             )
             lines.append(
                 f"  prefill={self.prefill_instance} decode={self.decode_instance}"
+                f" tp={self.prefill_degree}/{self.decode_degree}"
                 f" bypass={self.bypass} cached={self.cached_tokens} tokens{fetch}"
             )
             lines.append(

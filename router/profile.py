@@ -36,8 +36,16 @@ class Profile:
     # (the last layers' transfer, the hand-off to decode, the join) and in routing under load;
     # a bypassed prompt does not pay it. Refit online from live requests, 0 if unknown.
     handoff_s: float = 0.0
-    # Devices one instance splits the model across (its timings are at this degree).
+    # Devices one instance splits the model across: its timings are at this degree, the decode
+    # side's at `decode_tensor_parallel_size` where a profile composed for pools at two degrees
+    # sets it (router/degree.py).
     tensor_parallel_size: int = 1
+    decode_tensor_parallel_size: int | None = None
+
+    @property
+    def decode_degree(self) -> int:
+        """The degree its decode side (decode coefficients, decode KV capacity) is timed at."""
+        return self.decode_tensor_parallel_size or self.tensor_parallel_size
 
     def transfer_time(self, num_tokens: int, remote: bool = True) -> float:
         """Seconds to move the KV of `num_tokens` from another instance (or from local host)."""
@@ -106,7 +114,8 @@ def profile_from_dict(data: object, source: str | Path) -> Profile:
         assumptions=dict(assumptions),
         request_overhead_s=_overhead(path, data, "request_overhead_s"),
         handoff_s=_overhead(path, data, "handoff_s"),
-        tensor_parallel_size=_degree(path, data),
+        tensor_parallel_size=_degree(path, data, "tensor_parallel_size", 1),
+        decode_tensor_parallel_size=_degree(path, data, "decode_tensor_parallel_size", None),
     )
 
 
@@ -122,6 +131,8 @@ def profile_to_dict(profile: Profile) -> dict:
     data["request_overhead_s"] = profile.request_overhead_s
     data["handoff_s"] = profile.handoff_s
     data["tensor_parallel_size"] = profile.tensor_parallel_size
+    if profile.decode_tensor_parallel_size is not None:
+        data["decode_tensor_parallel_size"] = profile.decode_tensor_parallel_size
     data.update(profile.cost.to_dict())
     return data
 
@@ -136,10 +147,10 @@ def _overhead(path: str | Path, data: dict, name: str) -> float:
     return value
 
 
-def _degree(path: str | Path, data: dict) -> int:
-    value = data.get("tensor_parallel_size", 1)
+def _degree(path: str | Path, data: dict, name: str, default: int | None) -> int | None:
+    if name not in data:
+        return default
+    value = data[name]
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ProfileError(
-            f"profile {path}: `tensor_parallel_size` = {value!r} must be an int >= 1"
-        )
+        raise ProfileError(f"profile {path}: `{name}` = {value!r} must be an int >= 1")
     return value

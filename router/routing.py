@@ -59,11 +59,20 @@ class RouteAsk:
         )  # fmt: skip
 
 
-def fill_decision(decision: Decision, placement: Placement, overhead_s: float) -> None:
-    """Copy a placement's choice and predictions into `decision`."""
+def fill_decision(
+    decision: Decision,
+    placement: Placement,
+    overhead_s: float,
+    prefill: Mapping[Hashable, PrefillView],
+) -> None:
+    """Copy a placement's choice and predictions into `decision` (with the degrees of its
+    instances from `prefill` and its decode view; a bypassed prompt prefills on decode)."""
     plan = placement.plan
     decision.prefill_instance = placement.prefill_instance
     decision.decode_instance = placement.decode.instance
+    prefills_on = placement.decode if placement.bypass else prefill[placement.prefill_instance]
+    decision.prefill_degree = prefills_on.tensor_parallel_size
+    decision.decode_degree = placement.decode.tensor_parallel_size
     decision.predicted_ttft_s = placement.ttft_s + overhead_s
     decision.predicted_queue_s = placement.queue_s
     decision.predicted_tbt_s = placement.tbt_s

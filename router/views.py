@@ -38,6 +38,7 @@ class PrefillView:
     instance: str
     node: str | None = None  # the store node whose host tier is local to it (None: none)
     shared: bool = False
+    tensor_parallel_size: int = 1  # devices it splits the model across
     jobs: list[PrefillJob] = field(default_factory=list)  # in the order they were sent
     num_queued: int = 0  # requests sent here whose prefill has not finished
     queued_tokens: int = 0  # their uncached prompt tokens
@@ -168,6 +169,7 @@ class DecodeView:
 
     instance: str
     capacity_tokens: int
+    tensor_parallel_size: int = 1  # devices it splits the model across
     batch_size: int = 0
     kv_tokens: int = 0
     reserved_tokens: int = 0

@@ -12,18 +12,12 @@ from pathlib import Path
 from tqdm import tqdm
 
 from halfmoon.cluster.bench.options import bench_parser
+from halfmoon.router.degree import profile_at_degree
 from halfmoon.router.errors import ProfileError, RouterConfigError, TraceFormatError
 from halfmoon.router.profile import DEFAULT_PROFILE, load_profile
-from halfmoon.router.sim.capacity import (
-    COLOCATED,
-    DISAGGREGATED,
-    Capacity,
-    ModeSweep,
-    Setup,
-    parse_split,
-    sweep,
-)
+from halfmoon.router.sim.capacity import COLOCATED, DISAGGREGATED, Capacity, ModeSweep, Setup, sweep
 from halfmoon.router.sim.colocated_simulation import COLOCATED_ADMISSION, COLOCATED_POLICIES
+from halfmoon.router.sim.splits import Split, parse_split
 from halfmoon.router.sim.trace import read_trace
 
 DESCRIPTION = """\
@@ -33,18 +27,21 @@ threshold; TBT is a request's decode time over its decoded tokens; a rejected re
 
 The trace's arrival times are divided by a rate factor; the highest factor that passes is found
 by bisection (doubling or halving from 1 to bracket it, then to within --tolerance), for:
-  disaggregated  the Conductor on N prefill + M decode instances, for each N+M of --splits
-                 (halfmoon simulate's request-level simulation, --admission against the TTFT
-                 SLO); the best split counts, as a deployment picks its prefill:decode ratio;
-  colocated      N + M instances that each prefill and decode in one continuous batch
-                 (chunked prefill under --max-batched-tokens per step, local prefix cache, as
-                 vLLM runs), for each --colocated-routing (least-loaded, local-cache-aware);
-                 the best routing counts; --colocated-admission (default none: vLLM queues
-                 every request).
-Both are timed by the same profile's cost model, so a prefill chunk lengthens the decode step
-it shares. Every run is judged at every TBT threshold, so the bisections share runs.
-Prints a table with the ratio; --json adds every run's attainment per rate, --plot draws
-attainment against rate.
+  disaggregated  the Conductor on N prefill instances of P GPUs + M decode instances of D GPUs,
+                 for each N@P+M@D of --splits (N+M: both at the profile's own degree; halfmoon
+                 simulate's request-level simulation, --admission against the TTFT SLO); the
+                 best split counts, as a deployment picks its prefill:decode ratio and degrees;
+  colocated      the same GPUs as instances of --colocated-degree GPUs that each prefill and
+                 decode in one continuous batch (chunked prefill under --max-batched-tokens per
+                 step, local prefix cache, as vLLM runs), for each --colocated-routing
+                 (least-loaded, local-cache-aware); the best routing counts;
+                 --colocated-admission (default none: vLLM queues every request).
+Every instance is timed by the same profile's cost model, scaled from the profile's degree to
+its own (router/degree.py: each doubling of the GPUs 2 x 0.85 times faster, KV capacity what
+the GPUs hold beside the weights, host cache and network shared by GPU), so a prefill chunk
+lengthens the decode step it shares. Every run is judged at every TBT threshold, so the
+bisections share runs. Prints a table with the ratio; --json adds every run's attainment per
+rate, --plot draws attainment against rate.
 """
 
 
@@ -78,8 +75,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--splits",
         default="12+4,13+3,14+2",
-        help="comma-separated disaggregated splits N+M, all with the same N + M, which is also "
-        "the colocated instance count (default: %(default)s)",
+        help="comma-separated disaggregated splits N@P+M@D (N prefill instances of P GPUs + M "
+        "decode instances of D GPUs, e.g. 2@4+4@2; N+M: both at the profile's own degree), all "
+        "on the same N x P + M x D GPUs (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--colocated-degree",
+        type=int,
+        default=None,
+        help="GPUs of each colocated instance; the splits' GPUs / this many instances (default: "
+        "the profile's own degree)",
     )
     parser.add_argument(
         "--ttft-slo", type=float, default=30.0, help="TTFT SLO, seconds (default: %(default)s)"
@@ -113,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="prefix-cache blocks of each prefill or colocated instance (default: the profile's "
-        "cache bytes)",
+        "cache bytes at the instance's degree)",
     )
     parser.add_argument(
         "--max-batched-tokens",
@@ -161,7 +166,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def make_setup(args: argparse.Namespace) -> tuple[Setup, tuple[str, ...]]:
     """Validate the flags and load the trace and profile."""
-    splits = parse_splits(args.splits)
     if not 0 < args.target <= 1:
         raise RouterConfigError(f"--target {args.target} must be a fraction in (0, 1]")
     if not 0 < args.tolerance < 1:
@@ -178,6 +182,7 @@ def make_setup(args: argparse.Namespace) -> tuple[Setup, tuple[str, ...]]:
             f"{', '.join(COLOCATED_POLICIES)}"
         )
     profile = load_profile(args.profile)
+    splits = parse_splits(args.splits, profile.tensor_parallel_size)
     records, _ = read_trace(args.trace)
     if args.requests is not None:
         if args.requests < 2:
@@ -186,35 +191,63 @@ def make_setup(args: argparse.Namespace) -> tuple[Setup, tuple[str, ...]]:
     if len(records) < 2:
         raise RouterConfigError(f"trace {args.trace} has {len(records)} requests; need 2")
     cache_blocks = args.cache_blocks_per_instance
-    if cache_blocks is None:
-        cache_blocks = profile.cache_blocks(args.block_size)
-    if cache_blocks < 0:
+    if cache_blocks is not None and cache_blocks < 0:
         raise RouterConfigError(f"--cache-blocks-per-instance {cache_blocks} must be >= 0")
     setup = Setup(
         records, profile, splits, cache_blocks, args.block_size,
         args.max_batched_tokens, args.ttft_slo, tuple(sorted(args.tbt_slos)), args.target,
-        args.admission, args.colocated_admission,
+        args.admission, args.colocated_admission, args.colocated_degree,
     )  # fmt: skip
+    check_degrees(setup)
     return setup, policies
 
 
-def parse_splits(text: str) -> tuple[tuple[int, int], ...]:
-    """`12+4,13+3` as ((12, 4), (13, 3)); every split needs the same total and >= 1 of each."""
+def parse_splits(text: str, degree: int) -> tuple[Split, ...]:
+    """`12+4,2@4+4@2` as splits (N+M: both at `degree`); every split needs >= 1 instance of
+    each role, degrees >= 1, and the same GPUs (N x P + M x D) as the others."""
     try:
-        splits = tuple(parse_split(part) for part in text.split(",") if part.strip())
+        splits = tuple(parse_split(part, degree) for part in text.split(",") if part.strip())
     except ValueError:
-        raise RouterConfigError(f"--splits {text!r}: write N+M pairs such as 13+3,14+2") from None
-    if not splits or any(p < 1 or d < 1 for p, d in splits):
+        raise RouterConfigError(
+            f"--splits {text!r}: write N+M or N@P+M@D pairs such as 13+3,2@4+4@2"
+        ) from None
+    if not splits or any(min(s.num_prefill, s.num_decode) < 1 for s in splits):
         raise RouterConfigError(f"--splits {text!r}: every split needs >= 1 prefill and decode")
-    if len({p + d for p, d in splits}) != 1:
-        raise RouterConfigError(f"--splits {text!r}: every split must have the same N + M")
+    if any(min(s.prefill_degree, s.decode_degree) < 1 for s in splits):
+        raise RouterConfigError(f"--splits {text!r}: every degree must be >= 1")
+    if len({s.num_gpus for s in splits}) != 1:
+        gpus = ", ".join(f"{s.name} = {s.num_gpus}" for s in splits)
+        raise RouterConfigError(
+            f"--splits {text!r}: every split must use the same GPUs N x P + M x D ({gpus})"
+        )
     return splits
+
+
+def check_degrees(setup: Setup) -> None:
+    """Every split's and the colocated instances' degrees divide the GPUs and hold the weights
+    (a RouterConfigError or ProfileError naming the split or flag that does not)."""
+    degree = setup.colocated_degree
+    if degree < 1 or setup.num_gpus % degree:
+        raise RouterConfigError(
+            f"--colocated-degree {degree}: the splits' {setup.num_gpus} GPUs are not a whole "
+            f"number of colocated instances of {degree} GPUs"
+        )
+    for split in setup.splits:
+        try:
+            split.profile(setup.profile)
+        except ProfileError as error:
+            raise ProfileError(f"split {split.name}: {error}") from None
+    try:
+        profile_at_degree(setup.profile, degree)
+    except ProfileError as error:
+        raise ProfileError(f"--colocated-degree {degree}: {error}") from None
 
 
 def table(setup: Setup, capacities: list[Capacity]) -> str:
     """Markdown table: best capacity of each side at each TBT threshold and the ratio."""
+    colocated = f"{setup.num_colocated} x TP{setup.colocated_degree}"
     lines = [
-        f"| TBT SLO | disaggregated req/s (best split) | colocated x{setup.num_instances} req/s "
+        f"| TBT SLO | disaggregated req/s (best split) | colocated {colocated} req/s "
         "(best routing) | ratio |",
         "| ---: | ---: | ---: | ---: |",
     ]
@@ -235,10 +268,10 @@ def report(
         "trace": str(args.trace),
         "profile": setup.profile.name,
         "requests": len(setup.records),
-        "splits": [list(split) for split in setup.splits],
-        "instances": setup.num_instances,
+        "gpus": setup.num_gpus,
+        "splits": [split_info(setup, split) for split in setup.splits],
+        "colocated": colocated_info(setup),
         "max_batched_tokens": setup.max_batched_tokens,
-        "cache_blocks_per_instance": setup.cache_blocks,
         "ttft_slo_s": setup.ttft_slo_s,
         "admission": setup.admission,
         "colocated_admission": setup.colocated_admission,
@@ -259,6 +292,33 @@ def report(
             for mode, runs in sweeps.items()
         },
         "wall_s": wall_s,
+    }
+
+
+def split_info(setup: Setup, split: Split) -> dict:
+    """A split's instances, degrees and the profile that times them, for the JSON."""
+    profile = split.profile(setup.profile)
+    return {
+        "name": split.name,
+        "prefill": split.num_prefill,
+        "prefill_degree": split.prefill_degree,
+        "decode": split.num_decode,
+        "decode_degree": split.decode_degree,
+        "profile": profile.name,
+        "cache_blocks_per_prefill": setup.cache_blocks_of(profile),
+        "decode_kv_capacity_tokens": profile.decode_kv_capacity_tokens,
+    }
+
+
+def colocated_info(setup: Setup) -> dict:
+    """The colocated instances, their degree and the profile that times them, for the JSON."""
+    profile = setup.colocated_profile
+    return {
+        "instances": setup.num_colocated,
+        "degree": setup.colocated_degree,
+        "profile": profile.name,
+        "cache_blocks_per_instance": setup.cache_blocks_of(profile),
+        "kv_capacity_tokens": profile.decode_kv_capacity_tokens,
     }
 
 
@@ -305,8 +365,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(
             f"{Path(args.trace).name}, {len(setup.records)} requests at "
-            f"{setup.base_rate_rps:.2f} req/s, profile {setup.profile.name}, TTFT <= "
-            f"{setup.ttft_slo_s:g} s, {setup.target:.0%} of requests"
+            f"{setup.base_rate_rps:.2f} req/s, profile {setup.profile.name}, "
+            f"{setup.num_gpus} GPUs, TTFT <= {setup.ttft_slo_s:g} s, {setup.target:.0%} of "
+            "requests"
         )
         print(table(setup, capacities))
         print(f"{sum(len(s.points) for s in sweeps.values())} runs in {result['wall_s']:.0f} s")

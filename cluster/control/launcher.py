@@ -31,6 +31,7 @@ from halfmoon.kvstore.layout import KvLayout
 from halfmoon.kvstore.redis_server import start_redis_server
 from halfmoon.kvstore.store_node import start_store_node, store_node_name
 from halfmoon.prefill_worker.worker import PrefillWorker
+from halfmoon.router.degree import profile_for_pools
 from halfmoon.router.profile import Profile, load_profile
 
 log = logging.getLogger(__name__)
@@ -111,26 +112,22 @@ class Cluster:
         return self.ports
 
     def _profile(self) -> Profile | None:
-        """The router's profile: the configured file, or measured now from one worker per pool."""
+        """The router's profile: the configured file, or measured now from one worker per pool
+        (each side at its pool's degree)."""
         if self.config.router.profile is not None:
-            return self._profile_file(self.config.router.profile)
+            return file_profile(self.config.router.profile, self.config)
         by_kind = {w.kind: w for w in self.workers.values()}
         # Every worker at once, as they will serve: workers sharing a node's cores are timed
         # sharing them (one at a time, each would look faster than it serves).
         samples = {name: w.actor.profile.remote() for name, w in self.workers.items()}
+        infos = {kind: w.actor.info.remote() for kind, w in by_kind.items()}
         decode = ray.get(samples[by_kind["decode"].name])
         prefill = ray.get(samples[by_kind["prefill"].name]) if "prefill" in by_kind else decode
+        decode_info = ray.get(infos["decode"])
+        prefill_info = ray.get(infos["prefill"]) if "prefill" in infos else decode_info
         ray.get(list(samples.values()))
-        return measured_profile(self.info, prefill, decode, self.config.store.host_capacity_bytes)
-
-    def _profile_file(self, path: str) -> Profile:
-        """A profile from a file, its cost model made to prefill in this cluster's chunks: the
-        online refit fits per-chunk steps, so a whole prompt is the sum over its chunks."""
-        profile = load_profile(path)
-        chunk = self.config.engine.prefill_chunk_size or 0
-        if profile.cost.chunk_tokens != chunk:
-            profile.cost = dataclasses.replace(profile.cost, chunk_tokens=chunk)
-        return profile
+        cache_bytes = self.config.store.host_capacity_bytes
+        return measured_profile(prefill_info, prefill, decode_info, decode, cache_bytes)
 
     def add_worker(self, kind: str, wait: bool = True) -> WorkerHandle:
         """Start one more worker of `kind`. With `wait`, route to it once it answers (which
@@ -299,6 +296,24 @@ class Cluster:
                 worker.name, worker.kind, worker.actor, store_name, kv_peer
             )
         )
+
+
+def file_profile(path: str, config: ClusterConfig) -> Profile:
+    """A profile from a file, scaled to the pools' degrees (router/degree.py) and made to prefill
+    in this cluster's chunks: the online refit fits per-chunk steps, so a whole prompt is the sum
+    over its chunks. A ProfileError names the pool whose degree cannot hold the weights."""
+    profile = profile_for_pools(load_profile(path), *pool_degrees(config))
+    chunk = config.engine.prefill_chunk_size or 0
+    if profile.cost.chunk_tokens != chunk:
+        profile.cost = dataclasses.replace(profile.cost, chunk_tokens=chunk)
+    return profile
+
+
+def pool_degrees(config: ClusterConfig) -> tuple[int, int]:
+    """The (prefill, decode) pools' tensor-parallel degrees; colocated, the one pool's twice."""
+    decode = config.decode.tensor_parallel_size
+    prefill = decode if config.mode == "colocated" else config.prefill.tensor_parallel_size
+    return prefill, decode
 
 
 def secret(configured: SecretStr | None, env: str) -> str | None:

@@ -1,5 +1,7 @@
 """A router profile measured from live workers: the cost model fitted from their start-up
-profile, sizes from the model's KV layout, transfer figures from the store's loopback path."""
+profile (prefill's side from a prefill worker, decode's from a decode worker, each at its own
+degree), sizes from the model's KV layout and the decode worker's pages, transfer figures from
+the store's loopback path."""
 
 from __future__ import annotations
 
@@ -20,11 +22,18 @@ LOOPBACK_LATENCY_S = 0.003
 
 
 def measured_profile(
-    info: WorkerInfo, prefill: ProfileSamples, decode: ProfileSamples, cache_bytes: float
+    prefill_info: WorkerInfo,
+    prefill: ProfileSamples,
+    decode_info: WorkerInfo,
+    decode: ProfileSamples,
+    cache_bytes: float,
 ) -> Profile:
-    """Fit the cost model from a prefill and a decode worker's samples."""
+    """Fit the cost model from a prefill and a decode worker's samples, each side at the degree
+    of the worker it was measured on; the decode KV capacity is the decode worker's pages."""
+    info = prefill_info
     dtype_bytes = {"float32": 4, "float16": 2, "bfloat16": 2}[info.dtype]
     kv_bytes_per_token = 2 * info.num_layers * info.num_kv_heads * info.head_dim * dtype_bytes
+    prefill_degree, decode_degree = info.tensor_parallel_size, decode_info.tensor_parallel_size
     return Profile(
         name=f"measured-{info.architecture}-{info.dtype}",
         cost=dataclasses.replace(
@@ -35,7 +44,7 @@ def measured_profile(
         network_bytes_per_s=LOOPBACK_BYTES_PER_S,
         host_to_device_bytes_per_s=LOOPBACK_BYTES_PER_S,
         transfer_latency_s=LOOPBACK_LATENCY_S,
-        decode_kv_capacity_tokens=info.num_pages * info.block_size,
+        decode_kv_capacity_tokens=decode_info.num_pages * decode_info.block_size,
         cache_bytes_per_instance=max(
             cache_bytes, info.num_pages * info.block_size * kv_bytes_per_token
         ),
@@ -48,6 +57,8 @@ def measured_profile(
             "transfer": "loopback Ray object store, LOOPBACK_* in cluster/control/"
             "measured_profile.py",
         },
+        tensor_parallel_size=prefill_degree,
+        decode_tensor_parallel_size=decode_degree if decode_degree != prefill_degree else None,
     )
 
 
@@ -71,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     llm = LLM(args.model, num_pages=512)
     samples = profile_engine(llm.engine)
     info = worker_info("profile", "both", llm.engine)
-    profile = measured_profile(info, samples, samples, 256 << 20)
+    profile = measured_profile(info, samples, info, samples, 256 << 20)
     save_profile(profile, args.out)
     print(f"wrote {args.out}: {profile.cost}")
     return 0

@@ -63,7 +63,7 @@ class ClusterBackend(BackendViews):
         self.model_name = model_name or info.model
         self.conductor = Conductor(router, profile, colocated=mode == "colocated")
         self.prompts = PromptTokenizer(tokenizer, info.vocab_size, info.max_model_len)
-        self.pool = WorkerPool(self.conductor, mode, info.num_pages * info.block_size)
+        self.pool = WorkerPool(self.conductor, mode)
         self.requests = RequestRegistry()
         self.dispatch = Dispatcher(self.pool, self.requests, self.conductor, pool_wait_s)
         self.max_queued_per_worker = max_queued_per_worker

@@ -118,7 +118,8 @@ class RouterActor:
     async def add_worker(
         self, name: str, kind: str, handle, store_name: str | None, kv_peer: KvPeer | None = None
     ) -> None:
-        self.backend.add_worker(Worker(name, kind, handle, store_name, kv_peer))
+        info = await handle.info.remote()
+        self.backend.add_worker(Worker(name, kind, handle, info, store_name, kv_peer))
         address = await handle.serve_metrics.remote(self.config.server.host)
         self.targets.add(name, address, {"role": kind, "worker": name})
 

@@ -12,7 +12,7 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from halfmoon.engine.llm_engine import StepTiming
-from halfmoon.engine.worker_info import WorkerLoad
+from halfmoon.engine.worker_info import WorkerInfo, WorkerLoad
 from halfmoon.kvstore.kv_notices import KvPeer
 from halfmoon.router.conductor import Conductor
 
@@ -24,6 +24,7 @@ class Worker:
     name: str
     kind: str
     handle: ray.actor.ActorHandle
+    info: WorkerInfo  # what it told the router of itself: its degree, its KV pages
     store_name: str | None = None
     kv_peer: KvPeer | None = None  # a decode worker's socket for prefill workers' notices
     draining: bool = False
@@ -44,10 +45,9 @@ class PollReport:
 class WorkerPool:
     """Workers by name and store nodes by name; feeds the Conductor their reports."""
 
-    def __init__(self, conductor: Conductor, mode: str, kv_capacity_tokens: int) -> None:
+    def __init__(self, conductor: Conductor, mode: str) -> None:
         self.conductor = conductor
         self.mode = mode
-        self.kv_capacity_tokens = kv_capacity_tokens
         self.workers: dict[str, Worker] = {}
         self.stores: dict[str, ray.actor.ActorHandle] = {}
 
@@ -64,12 +64,15 @@ class WorkerPool:
         return self.workers.pop(name, None)
 
     def _route_to(self, worker: Worker) -> None:
-        """Register the worker with the Conductor; colocated, each worker is both a prefill and
-        a decode instance (it prefills what it decodes)."""
+        """Register the worker with the Conductor at its degree, a decode worker with its own
+        KV pages; colocated, each worker is both a prefill and a decode instance (it prefills
+        what it decodes)."""
+        info = worker.info
         if worker.kind == "prefill" or self.mode == "colocated":
-            self.conductor.add_prefill(worker.name, worker.store_name)
+            self.conductor.add_prefill(worker.name, worker.store_name, info.tensor_parallel_size)
         if worker.kind == "decode":
-            self.conductor.add_decode(worker.name, self.kv_capacity_tokens)
+            capacity = info.num_pages * info.block_size
+            self.conductor.add_decode(worker.name, capacity, info.tensor_parallel_size)
 
     def set_draining(self, name: str, draining: bool) -> None:
         """A draining worker gets no new requests; the ones it has finish."""
@@ -158,7 +161,7 @@ class WorkerPool:
         load = await handle.load.remote()
         steps = await handle.drain_steps.remote()
         for step in steps:
-            self.conductor.observe_step(step)
+            self.conductor.observe_step(step, worker.info.tensor_parallel_size)
         report.steps += steps
         events = await handle.drain_events.remote()
         # A decode worker's pages are a prefix cache only where it prefills (colocated).
@@ -187,6 +190,7 @@ class WorkerPool:
                 continue
             loads[worker.name] = {
                 "kind": worker.kind,
+                "tensor_parallel_size": worker.info.tensor_parallel_size,
                 "draining": worker.draining,
                 "running": load.num_running,
                 "waiting": load.num_waiting,

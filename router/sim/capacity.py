@@ -1,8 +1,9 @@
 """Effective request capacity (Mooncake's headline metric): the highest arrival rate at which a
 cluster still serves `target` of the requests within both SLOs (TTFT and TBT), found by
 bisection on the trace's arrival rate, for the disaggregated cluster (the Conductor on N prefill
-+ M decode instances, for each split tried) and for N + M colocated instances on the same GPUs
-(for each routing tried); each side counts its best configuration.
+instances at degree P + M decode instances at degree D, for each split tried) and for colocated
+instances at one degree on the same GPUs (for each routing tried); each side counts its best
+configuration. Each instance is timed by the profile scaled to its degree (router/degree.py).
 
 Every run is kept, keyed by its rate factor, and judged at every TBT threshold, so the
 bisections for 300, 200 and 100 ms share the runs they have in common.
@@ -19,9 +20,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from halfmoon.router.config import RouterConfig
+from halfmoon.router.degree import profile_at_degree
 from halfmoon.router.profile import Profile
 from halfmoon.router.sim.colocated_simulation import ColocatedSimulation
 from halfmoon.router.sim.simulation import SimInstances, Simulation
+from halfmoon.router.sim.splits import Split
 from halfmoon.router.sim.trace import TraceRecord
 
 DISAGGREGATED, COLOCATED = "disaggregated", "colocated"
@@ -101,12 +104,14 @@ class Point:
 
 @dataclass(slots=True)
 class Setup:
-    """The trace, profile, cluster sizes and SLOs one capacity sweep shares across modes."""
+    """The trace, profile, cluster sizes and SLOs one capacity sweep shares across modes.
+    `cache_blocks` None: each instance caches its profile's cache bytes at its degree;
+    `colocated_degree` None: the profile's own."""
 
     records: list[TraceRecord]
     profile: Profile
-    splits: tuple[tuple[int, int], ...]
-    cache_blocks: int
+    splits: tuple[Split, ...]
+    cache_blocks: int | None
     block_size: int = 512
     max_batched_tokens: int = 2048
     ttft_slo_s: float = 30.0
@@ -115,11 +120,32 @@ class Setup:
     # Each side's admission against the TTFT SLO (RouterConfig.admission).
     admission: str = "early_rejection"
     colocated_admission: str = "none"
+    colocated_degree: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.colocated_degree is None:
+            self.colocated_degree = self.profile.tensor_parallel_size
 
     @property
-    def num_instances(self) -> int:
-        """Instances (GPU groups) of either mode: prefill + decode of any split."""
-        return sum(self.splits[0])
+    def num_gpus(self) -> int:
+        """GPUs of either mode: N x P + M x D of any split."""
+        return self.splits[0].num_gpus
+
+    @property
+    def colocated_profile(self) -> Profile:
+        """The profile at the colocated degree."""
+        return profile_at_degree(self.profile, self.colocated_degree)
+
+    @property
+    def num_colocated(self) -> int:
+        """Colocated instances on the splits' GPUs."""
+        return self.num_gpus // self.colocated_degree
+
+    def cache_blocks_of(self, profile: Profile) -> int:
+        """Prefix-cache blocks of one prefill or colocated instance timed by `profile`."""
+        if self.cache_blocks is not None:
+            return self.cache_blocks
+        return profile.cache_blocks(self.block_size)
 
     @property
     def base_rate_rps(self) -> float:
@@ -130,12 +156,13 @@ class Setup:
 
 @dataclass
 class ModeSweep:
-    """Runs of one configuration at scaled rates, memoized: `disaggregated/<N>P+<M>D` or
-    `colocated/<routing>`."""
+    """Runs of one configuration at scaled rates, memoized: `disaggregated/<split name>` (with
+    its `split`) or `colocated/<routing>`."""
 
     mode: str
     setup: Setup
     on_run: Callable[[], None] | None = None
+    split: Split | None = None
     points: dict[float, Point] = field(default_factory=dict)
 
     def at(self, scale: float) -> Point:
@@ -185,18 +212,19 @@ class ModeSweep:
         return self.mode.split("/")[0]
 
     def _simulation(self) -> Simulation | ColocatedSimulation:
-        setup = self.setup
-        variant = self.mode.split("/")[1]
-        if self.kind == DISAGGREGATED:
+        setup, split = self.setup, self.split
+        if split is not None:
             # No TBT SLO in the router: runs do not depend on the threshold they are judged at
             # (the short-prompt bypass then keeps its stalls under bypass_max_stall_s).
             config = self._config("conductor", setup.admission)
-            prefill, decode = parse_split(variant)
-            instances = SimInstances(setup.profile, prefill, decode, setup.cache_blocks)
+            profile = split.profile(setup.profile)
+            blocks = setup.cache_blocks_of(profile)
+            instances = SimInstances(profile, split.num_prefill, split.num_decode, blocks)
             return Simulation(config, instances)
-        config = self._config(variant, setup.colocated_admission)
+        config = self._config(self.mode.split("/")[1], setup.colocated_admission)
+        profile = setup.colocated_profile
         return ColocatedSimulation(
-            config, setup.profile, setup.num_instances, setup.cache_blocks,
+            config, profile, setup.num_colocated, setup.cache_blocks_of(profile),
             setup.max_batched_tokens,
         )  # fmt: skip
 
@@ -206,17 +234,6 @@ class ModeSweep:
             policy=policy, admission=admission, ttft_slo_s=ttft_slo_s,
             block_size=self.setup.block_size,
         )  # fmt: skip
-
-
-def split_name(prefill: int, decode: int) -> str:
-    """`13P+3D`."""
-    return f"{prefill}P+{decode}D"
-
-
-def parse_split(text: str) -> tuple[int, int]:
-    """`13P+3D` or `13+3` as (13, 3); a ValueError when it is neither."""
-    prefill, _, decode = text.upper().replace("P", "").replace("D", "").partition("+")
-    return int(prefill), int(decode)
 
 
 @dataclass(slots=True)
@@ -248,9 +265,9 @@ def sweep(
 ) -> tuple[list[Capacity], dict[str, ModeSweep]]:
     """Every mode's capacity at every TBT threshold (loosest first, so the tighter bisections
     start from runs already made), plus every mode's runs at `at_rates_rps`."""
-    modes = [f"{DISAGGREGATED}/{split_name(*split)}" for split in setup.splits]
-    modes += [f"{COLOCATED}/{policy}" for policy in colocated_policies]
-    sweeps = {mode: ModeSweep(mode, setup, on_run) for mode in modes}
+    runs_of = [ModeSweep(f"{DISAGGREGATED}/{s.name}", setup, on_run, s) for s in setup.splits]
+    runs_of += [ModeSweep(f"{COLOCATED}/{policy}", setup, on_run) for policy in colocated_policies]
+    sweeps = {runs.mode: runs for runs in runs_of}
     by_slo: dict[float, dict[str, float]] = {slo: {} for slo in setup.tbt_slos_s}
     for mode, runs in sweeps.items():
         for rate in at_rates_rps:

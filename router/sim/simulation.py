@@ -65,11 +65,11 @@ class Simulation:
         self.prefill = {}
         for i in range(instances.num_prefill):
             self.prefill[f"p{i}"] = SimPrefill(f"p{i}", instances.cache_blocks, index)
-            self.conductor.add_prefill(f"p{i}")
+            self.conductor.add_prefill(f"p{i}", tensor_parallel_size=profile.tensor_parallel_size)
         self.decode = {}
         for i in range(instances.num_decode):
             self.decode[f"d{i}"] = SimDecode(f"d{i}", profile.cost)
-            self.conductor.add_decode(f"d{i}")
+            self.conductor.add_decode(f"d{i}", tensor_parallel_size=profile.decode_degree)
         self._events: list[tuple[float, int, int, str, int]] = []
         self._decode_of: dict[str, str] = {}
         self._seq = 0

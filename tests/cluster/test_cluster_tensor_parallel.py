@@ -82,6 +82,21 @@ def test_bytes_moved_per_request_are_its_kv_size_with_no_head_twice(degrees_clus
     assert kv_transfer_bytes(port) - before == sum(moved)
 
 
+def test_the_router_times_each_pool_at_its_degree_and_says_so(degrees_cluster):
+    cluster, client, prefill_tp, decode_tp = degrees_cluster
+    details = client.server_info().details
+    degrees = {w["kind"]: w["tensor_parallel_size"] for w in details["workers"].values()}
+    assert degrees == {"prefill": prefill_tp, "decode": decode_tp}
+    profile = details["profile"]  # cpu-tiny, timed at degree 1, scaled to the pools' degrees
+    assert profile["name"].endswith(f"@tp{prefill_tp}/{decode_tp}")
+    assert (profile["tensor_parallel_size"], profile["decode_tensor_parallel_size"]) == (
+        prefill_tp,
+        decode_tp,
+    )
+    done = client.complete("Which degrees?", max_tokens=2, temperature=0.0)
+    assert f"tp={prefill_tp}/{decode_tp}" in client.explain(done.request_id)
+
+
 def test_workers_at_different_degrees_give_the_offline_outputs_and_share_prefixes(
     degrees_cluster, tiny_llm
 ):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import re
 
 import pytest
 from router_testkit import simple_profile
@@ -14,10 +15,11 @@ from halfmoon.kvstore.index import PrefixIndex
 from halfmoon.router.config import RouterConfig
 from halfmoon.router.cost_model import CostModel
 from halfmoon.router.errors import RouterConfigError
-from halfmoon.router.profile import save_profile
+from halfmoon.router.profile import DEFAULT_PROFILE, save_profile
 from halfmoon.router.sim.capacity import MAX_SCALE, highest_passing
 from halfmoon.router.sim.colocated_instance import ColocatedJob, SimColocated
 from halfmoon.router.sim.colocated_simulation import ColocatedSimulation
+from halfmoon.router.sim.splits import Split, parse_split
 from halfmoon.router.sim.trace import TraceRecord
 
 COST = CostModel((0.005, 1e-4, 0.0, 0.0), (0.004, 1e-3, 1e-6))
@@ -152,7 +154,7 @@ def test_small_sweep_end_to_end_writes_json_and_plot(tmp_path, capsys, capacity_
     assert "| 100 ms |" in table and "ratio" in table
     result = json.loads(out.read_text())
     assert [c["tbt_slo_ms"] for c in result["capacity"]] == [100, 200, 300]
-    modes = ["disaggregated/2P+1D", "disaggregated/1P+2D"]
+    modes = ["disaggregated/2P@tp1+1D@tp1", "disaggregated/1P@tp1+2D@tp1"]
     modes += ["colocated/least_loaded", "colocated/cache_aware_local"]
     assert list(result["runs"]) == modes
     for cap in result["capacity"]:
@@ -180,9 +182,70 @@ def test_json_without_a_file_prints_one_object(capsys, capacity_args):
     assert [c["tbt_slo_ms"] for c in result["capacity"]] == [200]
 
 
-def test_bad_splits_are_an_error(capsys, capacity_args):
-    assert main([*capacity_args, "--splits", "2+1,2+2"]) == 2
-    assert "same N + M" in capsys.readouterr().err
+@pytest.mark.parametrize(
+    ("text", "split"),
+    [
+        ("2@4+4@2", Split(2, 4, 4, 2)),
+        ("13+3", Split(13, 8, 3, 8)),
+        ("1@16+3", Split(1, 16, 3, 8)),
+        ("13P@tp8+3D@tp4", Split(13, 8, 3, 4)),
+    ],
+)
+def test_a_split_names_each_side_s_degree_or_takes_the_profile_s(text, split):
+    assert parse_split(text, 8) == split
+    assert parse_split(split.name, 1) == split
+
+
+@pytest.mark.parametrize(
+    ("splits", "message"),
+    [
+        ("2+1,2+2", r"same GPUs N x P \+ M x D \(2P@tp1\+1D@tp1 = 3, 2P@tp1\+2D@tp1 = 4\)"),
+        ("2@2+1,1+2", "same GPUs"),
+        ("2@2+1@0", "every degree must be >= 1"),
+        ("2@x+2", "write N\\+M or N@P\\+M@D pairs"),
+        ("4", "write N\\+M or N@P\\+M@D pairs"),
+    ],
+)
+def test_bad_splits_are_an_error(capsys, capacity_args, splits, message):
+    assert main([*capacity_args, "--splits", splits]) == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err), err
+
+
+def test_a_colocated_degree_must_divide_the_gpus(capsys, capacity_args):
+    assert main([*capacity_args, "--splits", "2@2+1@2", "--colocated-degree", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "--colocated-degree 4: the splits' 6 GPUs are not a whole number" in err
+
+
+def test_a_degree_whose_gpus_cannot_hold_the_weights_is_an_error_naming_it(capsys, capacity_args):
+    args = [*capacity_args, "--profile", str(DEFAULT_PROFILE)]
+    assert main([*args, "--splits", "1@1+1@8", "--colocated-degree", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "split 1P@tp1+1D@tp8: profile llama70b-8xa800 at prefill degree 1:" in err
+    assert main([*args, "--splits", "1@4+1@4", "--colocated-degree", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--colocated-degree 1: profile llama70b-8xa800 at prefill degree 1:" in err
+
+
+def test_a_sweep_across_degrees_names_each_and_times_it_by_the_profile_at_it(
+    tmp_path, capsys, capacity_args
+):
+    out = tmp_path / "capacity.json"
+    splits = ["--splits", "2+2,1@2+2", "--colocated-degree", "2", "--tbt-slos", "0.2"]
+    routing = ["--colocated-routing", "least_loaded"]
+    assert main([*capacity_args, *splits, *routing, "--json", str(out)]) == 0
+    assert "| colocated 2 x TP2 req/s (best routing) |" in capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert result["gpus"] == 4
+    assert [s["profile"] for s in result["splits"]] == ["test", "test@tp2/1"]
+    assert result["colocated"]["instances"] == 2
+    assert result["colocated"]["profile"] == "test@tp2"
+    assert list(result["runs"]) == [
+        "disaggregated/2P@tp1+2D@tp1", "disaggregated/1P@tp2+2D@tp1", "colocated/least_loaded"
+    ]  # fmt: skip
+    (cap,) = result["capacity"]
+    assert all(rps > 0 for rps in cap["rps"].values())
 
 
 def test_halfmoon_bench_capacity_help(capsys):
@@ -192,5 +255,6 @@ def test_halfmoon_bench_capacity_help(capsys):
         halfmoon(["bench", "capacity", "--help"])
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
-    for phrase in ("bisection", "--splits", "--target", "--json", "--plot", "colocated"):
+    phrases = ("bisection", "--splits", "N@P+M@D", "--colocated-degree", "--json", "--plot")
+    for phrase in phrases:
         assert phrase in text
