@@ -26,7 +26,8 @@ class InvalidRequestError(HalfmoonError, ValueError):
 
 
 class ModelLoadError(HalfmoonError):
-    """The model directory is missing, incomplete or of an unsupported architecture."""
+    """The model cannot load as configured: its directory is missing or incomplete, its
+    architecture unsupported, or the devices cannot hold it as asked (memory, GPU count)."""
 
 
 class RequestNotFoundError(HalfmoonError, KeyError):

@@ -26,6 +26,8 @@ class Intake:
     block_size: int
     forks: Forks
     grammars: Grammars
+    # Why `n` > 1 cannot run (its sequences copy KV pages on write: `PagedKvCache.unmapped`).
+    forks_refused: str | None = None
 
     def sequence(
         self,
@@ -45,6 +47,11 @@ class Intake:
         if params.n > self.max_num_seqs:
             raise InvalidRequestError(
                 "n", params.n, f"must be at most max_num_seqs = {self.max_num_seqs}"
+            )
+        if params.n > 1 and self.forks_refused is not None:
+            allowed = "must be 1 on this engine: its sequences would copy KV pages on write"
+            raise InvalidRequestError(
+                "n", params.n, f"{allowed}, not supported yet: {self.forks_refused}"
             )
         seq = Sequence(request_id, token_ids, len(token_ids), params, time.monotonic())
         seq.block_keys = _checked_keys(block_keys, len(token_ids), self.block_size)

@@ -140,6 +140,12 @@ class PagedKvCache:
         k = self.layers[0][0]
         return 2 * k[0].numel() * k.element_size()
 
+    @property
+    def unmapped(self) -> str | None:
+        """Why this process cannot reach every page (the KV API and copies on write then
+        refuse), or None: it can."""
+        return None
+
     def export(self) -> KvExport | None:
         """What another process of this node needs to open this cache; None when it cannot
         (a CPU cache not allocated shared)."""

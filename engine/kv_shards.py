@@ -26,7 +26,8 @@ Layers = list[tuple[torch.Tensor, torch.Tensor]]
 class ShardedKvCache(PagedKvCache):
     """Per rank, per layer, K and V of `[num_pages, block_size, num_kv_heads / T, head_dim]`,
     read and written as if it were one cache of every head. `shards` holds rank 0's only where
-    the others' pages cannot be mapped (CUDA, or no `memfd_create`): its KV API then refuses."""
+    the others' pages cannot be mapped (CUDA, or no `memfd_create`): its KV API and copies on
+    write then refuse (`unmapped` says why), and the engine takes no request with `n` > 1."""
 
     def __init__(self, shards: list[Layers], num_ranks: int) -> None:
         super().__init__(shards[0])
@@ -40,6 +41,16 @@ class ShardedKvCache(PagedKvCache):
     @property
     def page_layer_bytes(self) -> int:
         return super().page_layer_bytes * self.num_ranks
+
+    @property
+    def unmapped(self) -> str | None:
+        if len(self.shards) == self.num_ranks:
+            return None
+        return (
+            f"the other ranks' KV pages (tensor_parallel_size={self.num_ranks}, on "
+            f"{self.device.type}) are not mapped into rank 0, which works on CPU with "
+            "memfd_create only so far"
+        )
 
     def export(self) -> KvExport | None:
         return None  # lending pages needs tensor_parallel_size = 1 (EngineConfig.share_kv)
@@ -85,12 +96,10 @@ class ShardedKvCache(PagedKvCache):
             ops.scatter_pages(v_cache, index, v[:, :, rank * heads : (rank + 1) * heads])
 
     def _whole_index(self, pages: Sequence[int]) -> torch.Tensor:
-        if len(self.shards) < self.num_ranks:
+        if self.unmapped is not None:
             raise NotImplementedError(
-                f"moving KV in or out of a tensor-parallel engine (tensor_parallel_size="
-                f"{self.num_ranks}) needs every rank's pages mapped in rank 0: on CPU with "
-                f"memfd_create only so far (this engine's are on {self.device}); use "
-                "tensor_parallel_size = 1 for this worker"
+                f"moving KV in or out of this engine is not supported yet: {self.unmapped}; "
+                "use tensor_parallel_size = 1 for this worker"
             )
         return self._index(pages)
 

@@ -80,7 +80,7 @@ class LLMEngine:
         )
         self.intake = Intake(
             self.tokenizer, cfg.vocab_size, self.max_model_len, config.max_num_seqs,
-            config.block_size, self.forks, self.grammars,
+            config.block_size, self.forks, self.grammars, self.kv.unmapped,
         )  # fmt: skip
         self._start_books()
         if self.device.type == "cuda":

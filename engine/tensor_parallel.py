@@ -70,9 +70,32 @@ class TPGroup:
 SINGLE = TPGroup()
 
 
+def process_group_backend(device: torch.device) -> str:
+    """The collectives' backend for ranks on `device`: NCCL on CUDA, gloo otherwise."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def rank_devices(device: torch.device, size: int) -> list[torch.device]:
+    """Each rank's device, rank 0's being `device`: on CUDA one GPU each, from rank 0's on (a
+    ModelLoadError naming both counts if fewer are visible); otherwise `device` for all."""
+    if device.type != "cuda":
+        return [device] * size
+    first, visible = device.index or 0, torch.cuda.device_count()
+    if first + size > visible:
+        raise ModelLoadError(
+            f"tensor_parallel_size={size} from cuda:{first} needs {first + size} visible GPUs "
+            f"(one per rank: cuda:{first} to cuda:{first + size - 1}), but "
+            f"{visible} {'is' if visible == 1 else 'are'} visible: lower tensor_parallel_size "
+            "or make more GPUs visible (CUDA_VISIBLE_DEVICES)"
+        )
+    return [torch.device("cuda", first + rank) for rank in range(size)]
+
+
 def connect(rank: int, size: int, store: dist.Store, device: torch.device) -> TPGroup:
-    """Join the worker's process group (NCCL on CUDA, gloo otherwise) through `store`."""
-    if device.type == "cuda":
+    """Join the worker's process group through `store` (`process_group_backend`); on CUDA
+    `device` becomes this process's current GPU first, the one NCCL's communicator binds to."""
+    if process_group_backend(device) == "nccl":
+        torch.cuda.set_device(device)
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = TIMEOUT
         return TPGroup(rank, size, dist.ProcessGroupNCCL(store, rank, size, options))

@@ -26,19 +26,12 @@ import torch.distributed as dist
 
 from halfmoon.engine.errors import RankFailedError
 from halfmoon.engine.model_config import load_model_config
-from halfmoon.engine.tensor_parallel import HOST, TIMEOUT, connect
+from halfmoon.engine.tensor_parallel import HOST, TIMEOUT, connect, rank_devices
 
 log = logging.getLogger(__name__)
 STEP, STOP, STARTED, READY = "step", "stop", "started", "ready"
 STOP_WAIT_S = 5.0
 ENTRY = "import sys; from halfmoon.engine.tp_workers import rank_main; rank_main(int(sys.argv[1]))"
-
-
-def rank_device(device: torch.device, rank: int) -> torch.device:
-    """Rank `rank`'s device: the rank-th GPU from rank 0's, or the CPU."""
-    if device.type != "cuda":
-        return device
-    return torch.device("cuda", (device.index or 0) + rank)
 
 
 class RankWorkers:
@@ -48,6 +41,7 @@ class RankWorkers:
     def __init__(
         self, model_dir: Path, block_size: int, dtype: torch.dtype, device: torch.device, size: int
     ) -> None:
+        devices = rank_devices(device, size)
         self.store = dist.TCPStore(HOST, 0, size, True, timeout=TIMEOUT, wait_for_workers=False)
         threads, self.threads_before = max(1, torch.get_num_threads() // size), None
         if device.type == "cpu":  # the ranks share the cores: more threads only contend
@@ -61,14 +55,14 @@ class RankWorkers:
             command = [sys.executable, "-c", ENTRY, str(theirs.fileno())]
             self.procs.append(subprocess.Popen(command, pass_fds=[theirs.fileno()], env=env))
             theirs.close()
-            place = (rank, size, self.store.port, rank_device(device, rank), threads)
+            place = (rank, size, self.store.port, devices[rank], threads)
             ours.send((*place, str(model_dir), block_size, dtype))
             self.conns.append(ours)
         self.failed: RankFailedError | None = None
         self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns, self.threads_before)
         try:
             self._expect(STARTED, "starting")
-            self.group = connect(0, size, self.store, device)
+            self.group = connect(0, size, self.store, devices[0])
         except BaseException:
             self.close()
             raise
@@ -204,8 +198,6 @@ def rank_main(fd: int) -> None:
     rank, size, port, device, threads, model_dir, block_size, dtype = conn.recv()
     try:
         torch.set_num_threads(threads)
-        if device.type == "cuda":  # NCCL's communicator binds to the current device
-            torch.cuda.set_device(device)
         conn.send(STARTED)
         store = dist.TCPStore(HOST, port, size, False, timeout=TIMEOUT)
         group = connect(rank, size, store, device)

@@ -1,5 +1,6 @@
-"""The offline engine split across two ranks (real processes, gloo on CPU) generates what one
-rank does, loads only each rank's slices, and fails or stops cleanly."""
+"""The offline engine split across two ranks (real processes, gloo on CPU; NCCL on two GPUs in
+the `gpu` test) generates what one rank does, loads only each rank's slices, places its ranks
+on devices, and fails or stops cleanly."""
 
 from __future__ import annotations
 
@@ -17,12 +18,17 @@ import torch
 from safetensors import safe_open
 from test_cli import generate_local
 
-from halfmoon.engine import LLM, EngineConfig, ModelLoadError, SamplingParams
+from halfmoon.engine import LLM, EngineConfig, InvalidRequestError, ModelLoadError, SamplingParams
 from halfmoon.engine.errors import RankFailedError
 from halfmoon.engine.loader import _copy_slice, checkpoint_files
 from halfmoon.engine.model_config import load_model_config
 from halfmoon.engine.model_runner import ModelRunner
-from halfmoon.engine.tensor_parallel import TPGroup, VocabParallelEmbedding
+from halfmoon.engine.tensor_parallel import (
+    TPGroup,
+    VocabParallelEmbedding,
+    process_group_backend,
+    rank_devices,
+)
 
 PROMPT_LENGTHS = [1, 7, 17, 45, 130]
 NEW_TOKENS = 8
@@ -71,6 +77,57 @@ def test_two_ranks_generate_the_greedy_tokens_of_one(checkpoints, arch):
     assert any(cached for step in steps for _, cached in step.prefill_chunks), "chunked prefill"
     assert max(step.decode_seqs for step in steps) > 1, "a decode batch"
     assert k_cache.shape[2] == 1, "rank 0 holds one of the two KV heads"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs, one per rank")
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_two_ranks_on_two_gpus_generate_the_greedy_tokens_of_one_gpu(checkpoints, arch):
+    args = dict(device="cuda", dtype="float32", **ENGINE_ARGS)
+    expected_tokens, expected_logits = _generate(LLM(str(checkpoints[arch]), **args))
+    llm = LLM(str(checkpoints[arch]), tensor_parallel_size=2, **args)
+    try:
+        tokens, logits = _generate(llm)
+        k_cache = llm.engine.runner.kv_caches[0][0]
+        with pytest.raises(InvalidRequestError, match="must be 1 on this engine"):
+            llm.generate([[7, 8, 9]], SamplingParams(n=2))
+    finally:
+        llm.close()
+    assert tokens == expected_tokens
+    for ours, theirs in zip(logits, expected_logits, strict=True):
+        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+    assert k_cache.device == torch.device("cuda", 0) and k_cache.shape[2] == 1
+
+
+def test_ranks_on_the_cpu_share_it_over_gloo():
+    cpu = torch.device("cpu")
+    assert rank_devices(cpu, 3) == [cpu, cpu, cpu]
+    assert process_group_backend(cpu) == "gloo"
+
+
+def test_ranks_on_cuda_take_one_gpu_each_from_rank_0s_over_nccl(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert rank_devices(torch.device("cuda"), 2) == [
+        torch.device("cuda", 0),
+        torch.device("cuda", 1),
+    ]
+    assert rank_devices(torch.device("cuda", 1), 3) == [torch.device("cuda", i) for i in (1, 2, 3)]
+    assert process_group_backend(torch.device("cuda", 1)) == "nccl"
+
+
+def test_fewer_gpus_than_ranks_are_refused_naming_both_counts(checkpoints, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ModelLoadError) as error:
+        LLM(str(checkpoints["llama"]), device="cuda", tensor_parallel_size=2, **ENGINE_ARGS)
+    assert str(error.value) == (
+        "tensor_parallel_size=2 from cuda:0 needs 2 visible GPUs (one per rank: cuda:0 to "
+        "cuda:1), but 1 is visible: lower tensor_parallel_size or make more GPUs visible "
+        "(CUDA_VISIBLE_DEVICES)"
+    )
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    with pytest.raises(ModelLoadError, match=r"from cuda:3 needs 5 visible GPUs .* but 4 are"):
+        rank_devices(torch.device("cuda", 3), 2)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

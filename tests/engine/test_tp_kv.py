@@ -4,12 +4,14 @@ one degree are a cached prefix at the other (real rank processes, gloo on CPU)."
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 import torch
 
-from halfmoon.engine import LLM, SamplingParams
+from halfmoon.engine import LLM, InvalidRequestError, SamplingParams
+from halfmoon.engine.kv_shards import ShardedKvCache
 from halfmoon.kvstore.keys import block_keys
 from halfmoon.kvstore.layout import LayerKV
 
@@ -77,6 +79,39 @@ def test_a_layer_written_at_two_ranks_gives_each_rank_its_heads(two):
     copied = kv_cache.read_layer(3, [second]).wait()
     assert torch.equal(copied.k, written.k[:1]) and torch.equal(copied.v, written.v[:1])
     assert kv_cache.page_shape == (32, 16, 2, 32) and kv_cache.export() is None
+
+
+def test_without_the_other_ranks_pages_kv_moves_and_forks_are_refused_saying_why(two):
+    """As on CUDA, where rank 0 maps only its own pages: every KV move, and a request with
+    n > 1 (its sequences copy pages on write), is refused before it can break a step."""
+    assert two.engine.kv.unmapped is None and two.engine.intake.forks_refused is None
+    rank_0_only = ShardedKvCache(two.engine.kv.shards[:1], 2)
+    reason = rank_0_only.unmapped
+    assert reason == (
+        "the other ranks' KV pages (tensor_parallel_size=2, on cpu) are not mapped into rank 0, "
+        "which works on CPU with memfd_create only so far"
+    )
+    layer = LayerKV(torch.zeros(1, 16, 2, 32), torch.zeros(1, 16, 2, 32))
+    moves = [
+        lambda: rank_0_only.read_layer(0, [1]),
+        lambda: rank_0_only.write_layer(0, [1], layer),
+        lambda: rank_0_only.copy_within([1], [2]),
+    ]
+    for move in moves:
+        with pytest.raises(NotImplementedError) as error:
+            move()
+        assert str(error.value) == (
+            f"moving KV in or out of this engine is not supported yet: {reason}; "
+            "use tensor_parallel_size = 1 for this worker"
+        )
+    intake = dataclasses.replace(two.engine.intake, forks_refused=reason)
+    with pytest.raises(InvalidRequestError) as error:
+        intake.sequence([7, 8, 9], SamplingParams(n=2), "forked", None)
+    assert str(error.value) == (
+        "n=2 is invalid: must be 1 on this engine: its sequences would copy KV pages on write, "
+        f"not supported yet: {reason}"
+    )
+    assert intake.sequence([7, 8, 9], SamplingParams(), "single", None).num_forks == 1
 
 
 @pytest.mark.parametrize("direction", ["2->1", "1->2"])
