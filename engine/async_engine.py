@@ -18,6 +18,7 @@ import torch
 
 from halfmoon.engine.errors import HalfmoonError, RequestNotFoundError
 from halfmoon.engine.llm_engine import LLMEngine, RequestOutput
+from halfmoon.engine.openmp_pool import release_thread_pool
 from halfmoon.engine.sampling_params import SamplingParams
 from halfmoon.engine.tokenizer import Prompt
 
@@ -34,7 +35,10 @@ class AsyncEngine:
     """Thread-safe front of an `LLMEngine`: add, reserve, join, abort, stream outputs."""
 
     def __init__(self, engine: LLMEngine) -> None:
+        """Steps `engine` on a thread of its own; the calling thread (which may have built it)
+        gives back its OpenMP threads, so the step thread's are the only ones (openmp_pool)."""
         self.engine = engine
+        release_thread_pool()
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -43,9 +47,13 @@ class AsyncEngine:
         self._thread.start()
 
     def call(self, fn: Callable[[LLMEngine], T]) -> T:
-        """Run `fn(engine)` between steps (for stats and other reads)."""
+        """Run `fn(engine)` between steps (for stats and other reads; this thread's OpenMP
+        threads, if `fn` started any, are given back after)."""
         with self._lock:
-            return fn(self.engine)
+            try:
+                return fn(self.engine)
+            finally:
+                release_thread_pool()
 
     def add_request(self, *args, **kwargs) -> str:
         """Queue a request (the arguments of `LLMEngine.add_request`) and return its id; its

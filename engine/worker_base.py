@@ -14,6 +14,7 @@ import torch
 
 from halfmoon.engine.async_engine import AsyncEngine
 from halfmoon.engine.llm_engine import LLMEngine, StepTiming
+from halfmoon.engine.openmp_pool import release_thread_pool
 from halfmoon.engine.profiling import ProfileSamples, profile_engine
 from halfmoon.engine.worker_info import WorkerInfo, WorkerLoad, worker_info, worker_load
 from halfmoon.engine.worker_metrics import WorkerMetrics
@@ -43,6 +44,7 @@ class EngineWorker:
         self.metrics_address: str | None = None
         engine.record_page_events()  # the router's prefix index learns of this worker's pages
         freeze_startup_heap(f"{self.kind} worker {name}")
+        release_thread_pool()  # the engine was built on this thread; it steps on its own
 
     def _engine(self) -> AsyncEngine:
         # Created on first use, inside the actor's event loop.
