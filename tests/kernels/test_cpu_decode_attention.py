@@ -50,7 +50,7 @@ def decode_both(kernel, paged_kv, lens, ratio, dtype, num_kv_heads=2, head_dim=6
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-@pytest.mark.parametrize("ratio", (1, 2, 4))
+@pytest.mark.parametrize("ratio", (1, 2, 4, 8))
 @pytest.mark.parametrize("num_seqs", (1, 7, 64))
 def test_decode_matches_the_per_sequence_loop_over_mixed_contexts(
     kernel, paged_kv, assert_close, num_seqs, ratio, dtype
