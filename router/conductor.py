@@ -11,7 +11,7 @@ from halfmoon.router.cost_model import step_sample
 from halfmoon.router.decision import Decision
 from halfmoon.router.degree import instance_degree, measures_side
 from halfmoon.router.online_fit import OnlineRefit, RecentMean
-from halfmoon.router.placed import Hold, PlacedRequests
+from halfmoon.router.placed import Hold, PlacedRequests, hold_placement
 from halfmoon.router.placement import Placement, PlacementContext
 from halfmoon.router.policies import make_policy
 from halfmoon.router.prediction_error import PredictionErrorLog, PredictionErrorStats
@@ -133,7 +133,10 @@ class Conductor:
         if decision.rejected:
             return self._remember(decision)
         admitted = Admitted(ask.decode_tokens, now + placement.ttft_s, ask.expected_output)
-        hold = self._commit(request, now, placement, admitted, ask.reserve)
+        queue = None if placement.bypass else self.prefill[placement.prefill_instance]
+        hold = hold_placement(
+            placement, queue, request.num_prompt_tokens, now, admitted, ask.reserve
+        )
         if self.replicator is not None:
             copy = plan_replication(self.replicator, ctx, placement, locations, own, self.prefill)
             decision.replications += [copy] if copy is not None else []
@@ -326,22 +329,6 @@ class Conductor:
         placement.decode = self.decode[placement.prefill_instance]
         placement.tbt_s = ctx.tbt(placement.decode, ctx.now + placement.ttft_s)
         return placement
-
-    def _commit(
-        self, request: RouteRequest, now: float, placement: Placement, admitted: Admitted,
-        reserve: int,
-    ) -> Hold:  # fmt: skip
-        hold = Hold(reserve, placement.decode, admitted)
-        if placement.bypass:
-            placement.decode.bypass_until_s = now + placement.ttft_s
-        else:
-            hold.queue = self.prefill[placement.prefill_instance]
-            num_new_tokens = request.num_prompt_tokens - placement.plan.cached_tokens
-            hold.job = hold.queue.enqueue(
-                placement.plan.work_s, num_new_tokens, now, placement.ttft_s
-            )
-        placement.decode.admit(admitted, reserve)
-        return hold
 
     def _remember(self, decision: Decision, hold: Hold | None = None) -> Decision:
         self.placed.remember(decision, hold)

@@ -5,9 +5,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from halfmoon.router.decision import Decision
 from halfmoon.router.views import Admitted, DecodeView, PrefillJob, PrefillView
+
+if TYPE_CHECKING:
+    from halfmoon.router.placement import Placement
 
 
 @dataclass(slots=True)
@@ -20,6 +24,23 @@ class Hold:
     admitted: Admitted
     queue: PrefillView | None = None
     job: PrefillJob | None = None
+
+
+def hold_placement(
+    placement: Placement, queue: PrefillView | None, num_prompt_tokens: int, now: float,
+    admitted: Admitted, reserve: int,
+) -> Hold:  # fmt: skip
+    """Commit a placement on its instances: the decode KV reserved and, unless the prompt
+    bypasses prefill, its uncached work counted in `queue` (its prefill instance's view)."""
+    hold = Hold(reserve, placement.decode, admitted)
+    if queue is None:
+        placement.decode.bypass_until_s = now + placement.ttft_s
+    else:
+        hold.queue = queue
+        num_new_tokens = num_prompt_tokens - placement.plan.cached_tokens
+        hold.job = queue.enqueue(placement.plan.work_s, num_new_tokens, now, placement.ttft_s)
+    placement.decode.admit(admitted, reserve)
+    return hold
 
 
 @dataclass(slots=True)
