@@ -32,19 +32,19 @@ inline float round_as(const float*, float value) { return value; }
 inline float round_as(const uint16_t*, float value) { return bf16_to_float(float_to_bf16(value)); }
 
 // e^x: 2^k * 2^f with f in [-0.5, 0.5] by a degree-6 polynomial (relative error ~2e-7);
-// x clamped to [-87, 88], where e^x is a normal float.
+// x clamped to [kExpMin, kExpMax], where e^x is a normal float. cpu_vector.h's exp16 is the
+// same in 16 lanes.
+constexpr float kExpMin = -87.0f, kExpMax = 88.0f, kLog2e = 1.44269504f;
+constexpr float kExpPoly[7] = {1.5353362e-4f, 1.3398874e-3f, 9.6184197e-3f, 5.5503366e-2f,
+                               2.4022649e-1f, 6.9314718e-1f, 1.0f};  // highest power first
+
 inline float fast_exp(float x) {
-  x = std::min(std::max(x, -87.0f), 88.0f);
+  x = std::min(std::max(x, kExpMin), kExpMax);
   // Round to nearest by adding and taking away 1.5 * 2^23 (std::nearbyint does not vectorize).
-  const float k = (x * 1.44269504f + 12582912.0f) - 12582912.0f;
-  const float f = x * 1.44269504f - k;
-  float p = 1.5353362e-4f;
-  p = p * f + 1.3398874e-3f;
-  p = p * f + 9.6184197e-3f;
-  p = p * f + 5.5503366e-2f;
-  p = p * f + 2.4022649e-1f;
-  p = p * f + 6.9314718e-1f;
-  p = p * f + 1.0f;
+  const float k = (x * kLog2e + 12582912.0f) - 12582912.0f;
+  const float f = x * kLog2e - k;
+  float p = kExpPoly[0];
+  for (int i = 1; i < 7; ++i) p = p * f + kExpPoly[i];
   const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));

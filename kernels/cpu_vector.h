@@ -8,6 +8,8 @@
 
 #include <cstdint>
 
+#include "cpu_common.h"
+
 namespace halfmoon {
 
 #if defined(__AVX512F__)
@@ -21,17 +23,13 @@ inline __m512 load16(const uint16_t* row) {  // bf16 -> fp32: the bits shifted u
 
 // fast_exp's e^x, lane by lane: the same clamp, split and polynomial; 2^k applied by scalef.
 inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 log2e = _mm512_set1_ps(1.44269504f);
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(kExpMin)), _mm512_set1_ps(kExpMax));
+  const __m512 log2e = _mm512_set1_ps(kLog2e);
   const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT);
   const __m512 f = _mm512_fmsub_ps(x, log2e, k);
-  __m512 p = _mm512_set1_ps(1.5353362e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3398874e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6184197e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5503366e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022649e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  __m512 p = _mm512_set1_ps(kExpPoly[0]);
+#pragma GCC unroll 7
+  for (int i = 1; i < 7; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExpPoly[i]));
   return _mm512_scalef_ps(p, k);
 }
 
