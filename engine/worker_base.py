@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import gc
 import math
+import sys
 from collections import OrderedDict
 
 import ray
@@ -25,6 +26,11 @@ from halfmoon.kvstore.transfer import TransferUnit, plan_transfer
 
 # Tickets of aborted calls kept so that a call arriving after its abort is refused at once.
 ABORTED_TICKETS = 4096
+# How long a thread of a worker holds the GIL while another waits for it (Python's default is
+# 5 ms). The step thread gives the GIL up around every torch op and waits to take it back;
+# while the event loop runs Python (streaming a step's tokens out, a receive, a poll), each
+# wait lasted up to the whole interval: served 1+1 TPOT at 1 req/s 6 ms lower at 0.5 ms.
+SWITCH_INTERVAL_S = 0.0005
 
 
 class EngineWorker:
@@ -36,6 +42,7 @@ class EngineWorker:
         self.name = name
         self.engine = engine
         use_assigned_cpus()
+        hand_the_gil_over_sooner()
         config = engine.config  # the prefill chunk is the transfer unit on both sides
         self.chunk_tokens = config.prefill_chunk_size or config.max_num_batched_tokens
         self.async_engine: AsyncEngine | None = None
@@ -137,6 +144,15 @@ def use_assigned_cpus() -> int | None:
     with contextlib.suppress(RuntimeError):
         torch.set_num_interop_threads(1)
     return threads
+
+
+def hand_the_gil_over_sooner() -> float | None:
+    """In an actor, Python's switch interval set to `SWITCH_INTERVAL_S`; returns it, None
+    outside an actor (the interval stays)."""
+    if ray.get_runtime_context().worker.mode != ray.WORKER_MODE:
+        return None
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
+    return SWITCH_INTERVAL_S
 
 
 def _take_steps(engine: LLMEngine) -> list[StepTiming]:

@@ -1,7 +1,9 @@
-"""A worker actor gives torch one thread per whole CPU Ray assigned it, whatever it inherited."""
+"""A worker actor gives torch one thread per whole CPU Ray assigned it, whatever it inherited,
+and hands the GIL between its threads sooner than Python's default."""
 
 from __future__ import annotations
 
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -36,3 +38,17 @@ def test_outside_an_actor_torch_keeps_its_threads(monkeypatch, restore_threads):
     monkeypatch.setattr(ray, "get_runtime_context", lambda: _context(ray.SCRIPT_MODE, 4.0))
     assert worker_base.use_assigned_cpus() is None
     assert torch.get_num_threads() == before
+
+
+@pytest.mark.parametrize("mode", [ray.WORKER_MODE, ray.SCRIPT_MODE])
+def test_an_actor_hands_the_gil_over_within_half_a_millisecond(monkeypatch, mode):
+    before = sys.getswitchinterval()
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: _context(mode, 1.0))
+    try:
+        interval = worker_base.hand_the_gil_over_sooner()
+        if mode == ray.WORKER_MODE:
+            assert interval == worker_base.SWITCH_INTERVAL_S == sys.getswitchinterval() == 0.0005
+        else:
+            assert interval is None and sys.getswitchinterval() == before
+    finally:
+        sys.setswitchinterval(before)
