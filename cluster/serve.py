@@ -43,6 +43,9 @@ def serve(config: ClusterConfig) -> int:
         print(f"  metrics  http://{host}:{ports['metrics_port']}/metrics", flush=True)
         print("  Ctrl-C stops it.", flush=True)
         Controller(cluster).run(stop)
+    except KeyboardInterrupt:  # Ctrl-C before the handlers above were set: while starting
+        print("halfmoon: interrupted while starting", file=sys.stderr, flush=True)
+        return 130
     finally:
         drain_s = config.server.drain_timeout_s
         print(
