@@ -7,12 +7,15 @@
 // 1.0 ms fp32, 2.5 -> 1.1 ms bf16, one thread). From DRAM, the prefetches spread over the
 // reads (`prefetch_ahead`) make it 1.3x faster again: the same 64 sequences among 2 GiB of
 // pages, bf16, 5.4 -> 4.0 ms a layer on one thread, 3.0 -> 2.2 ms on two (fp32 7.5 -> 7.1).
-// With fewer than two sequences per thread, a sequence's KV heads go to different threads.
+// A bf16 cache's scores take `vdpbf16ps` where the CPU has it (hot 7-11 % faster; from DRAM
+// 1-3 %). With fewer than two sequences per thread, a sequence's KV heads go to different
+// threads.
 //
 // Layouts (DESIGN.md, "KV layout"): a cache is [num_pages, block_size, kv_heads, head_dim];
 // query and out are [num_seqs, q_heads, head_dim], contiguous; block tables
 // [num_seqs, table_width] int32; seq_lens [num_seqs] int32.
 
+#include <type_traits>
 #include <vector>
 
 #include "cpu_common.h"
@@ -157,11 +160,24 @@ __attribute__((always_inline)) inline void prefetch_ahead(
     prefetch(token_row(then, then_table, ahead - len, s) + h * D, D);
 }
 
-// Scores of the G queries `q` ([G][D], pre-scaled) against `n` <= 16 tokens from `t0` of KV
-// head `h`; query j's land in scores[j * len + t0 ...].
+// Whether a bf16 cache's scores take `vdpbf16ps`: it multiplies pairs of bf16 values exactly
+// and sums them in fp32, so the keys need no widening (the query stays bf16, unscaled; the
+// scale is applied to the sums).
+template <typename T>
+constexpr bool kBf16Dots =
+#if defined(HALFMOON_VECTOR_BF16)
+    std::is_same_v<T, uint16_t>;
+#else
+    false;
+#endif
+
+// Scores of the G queries against `n` <= 16 tokens from `t0` of KV head `h`; query j's land in
+// scores[j * len + t0 ...]. The queries are `q` ([G][D], fp32, pre-scaled), or with kBf16Dots
+// `qb` (the same rows in bf16, unscaled).
 template <typename T, int D, int G>
-inline void score_tile(const float* q, const T* k_cache, const T* v_cache, const Stream& at,
-                       int64_t t0, int n, int64_t h, const Shape& s, float* scores) {
+inline void score_tile(const float* q, const uint16_t* qb, const T* k_cache, const T* v_cache,
+                       const Stream& at, int64_t t0, int n, int64_t h, const Shape& s,
+                       float* scores) {
   const int32_t* table = at.table;
   const int64_t len = at.len;
   constexpr int NV = D / kLanes;
@@ -177,15 +193,31 @@ inline void score_tile(const float* q, const T* k_cache, const T* v_cache, const
         const int64_t t = t0 + std::min(4 * m + 2 * p + r, n - 1);  // past n: masked below
         const T* key = token_row(k_cache, table, t, s) + h * D;
         prefetch_ahead<T, D>(k_cache, table, len, v_cache, table, len, t, h, s);
-        __m512 k[NV];
-        load_row<NV>(key, k);
+        if constexpr (kBf16Dots<T>) {
+          constexpr int NP = D / (2 * kLanes);  // 32 bf16 values a vector
+          __m512bh k[NP];
+#pragma GCC unroll 4
+          for (int c = 0; c < NP; ++c) k[c] = (__m512bh)_mm512_loadu_si512(key + c * 2 * kLanes);
 #pragma GCC unroll 8
-        for (int j = 0; j < G; ++j) {
-          __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(q + j * D), k[0]);
+          for (int j = 0; j < G; ++j) {
+            __m512 dot = _mm512_setzero_ps();
+#pragma GCC unroll 4
+            for (int c = 0; c < NP; ++c)
+              dot = _mm512_dpbf16_ps(
+                  dot, (__m512bh)_mm512_loadu_si512(qb + j * D + c * 2 * kLanes), k[c]);
+            dots[j][r] = dot;
+          }
+        } else {
+          __m512 k[NV];
+          load_row<NV>(key, k);
 #pragma GCC unroll 8
-          for (int c = 1; c < NV; ++c)
-            dot = _mm512_fmadd_ps(_mm512_loadu_ps(q + j * D + c * kLanes), k[c], dot);
-          dots[j][r] = dot;
+          for (int j = 0; j < G; ++j) {
+            __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(q + j * D), k[0]);
+#pragma GCC unroll 8
+            for (int c = 1; c < NV; ++c)
+              dot = _mm512_fmadd_ps(_mm512_loadu_ps(q + j * D + c * kLanes), k[c], dot);
+            dots[j][r] = dot;
+          }
         }
       }
 #pragma GCC unroll 8
@@ -199,7 +231,9 @@ inline void score_tile(const float* q, const T* k_cache, const T* v_cache, const
   for (int j = 0; j < G; ++j) {
     const __m512 low = lane_sums(quads[j][0], quads[j][1]);
     const __m512 high = lane_sums(quads[j][2], quads[j][3]);
-    _mm512_mask_storeu_ps(scores + j * len + t0, mask, lane_sums(low, high));
+    __m512 sums = lane_sums(low, high);
+    if constexpr (kBf16Dots<T>) sums = _mm512_mul_ps(sums, _mm512_set1_ps(s.scale));
+    _mm512_mask_storeu_ps(scores + j * len + t0, mask, sums);
   }
 }
 
@@ -212,21 +246,25 @@ inline void prefetch_tile(const T* cache, const int32_t* table, int64_t t0, int6
 
 // A sequence's KV heads [h0, h1): their queries' attention over its `at.len` cached tokens,
 // 16 tokens at a time, each tile's rows (contiguous within a page) read for every head.
-// `scores` holds (h1 - h0) * G * len floats, `acc` (h1 - h0) * G * D.
+// `q` holds (h1 - h0) * G * D floats (`qb` as many bf16 values), `scores` (h1 - h0) * G * len,
+// `acc` (h1 - h0) * G * D.
 template <typename T, int D, int G>
 void attend_heads(const T* query, const T* k_cache, const T* v_cache, const Stream& at,
-                  int64_t h0, int64_t h1, const Shape& s, float* q, float* scores, float* acc,
-                  T* out) {
+                  int64_t h0, int64_t h1, const Shape& s, float* q, uint16_t* qb, float* scores,
+                  float* acc, T* out) {
   constexpr int NV = D / kLanes;
   const int32_t* table = at.table;
   const int64_t len = at.len, rows = (h1 - h0) * G;
-  for (int64_t i = 0; i < rows * D; ++i) q[i] = load(query + h0 * G * D, i) * s.scale;
+  if constexpr (kBf16Dots<T>)
+    std::copy(query + h0 * G * D, query + (h0 * G + rows) * D, qb);
+  else
+    for (int64_t i = 0; i < rows * D; ++i) q[i] = load(query + h0 * G * D, i) * s.scale;
   prefetch_tile<T, D>(k_cache, table, 0, std::min(kStreamAhead, len), h0, h1, s);
   for (int64_t t0 = 0; t0 < len; t0 += kLanes) {
     const int64_t t1 = std::min(t0 + kLanes, len);
     for (int64_t h = h0; h < h1; ++h) {
       const int64_t r = (h - h0) * G;
-      score_tile<T, D, G>(q + r * D, k_cache, v_cache, at, t0, int(t1 - t0), h, s,
+      score_tile<T, D, G>(q + r * D, qb + r * D, k_cache, v_cache, at, t0, int(t1 - t0), h, s,
                           scores + r * len);
     }
   }
@@ -273,6 +311,7 @@ void decode_fixed(const T* query, const T* k_cache, const T* v_cache, const int3
 #pragma omp parallel num_threads(num_threads)
   {
     std::vector<float> q(heads * G * D), acc(heads * G * D), scores;
+    std::vector<uint16_t> qb(heads * G * D);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < s.num_seqs * parts; ++item) {
       const int64_t seq = item / parts, h0 = (item % parts) * heads;
@@ -282,7 +321,7 @@ void decode_fixed(const T* query, const T* k_cache, const T* v_cache, const int3
                       next ? tables + (seq + 1) * s.table_width : nullptr,
                       next ? seq_lens[seq + 1] : 0};
       attend_heads<T, D, G>(query + seq * row, k_cache, v_cache, at, h0, h0 + heads, s, q.data(),
-                            scores.data(), acc.data(), out + seq * row);
+                            qb.data(), scores.data(), acc.data(), out + seq * row);
     }
   }
 }
