@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+from cache_testkit import cache_with_built_kernels
 
 pytestmark = pytest.mark.slow
 
@@ -60,7 +61,8 @@ def test_serve_generate_and_shutdown_leave_no_ray_processes(tiny_model_dir, tmp_
     from halfmoon.kvstore.redis_server import free_port
 
     port, metrics_port, http_port = free_port(), free_port(), free_port()
-    env = {**os.environ, "RAY_ADDRESS": "local", "HALFMOON_CACHE": str(tmp_path)}
+    cache = cache_with_built_kernels(tmp_path / "cache")
+    env = {**os.environ, "RAY_ADDRESS": "local", "HALFMOON_CACHE": str(cache)}
     serve = subprocess.Popen(
         [sys.executable, "-m", "halfmoon.cluster.cli", "serve", "--model", str(tiny_model_dir),
          "--port", str(port), "--metrics-port", str(metrics_port), "--http-port", str(http_port)],

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cache_testkit import cache_with_built_kernels
 
 ROOT = Path(__file__).resolve().parents[2]
 SKIP = shutil.ignore_patterns(
@@ -52,7 +53,8 @@ def installed(tmp_path_factory) -> tuple[Path, dict]:
     (wheel,) = (tmp / "dist").glob("halfmoon-*.whl")
     target = tmp / "site"
     run([*pip, "install", "--no-deps", "--target", str(target), str(wheel)], env, tmp)
-    return target, {**env, "PYTHONPATH": str(target), "HALFMOON_CACHE": str(tmp / "cache")}
+    cache = cache_with_built_kernels(tmp / "cache")
+    return target, {**env, "PYTHONPATH": str(target), "HALFMOON_CACHE": str(cache)}
 
 
 @pytest.mark.slow

@@ -22,6 +22,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from cache_testkit import cache_with_built_kernels
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "deploy" / "gpu"))
@@ -183,7 +184,8 @@ def test_rehearsal_halfmoon_serves_from_the_wheelhouse_on_an_image_only_python(
     for line in installed.stdout.splitlines():
         key, value = line.removeprefix("export ").split("=", 1)
         env[key] = value.strip('"')
-    env.update(RAY_ADDRESS="local", HALFMOON_CACHE=str(tmp_path / "cache"))
+    cache = cache_with_built_kernels(tmp_path / "cache")
+    env.update(RAY_ADDRESS="local", HALFMOON_CACHE=str(cache))
     assert str(prefix / "site") in env["PYTHONPATH"].split(os.pathsep)
 
     # Every module halfmoon ships imports from there.
