@@ -135,10 +135,10 @@ def use_assigned_cpus() -> int | None:
     """One torch intra-op thread per whole CPU Ray gave this actor (at least one) and one
     inter-op thread, whatever OMP_NUM_THREADS the actor inherited; returns the thread count,
     None outside an actor (torch's defaults stay)."""
-    context = ray.get_runtime_context()
-    if context.worker.mode != ray.WORKER_MODE:
+    if not _in_actor():
         return None
-    threads = max(1, math.floor(context.get_assigned_resources().get("CPU", 1.0)))
+    resources = ray.get_runtime_context().get_assigned_resources()
+    threads = max(1, math.floor(resources.get("CPU", 1.0)))
     torch.set_num_threads(threads)
     # Settable only before any inter-op work has run (and once); the engine starts none.
     with contextlib.suppress(RuntimeError):
@@ -149,10 +149,14 @@ def use_assigned_cpus() -> int | None:
 def hand_the_gil_over_sooner() -> float | None:
     """In an actor, Python's switch interval set to `SWITCH_INTERVAL_S`; returns it, None
     outside an actor (the interval stays)."""
-    if ray.get_runtime_context().worker.mode != ray.WORKER_MODE:
+    if not _in_actor():
         return None
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     return SWITCH_INTERVAL_S
+
+
+def _in_actor() -> bool:
+    return ray.get_runtime_context().worker.mode == ray.WORKER_MODE
 
 
 def _take_steps(engine: LLMEngine) -> list[StepTiming]:

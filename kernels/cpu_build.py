@@ -46,7 +46,7 @@ def _build(source: Path) -> Path | None:
         return None
     headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("cpu_*.h")))
     key = hashlib.sha256(source.read_bytes() + headers + " ".join(FLAGS).encode() + _cpu_flags())
-    target = _cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
+    target = cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -65,7 +65,7 @@ def _build(source: Path) -> Path | None:
     return target
 
 
-def _cache_dir() -> Path:
+def cache_dir() -> Path:
     """`$HALFMOON_CACHE/kernels`, by default `~/.cache/halfmoon/kernels` (beside the models)."""
     root = os.environ.get("HALFMOON_CACHE") or Path(
         os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"), "halfmoon"
