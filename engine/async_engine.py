@@ -11,14 +11,16 @@ import contextlib
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
 import torch
 
 from halfmoon.engine.errors import HalfmoonError, RequestNotFoundError
-from halfmoon.engine.llm_engine import LLMEngine, RequestOutput
+from halfmoon.engine.llm_engine import STEP_LOG, LLMEngine, RequestOutput, StepTiming
 from halfmoon.engine.openmp_pool import release_thread_pool
+from halfmoon.engine.outputs import EngineStats
 from halfmoon.engine.sampling_params import SamplingParams
 from halfmoon.engine.tokenizer import Prompt
 
@@ -32,7 +34,8 @@ class EngineFailure(HalfmoonError):
 
 
 class AsyncEngine:
-    """Thread-safe front of an `LLMEngine`: add, reserve, join, abort, stream outputs."""
+    """Thread-safe front of an `LLMEngine`: add, reserve, join, abort, stream outputs; its
+    stats, step timings and page events read without waiting for a step."""
 
     def __init__(self, engine: LLMEngine) -> None:
         """Steps `engine` on a thread of its own; the calling thread (which may have built it)
@@ -43,6 +46,13 @@ class AsyncEngine:
         self._work = threading.Condition(self._lock)
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = False
+        # What the engine was at the end of its last step or call (`_publish`), for readers
+        # that must not wait for the step in progress: a worker's load polls would otherwise
+        # hold its event loop (token streams, KV moves) for up to a step each.
+        self._latest = (engine.stats(), time.time())
+        self._steps: deque[StepTiming] = deque(maxlen=STEP_LOG)
+        self._page_events: deque[tuple[str, bytes]] = deque()
+        self._publish()
         self._thread = threading.Thread(target=self._loop, name="engine-step", daemon=True)
         self._thread.start()
 
@@ -54,6 +64,7 @@ class AsyncEngine:
                 return fn(self.engine)
             finally:
                 release_thread_pool()
+                self._publish()
 
     def add_request(self, *args, **kwargs) -> str:
         """Queue a request (the arguments of `LLMEngine.add_request`) and return its id; its
@@ -61,6 +72,7 @@ class AsyncEngine:
         with self._work:
             request_id = self.engine.add_request(*args, **kwargs)
             self._open_stream(request_id)
+            self._publish()
             self._work.notify()
             return request_id
 
@@ -71,6 +83,7 @@ class AsyncEngine:
         with self._lock:
             pages = self.engine.reserve(prompt, params, request_id, *args, **kwargs)
             self._open_stream(request_id)
+            self._publish()
             return pages
 
     def join(self, request_id: str, first_token_ids: int | list[int]) -> None:
@@ -79,6 +92,7 @@ class AsyncEngine:
         with self._work:
             for out in self.engine.join(request_id, first_token_ids):
                 self._deliver(out)
+            self._publish()
             self._work.notify()
 
     def abort(self, request_id: str) -> bool:
@@ -88,6 +102,7 @@ class AsyncEngine:
                 return False
             for out in self.engine.abort(request_id):
                 self._deliver(out)
+            self._publish()
             return True
 
     async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
@@ -116,6 +131,21 @@ class AsyncEngine:
             async for out in outputs:
                 yield out
 
+    def stats(self) -> tuple[EngineStats, float]:
+        """The engine's stats as of the end of its last step or call, and how many seconds ago
+        that was; never waits for the step in progress."""
+        stats, taken_at = self._latest
+        return stats, max(time.time() - taken_at, 0.0)
+
+    def take_steps(self) -> list[StepTiming]:
+        """The steps that ended since the last call: what each computed, how long it took."""
+        return _drain(self._steps)
+
+    def take_page_events(self) -> list[tuple[str, bytes]]:
+        """(`stored` or `evicted`, block key) of the blocks that entered or left the engine's
+        pages since the last call (`LLMEngine.take_page_events`), without waiting for a step."""
+        return _drain(self._page_events)
+
     @property
     def running(self) -> bool:
         """True while the step thread runs (until `shutdown`)."""
@@ -126,6 +156,15 @@ class AsyncEngine:
             self._stopped = True
             self._work.notify()
         self._thread.join(timeout=10)
+
+    def _publish(self) -> None:
+        """Under the lock: the engine's stats, ended steps and page events, for the readers
+        above (another thread's append to a deque is atomic, as is its popleft)."""
+        engine = self.engine
+        self._latest = (engine.stats(), time.time())
+        self._steps.extend(engine.step_log)
+        engine.step_log.clear()
+        self._page_events.extend(engine.take_page_events())
 
     def _open_stream(self, request_id: str) -> None:
         self._streams[request_id] = (asyncio.get_running_loop(), asyncio.Queue())
@@ -156,6 +195,7 @@ class AsyncEngine:
             with self._work:
                 while not self._stopped and not self.engine.has_unfinished_requests():
                     self.engine.tidy()
+                    self._publish()
                     self._work.wait(IDLE_TIDY_S)
                 if self._stopped:
                     return
@@ -165,7 +205,9 @@ class AsyncEngine:
                 except Exception as error:  # noqa: BLE001 - a failed step must not kill serving
                     log.exception("engine step failed; ending the requests in flight")
                     self._fail_all(error)
+                    self._publish()
                     continue
+                self._publish()
             timeline = (("engine step began", began), ("engine step ended", time.time()))
             for out in outputs:
                 out.timeline = timeline
@@ -175,6 +217,15 @@ class AsyncEngine:
         for request_id in list(self.engine.requests):
             self.engine.abort(request_id)
             self._deliver(EngineFailure(f"request {request_id} failed: {error}"), request_id)
+
+
+def _drain(items: deque) -> list:
+    """Everything in `items`, oldest first, while another thread may append to it."""
+    taken = []
+    with contextlib.suppress(IndexError):
+        while items:
+            taken.append(items.popleft())
+    return taken
 
 
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:

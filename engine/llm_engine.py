@@ -199,10 +199,8 @@ class LLMEngine:
     def take_page_events(self) -> list[tuple[str, bytes]]:
         """(`stored` or `evicted`, block key) of every block that entered or left this engine's
         pages since the last call (none unless `record_page_events` was called)."""
-        events = self.pool.events or []
-        if self.pool.events is not None:
-            self.pool.events = []
-        return events
+        events, self.pool.events = self.pool.events, None if self.pool.events is None else []
+        return events or []
 
     def tidy(self) -> None:
         """Apply what a step would: pages given back from other threads (`unhold_pages_later`).
@@ -221,7 +219,7 @@ class LLMEngine:
 
     @property
     def num_held_pages(self) -> int:
-        return self.pool.num_held_pages
+        return self.pool.num_still_held()  # any thread: those given back already count out
 
     def uncached(self, keys: list[bytes]) -> list[bytes]:
         """The keys of `keys` without a cached page here (see `PagePool.uncached`)."""
@@ -313,6 +311,8 @@ class LLMEngine:
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
+            num_waiting_tokens=self.scheduler.num_tokens_to_compute(),
+            num_kv_tokens=self.scheduler.num_kv_tokens(),
             num_pages=self.num_pages,
             num_used_pages=self.pool.num_used_pages,
             num_preemptions=self.scheduler.num_preemptions,

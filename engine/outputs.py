@@ -50,6 +50,8 @@ class EngineStats:
 
     num_running: int
     num_waiting: int
+    num_waiting_tokens: int  # prompt tokens of the waiting and running sequences still to compute
+    num_kv_tokens: int  # tokens in the running sequences' KV
     num_pages: int
     num_used_pages: int
     num_preemptions: int

@@ -205,6 +205,11 @@ class PagePool:
         with self._unholds_lock:
             self._unholds.append(list(pages))
 
+    def num_still_held(self) -> int:
+        """Pages held and not given back, counting `unhold_later` calls not yet drained."""
+        with self._unholds_lock:
+            return self.num_held_pages - sum(len(pages) for pages in self._unholds)
+
     def drain_unholds(self) -> None:
         """Apply the `unhold_later` calls made since the last drain (the engine's thread)."""
         while True:

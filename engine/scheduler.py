@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass
 
@@ -44,6 +45,15 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.joined)
+
+    def num_tokens_to_compute(self) -> int:
+        """Prompt tokens of the waiting and running sequences not computed yet."""
+        seqs = itertools.chain(self.waiting, self.running)
+        return sum(len(seq) - seq.num_computed_tokens for seq in seqs)
+
+    def num_kv_tokens(self) -> int:
+        """Tokens in the running sequences' KV."""
+        return sum(seq.num_computed_tokens for seq in self.running)
 
     def hold(self, group: list[Sequence], parked: bool) -> None:
         """A joined request's sequences, just added to the batch, leave it while their grammar

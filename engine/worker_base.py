@@ -63,7 +63,9 @@ class EngineWorker:
         return worker_info(self.name, self.kind, self.engine)
 
     async def load(self) -> WorkerLoad:
-        return self._engine().call(lambda engine: worker_load(self.name, self.kind, engine))
+        """As of the end of the engine's last step (never waiting for the one in progress)."""
+        stats, age_s = self._engine().stats()
+        return worker_load(self.name, self.kind, stats, age_s)
 
     async def profile(self) -> ProfileSamples:
         """Time prefills and decode steps on this worker (a few seconds; run before serving)."""
@@ -81,20 +83,20 @@ class EngineWorker:
 
     async def counters(self) -> dict:
         """Engine counters plus the worker's own (`_extra_counters`)."""
-        stats = self._engine().call(lambda engine: engine.stats())
+        stats, _ = self._engine().stats()
         own = {"num_gc_frozen": gc.get_freeze_count(), **self._extra_counters()}
         return {**dataclasses.asdict(stats), **own}
 
     async def drain_steps(self) -> list[StepTiming]:
         """The engine steps since the last call: what each computed and how long it took."""
-        steps = self._engine().call(_take_steps)
+        steps = self._engine().take_steps()
         self.metrics.observe(steps)
         return steps
 
     async def drain_events(self) -> list[BlockEvent]:
         """Blocks that entered or left this worker's own pages (the device tier) since the
         last call."""
-        events = self._engine().call(LLMEngine.take_page_events)
+        events = self._engine().take_page_events()
         return [BlockEvent(kind, self.name, "device", [key]) for kind, key in events]
 
     async def serve_metrics(self, host: str) -> str:
@@ -157,9 +159,3 @@ def hand_the_gil_over_sooner() -> float | None:
 
 def _in_actor() -> bool:
     return ray.get_runtime_context().worker.mode == ray.WORKER_MODE
-
-
-def _take_steps(engine: LLMEngine) -> list[StepTiming]:
-    steps = list(engine.step_log)
-    engine.step_log.clear()
-    return steps

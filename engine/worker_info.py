@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from halfmoon.engine.llm_engine import LLMEngine
+from halfmoon.engine.outputs import EngineStats
 
 
 @dataclass(slots=True)
@@ -61,24 +62,23 @@ class WorkerLoad:
     num_used_pages: int
     num_pages: int
     num_kv_tokens: int
+    age_s: float = 0.0  # how long before the reply the counts were taken (the last step's end)
 
     @property
     def pages_used_ratio(self) -> float:
         return self.num_used_pages / self.num_pages
 
 
-def worker_load(name: str, kind: str, engine: LLMEngine) -> WorkerLoad:
-    """Snapshot the engine's load; call between steps."""
-    scheduler = engine.scheduler
-    waiting_tokens = sum(len(s) - s.num_computed_tokens for s in scheduler.waiting)
-    waiting_tokens += sum(len(s) - s.num_computed_tokens for s in scheduler.running)
+def worker_load(name: str, kind: str, stats: EngineStats, age_s: float = 0.0) -> WorkerLoad:
+    """The load report of a worker whose engine's stats are `stats`, taken `age_s` ago."""
     return WorkerLoad(
         name=name,
         kind=kind,
-        num_running=len(scheduler.running),
-        num_waiting=len(scheduler.waiting),
-        num_waiting_tokens=waiting_tokens,
-        num_used_pages=engine.pool.num_used_pages,
-        num_pages=engine.num_pages,
-        num_kv_tokens=sum(s.num_computed_tokens for s in scheduler.running),
+        num_running=stats.num_running,
+        num_waiting=stats.num_waiting,
+        num_waiting_tokens=stats.num_waiting_tokens,
+        num_used_pages=stats.num_used_pages,
+        num_pages=stats.num_pages,
+        num_kv_tokens=stats.num_kv_tokens,
+        age_s=age_s,
     )

@@ -32,6 +32,12 @@ class WorkerMetrics:
         self.decode_tokens = Counter(
             "halfmoon_engine_decode_tokens", "Tokens the engine decoded", registry=r
         )
+        self.step_wait_seconds = Counter(
+            "halfmoon_engine_step_wait_seconds",
+            "Time between engine steps while work was pending (waiting for the engine's lock "
+            "or the interpreter): the serving path's cost to the step loop",
+            registry=r,
+        )
 
     def observe(self, steps: Iterable[StepTiming]) -> None:
         """Count engine steps."""
@@ -39,3 +45,4 @@ class WorkerMetrics:
             self.step_seconds.observe(step.seconds)
             self.prefill_tokens.inc(sum(new for new, _ in step.prefill_chunks))
             self.decode_tokens.inc(step.decode_seqs)
+            self.step_wait_seconds.inc(step.waited_s)

@@ -44,7 +44,7 @@ class Lender:
         return {
             "num_direct_notices": self.notices.num_sent,
             "num_page_notices": self.num_page_notices,
-            "num_lent_pages": self.engine.num_held_pages,  # drained by `counters`' stats
+            "num_lent_pages": self.engine.num_held_pages,
             "num_reclaimed_lends": self.num_reclaimed_lends,
             "num_failed_notices": self.num_failed_notices,
         }

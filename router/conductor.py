@@ -178,14 +178,14 @@ class Conductor:
             hold.queue = None
 
     def report_prefill(
-        self, instance: Hashable, num_requests: int, tokens_left: int, now: float
+        self, instance: Hashable, num_requests: int, tokens_left: int, as_of: float
     ) -> None:
         """A prefill worker's own count of the requests it holds and the prompt tokens it has
-        still to compute: when it holds every request sent to it (none on its way), its
-        outstanding work is re-estimated from them."""
+        still to compute, taken at `as_of` (the end of its last step): when it holds every
+        request sent to it (none on its way), its outstanding work is re-estimated from them."""
         view = self.prefill.get(instance)
         if view is not None:
-            view.reconcile(num_requests, self.profile.cost.prefill_time(tokens_left, 0), now)
+            view.reconcile(num_requests, self.profile.cost.prefill_time(tokens_left, 0), as_of)
 
     def on_decode_join(self, request_id: str, now: float) -> None:
         """The request's KV landed and it joined the decode batch."""

@@ -108,20 +108,25 @@ class PrefillView:
             self.num_queued -= 1
             self.queued_tokens -= job.num_tokens
 
-    def reconcile(self, num_requests: int, left_s: float, now: float) -> None:
+    def reconcile(self, num_requests: int, left_s: float, as_of: float) -> None:
         """The worker's own count of the requests it holds and the seconds of prompt it has
-        still to compute: taken as the truth when it holds every request sent here (none on
-        its way), shared among them in proportion to what was predicted."""
+        still to compute, as of `as_of` (the end of its last step): taken as the truth when it
+        holds every request sent here (none on its way), shared among them in proportion to
+        what was predicted, less the work done since."""
         if num_requests != self.num_queued or not self.jobs:
             return
-        self.advance(now)
+        self.advance(as_of)
         predicted = sum(job.left_s for job in self.jobs)
         for job in self.jobs:
             job.left_s = left_s * job.left_s / predicted if predicted > 0 else left_s / num_requests
+        self._work_off(self.updated_s - as_of)
 
     def advance(self, now: float) -> None:
         """Take the work done since the last update off the jobs, as the engine shares it."""
         elapsed, self.updated_s = now - self.updated_s, max(now, self.updated_s)
+        self._work_off(elapsed)
+
+    def _work_off(self, elapsed: float) -> None:
         if elapsed <= 0.0 or not self.jobs:
             return
         if self.shared:

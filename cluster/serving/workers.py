@@ -176,8 +176,8 @@ class WorkerPool:
             self.conductor.report_decode(worker.name, load.num_running, load.num_kv_tokens)
         if worker.kind == "prefill":
             num_requests = load.num_running + load.num_waiting
-            now = time.monotonic()
-            self.conductor.report_prefill(worker.name, num_requests, load.num_waiting_tokens, now)
+            as_of = time.monotonic() - load.age_s
+            self.conductor.report_prefill(worker.name, num_requests, load.num_waiting_tokens, as_of)
 
     async def loads_info(self) -> dict[str, dict]:
         """Each worker's load as `server_info` shows it."""

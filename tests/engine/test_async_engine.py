@@ -1,5 +1,6 @@
 """The engine's step thread streams outputs to asyncio callers: all of them, in order, with one
-wake-up of the event loop per step."""
+wake-up of the event loop per step; its stats, steps and page events are read without waiting
+for a step."""
 
 from __future__ import annotations
 
@@ -53,10 +54,36 @@ def test_pages_given_back_while_idle_are_free_without_another_request(tiny_model
     front.call(lambda e: e.hold_pages(pages))
     front.call(lambda e: e.abort("held"))
     asyncio.run(main())
-    held = front.call(lambda e: e.num_held_pages)
-    assert held == len(pages)
+    assert front.call(lambda e: e.num_held_pages) == len(pages)
+    assert front.stats()[0].num_used_pages == len(pages)
     engine.unhold_pages_later(pages)  # from another thread, as a lender does; then idle
+    assert engine.num_held_pages == 0, "given back at once, as the lender's counter reads it"
     deadline = time.monotonic() + 2.0
-    while front.call(lambda e: e.num_held_pages) and time.monotonic() < deadline:
+    while front.stats()[0].num_used_pages and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert front.call(lambda e: e.num_held_pages) == 0
+    assert front.stats()[0].num_used_pages == 0, "freed by the idle step loop"
+
+
+def test_stats_steps_and_page_events_are_read_without_waiting_for_the_step(tiny_model_dir):
+    engine = LLM(str(tiny_model_dir)).engine
+    engine.record_page_events()  # as a worker does
+    front = AsyncEngine(engine)
+
+    async def main():
+        async for _ in front.generate(PROMPTS[5], PARAMS, "r"):
+            pass
+
+    try:
+        asyncio.run(main())
+        # What a step in progress holds: a read that waited for it would never return here.
+        with front._lock:
+            stats, age_s = front.stats()
+            steps = front.take_steps()
+            events = front.take_page_events()
+            assert front.take_steps() == [] and front.take_page_events() == []
+    finally:
+        front.shutdown()
+    assert stats.num_generated_tokens == PARAMS.max_tokens and stats.num_running == 0
+    assert 0.0 <= age_s < 10.0
+    assert len(steps) == engine.num_steps and sum(s.decode_seqs for s in steps) > 0
+    assert events and {kind for kind, _ in events} == {"stored"}

@@ -261,6 +261,18 @@ def test_a_shared_views_predicted_ends_give_each_job_its_share_of_every_step():
     assert [waited for waited, _ in view.ends_with(0.25, 0.0)] == [0.25] * 3
 
 
+def test_a_worker_report_taken_before_the_last_update_has_the_work_since_taken_off():
+    view = PrefillView("p0")
+    view.enqueue(1.0, 10, 0.0)
+    view.enqueue(1.0, 10, 0.0)
+    assert view.wait_s(0.5) == pytest.approx(1.5)
+    # The worker counted 1.2 s left at 0.2 (its last step's end): shared as predicted (1:2),
+    # 0.4 and 0.8; by 0.5 it has done 0.3 s more, the first job's first.
+    view.reconcile(2, 1.2, as_of=0.2)
+    assert [job.left_s for job in view.jobs] == pytest.approx([0.1, 0.8])
+    assert view.updated_s == 0.5
+
+
 def test_first_come_first_served_a_short_prompt_waits_for_the_long_one():
     conductor = make_conductor(num_prefill=1)
     conductor.route(request("long", num_blocks=100), 0.0)
