@@ -1,4 +1,5 @@
-"""bf16 linear layers on CPU run over oneDNN-prepacked weights and give F.linear's output."""
+"""bf16 and fp32 linear layers on CPU run over oneDNN-prepacked weights and give F.linear's
+output."""
 
 from __future__ import annotations
 
@@ -15,21 +16,22 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.mark.parametrize("rows", [0, 1, 7, 64, 300])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_matches_f_linear_in_bf16(rows, bias):
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)])
+def test_packed_linear_matches_f_linear(rows, bias, dtype, tol):
     torch.manual_seed(0)
-    linear = nn.Linear(96, 80, bias=bias, dtype=torch.bfloat16)
-    x = torch.randn(rows, 96, dtype=torch.bfloat16)
+    linear = nn.Linear(96, 80, bias=bias, dtype=dtype)
+    x = torch.randn(rows, 96, dtype=dtype)
     with torch.inference_mode():
         expected, out = linear(x), PackedLinear(linear)(x)
-    torch.testing.assert_close(out, expected, atol=1e-2, rtol=1e-2)
-    assert out.shape == (rows, 80) and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, expected, atol=tol, rtol=tol)
+    assert out.shape == (rows, 80) and out.dtype == dtype
 
 
-def test_pack_linears_swaps_only_bf16_linears_and_skips_the_tied_head():
+def test_pack_linears_swaps_bf16_and_fp32_linears_and_skips_the_tied_head():
     model = nn.Sequential(
         nn.Linear(32, 32, dtype=torch.bfloat16),
-        nn.Sequential(nn.Linear(32, 32, dtype=torch.bfloat16)),
-        nn.Linear(32, 32, dtype=torch.float32),
+        nn.Sequential(nn.Linear(32, 32, dtype=torch.float32)),
+        nn.Linear(32, 32, dtype=torch.float16),
         nn.Linear(32, 32, dtype=torch.bfloat16),
     )
     assert pack_linears(model, skip=(model[3],)) == 2
