@@ -49,10 +49,9 @@ class AsyncEngine:
         # What the engine was at the end of its last step or call (`_publish`), for readers
         # that must not wait for the step in progress: a worker's load polls would otherwise
         # hold its event loop (token streams, KV moves) for up to a step each.
-        self._latest = (engine.stats(), time.time())
         self._steps: deque[StepTiming] = deque(maxlen=STEP_LOG)
         self._page_events: deque[tuple[str, bytes]] = deque()
-        self._publish()
+        self._publish()  # sets `_latest`: (stats, when taken)
         self._thread = threading.Thread(target=self._loop, name="engine-step", daemon=True)
         self._thread.start()
 
