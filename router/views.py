@@ -151,6 +151,8 @@ def _share(jobs: list[PrefillJob], elapsed: float) -> None:
     while active and elapsed > 0.0:
         least = min(job.left_s for job in active)
         each = min(least, elapsed / len(active))
+        if each <= 0.0:  # what is left of `elapsed` is below the floats' resolution
+            return
         for job in active:
             job.left_s -= each
         elapsed -= each * len(active)

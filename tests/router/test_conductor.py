@@ -273,6 +273,14 @@ def test_a_worker_report_taken_before_the_last_update_has_the_work_since_taken_o
     assert view.updated_s == 0.5
 
 
+def test_sharing_a_sliver_of_time_below_the_floats_resolution_ends():
+    view = PrefillView("p0", shared=True)
+    for work_s in (1.0, 1.0, 1.0):
+        view.enqueue(work_s, 10, 0.0)
+    view._work_off(5e-324)  # a third of it rounds to 0: the loop once went on forever
+    assert [job.left_s for job in view.jobs] == [1.0, 1.0, 1.0]
+
+
 def test_first_come_first_served_a_short_prompt_waits_for_the_long_one():
     conductor = make_conductor(num_prefill=1)
     conductor.route(request("long", num_blocks=100), 0.0)
