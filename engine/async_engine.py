@@ -219,11 +219,11 @@ class AsyncEngine:
 
 
 def _drain(items: deque) -> list:
-    """Everything in `items`, oldest first, while another thread may append to it."""
+    """Everything in `items`, oldest first, while another thread may append to it (only the
+    event loop's thread takes from it)."""
     taken = []
-    with contextlib.suppress(IndexError):
-        while items:
-            taken.append(items.popleft())
+    while items:
+        taken.append(items.popleft())
     return taken
 
 

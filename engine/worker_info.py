@@ -62,14 +62,14 @@ class WorkerLoad:
     num_used_pages: int
     num_pages: int
     num_kv_tokens: int
-    age_s: float = 0.0  # how long before the reply the counts were taken (the last step's end)
+    age_s: float  # how long before the reply the counts were taken (the last step's end)
 
     @property
     def pages_used_ratio(self) -> float:
         return self.num_used_pages / self.num_pages
 
 
-def worker_load(name: str, kind: str, stats: EngineStats, age_s: float = 0.0) -> WorkerLoad:
+def worker_load(name: str, kind: str, stats: EngineStats, age_s: float) -> WorkerLoad:
     """The load report of a worker whose engine's stats are `stats`, taken `age_s` ago."""
     return WorkerLoad(
         name=name,
