@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import time
 from pathlib import Path
 
@@ -61,13 +62,18 @@ def smoke_kernel() -> dict:
     if not _has_cuda():
         env["TRITON_INTERPRET"] = "1"  # no GPU: the interpreter runs the same kernel
     started = time.perf_counter()
-    try:
-        run = subprocess.run(
-            [sys.executable, "-c", SMOKE], env=env, capture_output=True, text=True,
-            timeout=SMOKE_LIMIT_S,
-        )  # fmt: skip
-    except subprocess.TimeoutExpired:
-        return {"ok": False, "error": f"no result in {SMOKE_LIMIT_S} s"}
+    # From a file: Triton reads a kernel's source with `inspect`, which `python -c` defeats
+    # ("@jit functions should be defined in a Python file"; the interpreter does not mind).
+    with tempfile.TemporaryDirectory(prefix="halfmoon-preflight-") as folder:
+        script = Path(folder) / "smoke.py"
+        script.write_text(SMOKE)
+        try:
+            run = subprocess.run(
+                [sys.executable, str(script)], env=env, capture_output=True, text=True,
+                timeout=SMOKE_LIMIT_S,
+            )  # fmt: skip
+        except subprocess.TimeoutExpired:
+            return {"ok": False, "error": f"no result in {SMOKE_LIMIT_S} s"}
     seconds = round(time.perf_counter() - started, 2)
     if run.returncode != 0:
         return {"ok": False, "seconds": seconds, "error": run.stderr.strip()[-2000:]}
