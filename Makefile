@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: serve test test-fast test-gpu bench-gpu gpu-session wheelhouse install-wheelhouse rehearse-image lint format system-deps clean
+.PHONY: serve test test-fast test-gpu bench-gpu gpu-session gpu-visit wheelhouse install-wheelhouse rehearse-image lint format system-deps clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -44,6 +44,13 @@ STEP ?= 1
 gpu-session:
 	@if [ -d .whl ]; then bash deploy/gpu/session.sh --step $(STEP); \
 	else $(MAKE) -s $(STAMP) && bash deploy/gpu/session.sh --step $(STEP); fi
+
+# One short device call (the device tool lends 15 minutes in all): parts in priority order under
+# VISIT_BUDGET_S, every log in $(OUT)/visit.tgz; docs/gpu.md says which figure each part gives.
+PARTS ?= tests step engine
+gpu-visit:
+	@if [ -d .whl ]; then bash deploy/gpu/visit.sh $(PARTS); \
+	else $(MAKE) -s $(STAMP) && bash deploy/gpu/visit.sh $(PARTS); fi
 
 # Offline install (docs/deploy.md): `make wheelhouse` here writes the wheels a host without
 # internet lacks (for Python WHEEL_PYTHON on WHEEL_ARCH; the device machine's by default) and

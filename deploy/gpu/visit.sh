@@ -7,7 +7,9 @@
 # one-line verdict per part in $OUT/summary.txt. Parts, in the order given:
 #   tests    the Triton kernel tests compiled (background, xdist) beside every `gpu` test
 #            (xdist by file): correctness first; timings of these are not figures
-#   failed   the `gpu` tests that failed in an earlier `tests` part of this machine, alone
+#   kernel-tests  only the Triton kernel tests, compiled (xdist)
+#   failed   the tests named in VISIT_RERUN, else the `gpu` tests that failed in an earlier
+#            `tests` part of this machine, one at a time
 #   step     bench step with CUDA graphs (issue 13: wall <= 1.3x kernel time at batch 1, 64)
 #   eager    bench step --eager
 #   engine   bench engine --device cuda --skip-hf-cb (>= 6x transformers static)
@@ -18,7 +20,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-gpu-visit}
-logs=/tmp/visit
+logs=${VISIT_LOGS:-/tmp/visit}
 mkdir -p "$out" "$logs"
 deadline=$(($(date +%s) + ${VISIT_BUDGET_S:-420}))
 export PYTHONUNBUFFERED=1 HALFMOON_CACHE=/tmp/halfmoon-cache RAY_AUTH_MODE=disabled
@@ -73,9 +75,15 @@ for what in "$@"; do
       say "kernel-tests: rc=$? $(tail -n 1 "$logs/kernels.log")"
       bundle
       ;;
+    kernel-tests)
+      part kernel-tests 200 "${pytest[@]}" -n 6 --timeout 150 -m "not slow" tests/kernels \
+        --junitxml="$logs/kernel-tests.xml"
+      ;;
     failed)
-      mapfile -t ids < <(grep -o "^FAILED [^ ]*\|^ERROR [^ ]*" "$logs/gpu-tests.log" 2>/dev/null \
-        | cut -d' ' -f2 | sort -u)
+      # VISIT_RERUN (test ids), else the `gpu` tests an earlier `tests` part of this machine failed
+      read -r -a ids <<<"${VISIT_RERUN:-}"
+      ((${#ids[@]})) || mapfile -t ids < <(grep -o "^FAILED [^ ]*\|^ERROR [^ ]*" \
+        "$logs/gpu-tests.log" 2>/dev/null | cut -d' ' -f2 | sort -u)
       if ((${#ids[@]})); then
         part failed-again 200 "${pytest[@]}" --timeout 170 "${ids[@]}"
       else

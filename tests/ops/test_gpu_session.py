@@ -11,6 +11,7 @@ import os
 import platform
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -108,3 +109,34 @@ def test_session_sh_says_there_is_nothing_to_measure_without_a_gpu():
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert result.returncode == 0 and "nothing to measure" in result.stderr
+
+
+def test_the_preflight_kernel_is_compiled_from_a_file_triton_can_read(monkeypatch):
+    # Compiled (not interpreted), `@triton.jit` reads the kernel's source with `inspect`: from
+    # `python -c` it refuses ("should be defined in a Python file"), which failed the first GPU
+    # run's preflight. Here the launch then fails for want of a GPU, but not for that.
+    import preflight
+
+    monkeypatch.setattr(preflight, "_has_cuda", lambda: True)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    result = preflight.smoke_kernel()
+    assert "defined in a Python file" not in result.get("error", "")
+
+
+@pytest.mark.timeout(120)
+def test_a_short_visit_bundles_its_logs_into_one_file_the_device_returns(tmp_path):
+    # The device tool returns at most 8 files: deploy/gpu/visit.sh puts every log in one tarball
+    # after each part, and says how each part ended in summary.txt (here on CPU: no GPU to use).
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "VISIT_LOGS": str(tmp_path / "logs")}
+    env["VISIT_BUDGET_S"] = "90"
+    run = subprocess.run(
+        ["bash", "deploy/gpu/visit.sh", "kernels", "failed", "bogus"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=110,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    summary = (tmp_path / "out" / "summary.txt").read_text()
+    assert "preflight: rc=0" in summary and "kernels: rc=0" in summary
+    assert "bogus: no such part" in summary and "visit:" in summary
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["summary.txt", "visit.tgz"]
+    with tarfile.open(tmp_path / "out" / "visit.tgz") as bundle:
+        assert {"./preflight.log", "./kernels.log", "./summary.txt"} <= set(bundle.getnames())
