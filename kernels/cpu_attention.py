@@ -40,6 +40,8 @@ def paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scal
     over its first `seq_lens[s]` (>= 1) cached tokens, read in place."""
     num_seqs, q_heads, head_dim = query.shape
     _, block_size, kv_heads, _ = k_cache.shape
+    if not all(t.device.type == "cpu" for t in (query, k_cache, v_cache, block_tables, seq_lens)):
+        raise ValueError("the CPU decode attention reads CPU tensors only")  # not a segfault
     query = query.contiguous()
     tables = block_tables.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()

@@ -121,6 +121,15 @@ def test_cpu_decode_dispatches_to_the_native_kernel_unless_torch_is_forced(monke
     assert calls == [native, reference]
 
 
+def test_the_native_kernel_refuses_tensors_off_the_cpu():
+    # It reads raw pointers: a GPU tensor's would crash the process (seen on the first GPU run).
+    query, cache = torch.zeros(1, 2, 8, device="meta"), torch.zeros(1, 16, 1, 8, device="meta")
+    with pytest.raises(ValueError, match="CPU tensors only"):
+        cpu_attention.paged_decode_attention(
+            query, cache, cache, torch.zeros(1, 1), torch.ones(1), 1.0
+        )
+
+
 def test_decode_ignores_whatever_the_masked_slots_hold(kernel, paged_kv, assert_close):
     # Slots past a sequence's length (its last page's tail, the pages its padded table row
     # names) are read into the padded chunk but masked: nan there must not reach the output.
