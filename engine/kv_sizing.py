@@ -1,5 +1,6 @@
 """How many KV pages a worker gets: an explicit count, an explicit byte budget, or a share of the
-device's memory (CUDA) after the weights and the step's activations; on CPU a fixed budget."""
+device's memory (CUDA) after the weights, the step's activations and the runtime's own buffers
+(decode graphs, library workspaces); on CPU a fixed budget."""
 
 from __future__ import annotations
 
@@ -22,6 +23,13 @@ GiB = 1 << 30
 CPU_KV_CACHE_BYTES = 2 * GiB
 
 
+# What a CUDA engine holds beyond its weights, its KV pages and one eager step's activations:
+# cuBLAS workspaces, sampling and page-index buffers, the allocator's partly used segments. The
+# first GPU run (H200, two engines of a tiny model in one process, tests/engine/test_cuda_paths.py)
+# found ~50 MB of it per engine past the share; this allowance is five times that.
+CUDA_RUNTIME_BYTES = 256 << 20
+
+
 @dataclass(slots=True)
 class DeviceMemory:
     """A device's memory as `torch.cuda.mem_get_info` reports it, plus what the weights took."""
@@ -41,6 +49,14 @@ def activation_bytes(cfg: ModelConfig, max_batched_tokens: int, max_seqs: int) -
     token, and fp32 logits for every sampled sequence."""
     per_token = 8 * cfg.hidden_size + 3 * cfg.intermediate_size
     return 4 * (per_token * max_batched_tokens + 2 * max_seqs * cfg.vocab_size)
+
+
+def unbudgeted_cuda_bytes(cfg: ModelConfig, max_seqs: int, graphs: bool) -> int:
+    """What a CUDA engine takes besides weights, KV and an eager step: the runtime's allowance,
+    and with decode graphs their private pool (a decode step's activations at the largest
+    captured batch; the eager pool does not lend to it)."""
+    graph_pool = activation_bytes(cfg, max_seqs, max_seqs) if graphs else 0
+    return CUDA_RUNTIME_BYTES + graph_pool
 
 
 def kv_budget_bytes(
@@ -112,6 +128,10 @@ def size_kv(
     if num_pages is None:
         activations = activation_bytes(cfg, config.max_num_batched_tokens, config.max_num_seqs)
         memory = cuda_memory(device, weights_bytes)
+        if memory is not None:
+            activations += unbudgeted_cuda_bytes(
+                cfg, config.max_num_seqs, graphs=not config.enforce_eager
+            )
         budget = kv_budget_bytes(
             config.kv_cache_memory_bytes, config.gpu_memory_utilization, memory, activations
         )

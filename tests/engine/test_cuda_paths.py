@@ -90,7 +90,9 @@ def test_two_engines_on_one_gpu_size_their_kv_within_their_share(checkpoints):
     for engine in engines:
         kv_bytes = engine.num_pages * engine.kv.page_layer_bytes * engine.kv.num_layers
         assert kv_bytes <= share * total
-    assert torch.cuda.mem_get_info()[0] >= (1 - 2 * share - 0.05) * total
+    # What this process took (weights, pools, activations), not the GPU's free memory: other
+    # processes share the GPU (the suite runs its files side by side on it).
+    assert torch.cuda.memory_reserved() <= 2 * share * total
 
 
 def test_a_write_after_a_reserve_waits_for_its_fence_not_for_later_steps(tiny_model_dir):

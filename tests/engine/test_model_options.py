@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+from types import SimpleNamespace
 
 import pytest
 
@@ -11,11 +12,14 @@ from halfmoon.engine import LLM, SamplingParams
 from halfmoon.engine.errors import ModelLoadError
 from halfmoon.engine.kv_sizing import (
     CPU_KV_CACHE_BYTES,
+    CUDA_RUNTIME_BYTES,
     DeviceMemory,
     GiB,
+    activation_bytes,
     kv_budget_bytes,
     page_bytes,
     plan_num_pages,
+    unbudgeted_cuda_bytes,
 )
 from halfmoon.engine.model_source import resolve_model
 
@@ -90,6 +94,15 @@ def test_gpu_budget_is_the_share_minus_weights_and_activations_within_free_memor
     assert kv_budget_bytes(None, 0.9, None, 1 * GiB) == CPU_KV_CACHE_BYTES
     with pytest.raises(ModelLoadError, match="no GPU memory left.*--gpu-memory-utilization"):
         kv_budget_bytes(None, 0.02, memory, 1 * GiB)
+
+
+def test_a_cuda_budget_leaves_room_for_the_runtime_and_the_decode_graphs_pool():
+    # Found on the first GPU run: two engines at 0.27 of an H200 each held ~50 MB past it.
+    cfg = SimpleNamespace(hidden_size=2048, intermediate_size=5632, vocab_size=32000)
+    eager = unbudgeted_cuda_bytes(cfg, max_seqs=256, graphs=False)
+    graphed = unbudgeted_cuda_bytes(cfg, max_seqs=256, graphs=True)
+    assert eager == CUDA_RUNTIME_BYTES >= 5 * 50 * 10**6
+    assert graphed - eager == activation_bytes(cfg, 256, 256)
 
 
 def test_page_plan_caps_only_the_default_cpu_budget():
