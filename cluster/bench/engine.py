@@ -311,7 +311,7 @@ def compare_with_transformers(model_dir: Path, work: Workload, dtype: torch.dtyp
     cb_s = None
     if not args.skip_hf_cb:
         cb_s = run_hf_continuous(model_dir, work, batch, device, dtype)
-    print(f"hf continuous batching: {cb_s if cb_s is None else round(cb_s, 1)}s", file=log)
+    print(f"hf continuous batching: {'skipped' if cb_s is None else f'{cb_s:.1f}s'}", file=log)
     tokens = work.num_output_tokens
     return {
         "ours_tok_s": tokens / ours_s,
