@@ -15,6 +15,7 @@ import torch
 
 from halfmoon.engine.async_engine import AsyncEngine
 from halfmoon.engine.llm_engine import LLMEngine, StepTiming
+from halfmoon.engine.loop_watchdog import LoopWatchdog, watch_loop
 from halfmoon.engine.openmp_pool import release_thread_pool
 from halfmoon.engine.profiling import ProfileSamples, profile_engine
 from halfmoon.engine.worker_info import WorkerInfo, WorkerLoad, worker_info, worker_load
@@ -46,6 +47,7 @@ class EngineWorker:
         config = engine.config  # the prefill chunk is the transfer unit on both sides
         self.chunk_tokens = config.prefill_chunk_size or config.max_num_batched_tokens
         self.async_engine: AsyncEngine | None = None
+        self.watchdog: LoopWatchdog | None = None  # with the AsyncEngine, on the actor's loop
         self.aborted_tickets: OrderedDict[str, None] = OrderedDict()
         self.metrics = WorkerMetrics()
         self.metrics_address: str | None = None
@@ -57,6 +59,7 @@ class EngineWorker:
         # Created on first use, inside the actor's event loop.
         if self.async_engine is None:
             self.async_engine = AsyncEngine(self.engine)
+            self.watchdog = watch_loop(f"{self.kind} worker {self.name}")
         return self.async_engine
 
     async def info(self) -> WorkerInfo:

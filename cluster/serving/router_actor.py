@@ -17,6 +17,7 @@ from halfmoon.cluster.serving.cluster_backend import ClusterBackend
 from halfmoon.cluster.serving.trace import RequestTrace
 from halfmoon.cluster.serving.workers import PollReport, Worker
 from halfmoon.engine.llm_engine import StepTiming
+from halfmoon.engine.loop_watchdog import LoopWatchdog, watch_loop
 from halfmoon.engine.tokenizer import load_tokenizer
 from halfmoon.engine.worker_info import WorkerInfo
 from halfmoon.kvstore.kv_notices import KvPeer
@@ -54,6 +55,7 @@ class RouterActor:
         self.metrics_server = None
         self.targets = MetricsTargets(config.server.metrics_targets_file)
         self._poller: asyncio.Task | None = None
+        self.watchdog: LoopWatchdog | None = None
 
     async def setup(self, info: WorkerInfo, profile: Profile) -> None:
         """The model's facts (from a worker) and the cost profile: the Conductor and the backend."""
@@ -95,6 +97,7 @@ class RouterActor:
         if server.http_port is not None:
             http_port = await self._start_http(server.host, server.http_port, api_key)
         self._poller = asyncio.create_task(self._poll_forever())
+        self.watchdog = watch_loop("router")  # a stalled loop would hang every request silently
         freeze_startup_heap("router")
         return {"grpc_port": grpc_port, "metrics_port": metrics_port, "http_port": http_port}
 
