@@ -90,7 +90,7 @@ class DecodeWorker(EngineWorker):
             return aborted(task.request_id)
         try:
             store = self.receiver.store_named(task.store_name)
-            pages = self._engine().reserve(
+            pages = await self._engine().reserve(
                 task.token_ids, task.params, task.request_id, task.block_keys,
                 num_prior_output_tokens=task.num_prior_output_tokens,
             )  # fmt: skip
@@ -252,7 +252,7 @@ class DecodeWorker(EngineWorker):
             self.num_early_joins += 1  # joining before the router's hand-off (`generate`)
         self.receiver.timings[request_id].joined_at = time.time()
         try:
-            self._engine().join(request_id, token.result())
+            await self._engine().join(request_id, token.result())
         except HalfmoonError as error:
             reservation.join_error = error
 

@@ -42,9 +42,16 @@ class AsyncEngine:
         gives back its OpenMP threads, so the step thread's are the only ones (openmp_pool)."""
         self.engine = engine
         release_thread_pool()
-        self._lock = threading.Lock()
-        self._work = threading.Condition(self._lock)
+        self._lock = threading.Lock()  # the engine's: held by the step thread for each step
+        # Requests added, joined and aborted from the event loop go through this inbox and
+        # are applied by the step thread between steps, all of them at once and in order:
+        # the loop never waits for a step (taking the engine's lock there stalled a prefill
+        # worker's loop for 5-6 s at saturation, when the step thread took it back first).
+        self._inbox: deque[Callable[[], None]] = deque()
+        self._inbox_ready = threading.Condition(threading.Lock())
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # The step thread's results of inbox calls, by the loop that awaits them (`_settle_all`).
+        self._settled: dict[asyncio.AbstractEventLoop, list] = {}
         self._stopped = False
         # What the engine was at the end of its last step or call (`_publish`), for readers
         # that must not wait for the step in progress: a worker's load polls would otherwise
@@ -56,8 +63,8 @@ class AsyncEngine:
         self._thread.start()
 
     def call(self, fn: Callable[[LLMEngine], T]) -> T:
-        """Run `fn(engine)` between steps (for stats and other reads; this thread's OpenMP
-        threads, if `fn` started any, are given back after)."""
+        """Run `fn(engine)` between steps and return its result, waiting for the step in
+        progress: for threads that may wait (tests, set-up); on the event loop use `run`."""
         with self._lock:
             try:
                 return fn(self.engine)
@@ -65,44 +72,59 @@ class AsyncEngine:
                 release_thread_pool()
                 self._publish()
 
-    def add_request(self, *args, **kwargs) -> str:
-        """Queue a request (the arguments of `LLMEngine.add_request`) and return its id; its
-        outputs go to `stream(request_id)`."""
-        with self._work:
-            request_id = self.engine.add_request(*args, **kwargs)
-            self._open_stream(request_id)
-            self._publish()
-            self._work.notify()
-            return request_id
+    async def run(self, fn: Callable[[LLMEngine], T]) -> T:
+        """`fn(engine)` on the step thread before its next step; the event loop goes on."""
+        return await self._on_step_thread(lambda: fn(self.engine))
 
-    def reserve(
+    async def add_request(
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+        *args, **kwargs,
+    ) -> str:  # fmt: skip
+        """Queue a request (the arguments of `LLMEngine.add_request`) and return its id, or
+        raise its `InvalidRequestError`; its outputs go to `stream(request_id)`."""
+        stream = (asyncio.get_running_loop(), asyncio.Queue())
+
+        def add() -> str:
+            added = self.engine.add_request(prompt, params, request_id, *args, **kwargs)
+            self._streams[added] = stream
+            return added
+
+        return await self._abort_if_cancelled(request_id, add)
+
+    async def reserve(
         self, prompt: Prompt, params: SamplingParams, request_id: str, *args, **kwargs
     ) -> list[int]:
         """Hold pages for a prompt whose KV arrives from outside; see `LLMEngine.reserve`."""
-        with self._lock:
+        stream = (asyncio.get_running_loop(), asyncio.Queue())
+
+        def reserve() -> list[int]:
             pages = self.engine.reserve(prompt, params, request_id, *args, **kwargs)
-            self._open_stream(request_id)
-            self._publish()
+            self._streams[request_id] = stream
             return pages
 
-    def join(self, request_id: str, first_token_ids: int | list[int]) -> None:
+        return await self._abort_if_cancelled(request_id, reserve)
+
+    async def join(self, request_id: str, first_token_ids: int | list[int]) -> None:
         """Start decoding a reserved request after its first token (one per sequence when
         `n` > 1); outputs (the first tokens' too) go to its stream."""
-        with self._work:
+
+        def join() -> None:
             for out in self.engine.join(request_id, first_token_ids):
                 self._deliver(out)
-            self._publish()
-            self._work.notify()
+
+        await self._on_step_thread(join)
 
     def abort(self, request_id: str) -> bool:
-        """End a request wherever it is; its stream ends with finish reason `abort`."""
-        with self._lock:
-            if request_id not in self.engine.requests:
-                return False
-            for out in self.engine.abort(request_id):
-                self._deliver(out)
-            self._publish()
-            return True
+        """End a request wherever it is, before the next step; its stream ends with finish
+        reason `abort`. True when it was streaming here (without waiting to know more)."""
+
+        def abort() -> None:
+            if request_id in self.engine.requests:
+                for out in self.engine.abort(request_id):
+                    self._deliver(out)
+
+        self._post(abort)
+        return request_id in self._streams
 
     async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
         """Outputs of one request until it finishes; aborts it if the consumer goes away."""
@@ -125,7 +147,7 @@ class AsyncEngine:
 
     async def generate(self, *args, **kwargs) -> AsyncIterator[RequestOutput]:
         """Add a request (the arguments of `LLMEngine.add_request`) and stream its outputs."""
-        request_id = self.add_request(*args, **kwargs)
+        request_id = await self.add_request(*args, **kwargs)
         async with contextlib.aclosing(self.stream(request_id)) as outputs:
             async for out in outputs:
                 yield out
@@ -151,10 +173,41 @@ class AsyncEngine:
         return self._thread.is_alive()
 
     def shutdown(self) -> None:
-        with self._work:
+        with self._inbox_ready:
             self._stopped = True
-            self._work.notify()
+            self._inbox_ready.notify()
         self._thread.join(timeout=10)
+
+    def _post(self, command: Callable[[], None]) -> None:
+        """Have the step thread run `command` (under the engine's lock) before its next step."""
+        with self._inbox_ready:
+            self._inbox.append(command)
+            self._inbox_ready.notify()
+
+    async def _abort_if_cancelled(self, request_id: str | None, fn: Callable[[], T]) -> T:
+        """`_on_step_thread(fn)` for a call that adds `request_id`: its caller cancelled, the
+        request is aborted after it was added (else it would run for no one)."""
+        try:
+            return await self._on_step_thread(fn)
+        except asyncio.CancelledError:
+            if request_id is not None:
+                self.abort(request_id)
+            raise
+
+    async def _on_step_thread(self, fn: Callable[[], T]) -> T:
+        """`fn()`'s result (or exception), run by the step thread between steps."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def command() -> None:
+            try:
+                result, error = fn(), None
+            except Exception as raised:  # noqa: BLE001 - handed to the caller
+                result, error = None, raised
+            self._settled.setdefault(loop, []).append((done, result, error))
+
+        self._post(command)
+        return await done
 
     def _publish(self) -> None:
         """Under the lock: the engine's stats, ended steps and page events, for the readers
@@ -165,14 +218,17 @@ class AsyncEngine:
         engine.step_log.clear()
         self._page_events.extend(engine.take_page_events())
 
-    def _open_stream(self, request_id: str) -> None:
-        self._streams[request_id] = (asyncio.get_running_loop(), asyncio.Queue())
-
     def _deliver(self, item: RequestOutput | BaseException, request_id: str | None = None) -> None:
         entry = self._streams.get(request_id or item.request_id)
         if entry is not None:
             loop, queue = entry
             loop.call_soon_threadsafe(queue.put_nowait, item)
+
+    def _settle_all(self) -> None:
+        """Step thread: the results of the calls it ran, in one wake-up of each event loop."""
+        for loop, settled in self._settled.items():
+            loop.call_soon_threadsafe(_settle_each, settled)
+        self._settled.clear()
 
     def _deliver_step(self, outputs: list[RequestOutput]) -> None:
         """A step's outputs, in one wake-up of each event loop: one `call_soon_threadsafe` per
@@ -190,22 +246,31 @@ class AsyncEngine:
         # OpenMP's team size is a per-thread setting: this thread starts with the library's
         # default (every core), not what `torch.set_num_threads` set for the process.
         torch.set_num_threads(torch.get_num_threads())
+        busy = False
         while True:
-            with self._work:
-                while not self._stopped and not self.engine.has_unfinished_requests():
-                    self.engine.tidy()
-                    self._publish()
-                    self._work.wait(IDLE_TIDY_S)
+            with self._inbox_ready:
+                if not (busy or self._inbox or self._stopped):
+                    self._inbox_ready.wait(IDLE_TIDY_S)
+                commands = list(self._inbox)
+                self._inbox.clear()
                 if self._stopped:
                     return
+            outputs = []
+            with self._lock:
+                for command in commands:
+                    command()
+                self._settle_all()
+                busy = self.engine.has_unfinished_requests()
+                if not busy:
+                    self.engine.tidy()  # pages given back while idle
+                    self._publish()
+                    continue
                 began = time.time()
                 try:
                     outputs = self.engine.step()
                 except Exception as error:  # noqa: BLE001 - a failed step must not kill serving
                     log.exception("engine step failed; ending the requests in flight")
                     self._fail_all(error)
-                    self._publish()
-                    continue
                 self._publish()
             timeline = (("engine step began", began), ("engine step ended", time.time()))
             for out in outputs:
@@ -225,6 +290,16 @@ def _drain(items: deque) -> list:
     while items:
         taken.append(items.popleft())
     return taken
+
+
+def _settle_each(settled: list[tuple[asyncio.Future, object, Exception | None]]) -> None:
+    for future, result, error in settled:
+        if future.done():  # its caller was cancelled
+            continue
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
 
 
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:

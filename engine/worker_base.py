@@ -72,7 +72,7 @@ class EngineWorker:
 
     async def profile(self) -> ProfileSamples:
         """Time prefills and decode steps on this worker (a few seconds; run before serving)."""
-        return self._engine().call(profile_engine)
+        return await self._engine().run(profile_engine)
 
     async def ping(self) -> str:
         """This worker's name; raises RankFailedError once a rank of its engine has died, so

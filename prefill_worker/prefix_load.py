@@ -117,7 +117,7 @@ class PrefixLoader:
     async def warm(self, engine: AsyncEngine, block_keys: list[bytes], store) -> int:
         """Adopt the stored blocks of the chain `block_keys` from `store` that this engine
         does not cache yet; returns how many were added."""
-        keys = engine.call(lambda e: e.uncached(list(block_keys)))
+        keys = await engine.run(lambda e: e.uncached(list(block_keys)))
         held = await store.cached_prefix.remote(keys)
         if not held:
             return 0
@@ -132,7 +132,7 @@ class PrefixLoader:
                         for layer in range(self.engine.facts.num_layers)
                     ]
                 )
-                adopted += engine.call(lambda e, c=chunk, kv=layers: e.adopt_blocks(c, kv))
+                adopted += await engine.run(lambda e, c=chunk, kv=layers: e.adopt_blocks(c, kv))
         finally:
             store.release.remote(lease_id)
         return adopted

@@ -26,7 +26,7 @@ class LocalBackend:
     async def generate(self, request: GenerateInput) -> AsyncIterator[TokenDelta]:
         """Stream deltas; closing this iterator early aborts the request and frees its pages."""
         request.params.validate()
-        self.engine.add_request(request.prompt, request.params, request.request_id)
+        await self.engine.add_request(request.prompt, request.params, request.request_id)
         num_tokens = 0
         async with aclosing(self.engine.stream(request.request_id)) as outputs:
             async for out in outputs:
@@ -37,7 +37,7 @@ class LocalBackend:
         return self.engine.abort(request_id)
 
     async def model_info(self) -> ModelInfo:
-        facts, max_model_len = self.engine.call(lambda engine: (engine.facts, engine.max_model_len))
+        facts, max_model_len = await self.engine.run(lambda e: (e.facts, e.max_model_len))
         return ModelInfo(
             model=facts.model,
             architecture=facts.architecture,
@@ -47,7 +47,7 @@ class LocalBackend:
         )
 
     async def server_info(self) -> dict:
-        stats, facts = self.engine.call(lambda engine: (engine.stats(), engine.facts))
+        stats, facts = await self.engine.run(lambda engine: (engine.stats(), engine.facts))
         return {"mode": "local", "model": facts.model, "engine": asdict(stats)}
 
     async def health(self) -> tuple[bool, str]:

@@ -8,7 +8,7 @@ import asyncio
 import time
 
 from halfmoon.engine import LLM, SamplingParams
-from halfmoon.engine.async_engine import AsyncEngine
+from halfmoon.engine.async_engine import AsyncEngine, _settle_each
 
 PROMPTS = [[10 + i, 20, 30 + i] * (i + 1) for i in range(6)]
 PARAMS = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
@@ -24,6 +24,7 @@ def test_streams_equal_the_offline_engine_with_one_wake_up_per_step(tiny_model_d
         wake_ups = []
         original = loop.call_soon_threadsafe
         loop.call_soon_threadsafe = lambda *a, **k: wake_ups.append(a) or original(*a, **k)
+        # (a wake-up that answers calls, `add_request` here, is not a step's: not counted)
 
         async def one(i):
             outs = [out async for out in front.generate(PROMPTS[i], PARAMS, f"r{i}")]
@@ -32,7 +33,7 @@ def test_streams_equal_the_offline_engine_with_one_wake_up_per_step(tiny_model_d
             return [t for out in outs for t in out.new_token_ids]
 
         got = await asyncio.gather(*(one(i) for i in range(len(PROMPTS))))
-        return got, len(wake_ups)
+        return got, sum(1 for call in wake_ups if call[0] is not _settle_each)
 
     try:
         got, wake_ups = asyncio.run(main())
@@ -87,3 +88,37 @@ def test_stats_steps_and_page_events_are_read_without_waiting_for_the_step(tiny_
     assert 0.0 <= age_s < 10.0
     assert len(steps) == engine.num_steps and sum(s.decode_seqs for s in steps) > 0
     assert events and {kind for kind, _ in events} == {"stored"}
+
+
+def test_adding_and_aborting_while_a_step_runs_leave_the_event_loop_free(tiny_model_dir):
+    # The step thread holds the engine for a whole step (seconds, for a long prefill on a
+    # CPU): calls from the event loop are applied after it, while the loop serves the rest.
+    front = AsyncEngine(LLM(str(tiny_model_dir)).engine)
+
+    async def main():
+        ticks = []
+
+        async def tick():
+            while True:
+                ticks.append(time.monotonic())
+                await asyncio.sleep(0.02)
+
+        ticker = asyncio.create_task(tick())
+        with front._lock:  # a step in progress
+            added = asyncio.create_task(front.add_request(PROMPTS[0], PARAMS, "waits"))
+            begun = time.monotonic()
+            assert front.abort("nobody") is False  # returns at once
+            await asyncio.sleep(0.5)
+            assert not added.done()
+            free = [t for t in ticks if t >= begun]
+        assert await added == "waits"  # applied once the step let go
+        outs = [out async for out in front.stream("waits")]
+        ticker.cancel()
+        return free, outs
+
+    try:
+        free, outs = asyncio.run(main())
+    finally:
+        front.shutdown()
+    assert len(free) >= 10, "the loop ran on while the step held the engine"
+    assert outs[-1].finished and sum(len(o.new_token_ids) for o in outs) == PARAMS.max_tokens
