@@ -191,7 +191,13 @@ class AsyncEngine:
             return await self._on_step_thread(fn)
         except asyncio.CancelledError:
             if request_id is not None:
-                self.abort(request_id)
+
+                def drop() -> None:
+                    if request_id in self.engine.requests:
+                        self.engine.abort(request_id)
+                    self._streams.pop(request_id, None)  # nobody will read it
+
+                self._post(drop)
             raise
 
     async def _on_step_thread(self, fn: Callable[[], T]) -> T:

@@ -122,3 +122,23 @@ def test_adding_and_aborting_while_a_step_runs_leave_the_event_loop_free(tiny_mo
         front.shutdown()
     assert len(free) >= 10, "the loop ran on while the step held the engine"
     assert outs[-1].finished and sum(len(o.new_token_ids) for o in outs) == PARAMS.max_tokens
+
+
+def test_a_request_whose_caller_gave_up_while_it_was_being_added_is_dropped(tiny_model_dir):
+    front = AsyncEngine(LLM(str(tiny_model_dir)).engine)
+
+    async def main():
+        with front._lock:  # a step in progress: the add waits for it
+            adding = asyncio.create_task(front.add_request(PROMPTS[0], PARAMS, "gone"))
+            await asyncio.sleep(0.05)
+            adding.cancel()
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if not front.call(lambda e: e.requests) and not front._streams:
+                return True
+        return False
+
+    try:
+        assert asyncio.run(main()), "added, then aborted, and its stream forgotten"
+    finally:
+        front.shutdown()
