@@ -15,7 +15,10 @@
 #   engine   bench engine --device cuda --skip-hf-cb (>= 6x transformers static)
 #   kernels  bench kernels
 #   ttft     bench ttft (alone, 1024-token prompts; served TTFT p50 <= 2x engine + 5 ms)
+#   ttft-both  the same, colocated too: one process, so no time-slicing of the GPU (splits the
+#            disaggregated gap into the worker's own cost and the sharing of the GPU)
 #   transfer bench transfer (KV stall p50 <= 1.2x one layer's move)
+#   serve    deploy/gpu/serve-bench.sh (issues 12 and 17), its files bundled too
 # The longer plan, for a host lent longer, is `make gpu-session` (docs/gpu.md).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -96,6 +99,10 @@ for what in "$@"; do
     kernels) part kernels 60 "${bench[@]}" kernels --json ;;
     ttft) part ttft 150 "${bench[@]}" ttft --json --device cuda --mode disaggregated --prompt-tokens 1024 \
       --requests 16 ;;
+    ttft-both) part ttft-both 240 "${bench[@]}" ttft --json --device cuda --mode both \
+      --prompt-tokens 1024 --requests 16 ;;
+    serve) part serve 470 env OUT="$logs/serve" SERVE_BENCH_BUDGET_S=420 \
+      bash deploy/gpu/serve-bench.sh ;;
     transfer) part transfer 150 "${bench[@]}" transfer --json --device cuda --repeats 3 --chunks 1,4 ;;
     *) say "$what: no such part" ;;
   esac
