@@ -34,7 +34,7 @@ class EngineSection(EngineSettings):
     model_config = Section.model_config
 
     # Each chunk's KV is published layer by layer, so a cluster always prefills in chunks.
-    prefill_chunk_size: int = Field(64, ge=1)
+    prefill_chunk_size: int = Field(256, ge=1)
 
     @field_validator("tensor_parallel_size")
     @classmethod

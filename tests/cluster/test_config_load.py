@@ -21,7 +21,7 @@ def test_no_file_gives_the_documented_defaults():
     assert config.model is None
     assert config.mode == "disaggregated"
     assert (config.prefill.replicas, config.decode.replicas) == (1, 1)
-    assert (config.engine.block_size, config.engine.prefill_chunk_size) == (16, 64)
+    assert (config.engine.block_size, config.engine.prefill_chunk_size) == (16, 256)
     assert config.store.host_capacity_bytes == 256 << 20
     assert (config.server.host, config.server.grpc_port, config.server.metrics_port) == (
         "127.0.0.1",
@@ -94,7 +94,7 @@ def test_a_missing_file_is_an_error(tmp_path):
 def test_engine_section_gives_the_engine_its_own_defaults():
     engine = ClusterConfig().engine.engine_config("/models/m")
     # Chunked prefill is the one value the cluster sets otherwise: it publishes KV per chunk.
-    assert engine == EngineConfig(model="/models/m", prefill_chunk_size=64)
+    assert engine == EngineConfig(model="/models/m", prefill_chunk_size=256)
 
 
 def test_store_section_gives_the_store_its_own_defaults():
