@@ -82,27 +82,22 @@ class AsyncEngine:
     ) -> str:  # fmt: skip
         """Queue a request (the arguments of `LLMEngine.add_request`) and return its id, or
         raise its `InvalidRequestError`; its outputs go to `stream(request_id)`."""
-        stream = (asyncio.get_running_loop(), asyncio.Queue())
 
-        def add() -> str:
+        def add() -> tuple[str, str]:
             added = self.engine.add_request(prompt, params, request_id, *args, **kwargs)
-            self._streams[added] = stream
-            return added
+            return added, added
 
-        return await self._abort_if_cancelled(request_id, add)
+        return await self._open(request_id, add)
 
     async def reserve(
         self, prompt: Prompt, params: SamplingParams, request_id: str, *args, **kwargs
     ) -> list[int]:
         """Hold pages for a prompt whose KV arrives from outside; see `LLMEngine.reserve`."""
-        stream = (asyncio.get_running_loop(), asyncio.Queue())
 
-        def reserve() -> list[int]:
-            pages = self.engine.reserve(prompt, params, request_id, *args, **kwargs)
-            self._streams[request_id] = stream
-            return pages
+        def reserve() -> tuple[str, list[int]]:
+            return request_id, self.engine.reserve(prompt, params, request_id, *args, **kwargs)
 
-        return await self._abort_if_cancelled(request_id, reserve)
+        return await self._open(request_id, reserve)
 
     async def join(self, request_id: str, first_token_ids: int | list[int]) -> None:
         """Start decoding a reserved request after its first token (one per sequence when
@@ -117,13 +112,7 @@ class AsyncEngine:
     def abort(self, request_id: str) -> bool:
         """End a request wherever it is, before the next step; its stream ends with finish
         reason `abort`. True when it was streaming here (without waiting to know more)."""
-
-        def abort() -> None:
-            if request_id in self.engine.requests:
-                for out in self.engine.abort(request_id):
-                    self._deliver(out)
-
-        self._post(abort)
+        self._post(lambda: self._abort_now(request_id))
         return request_id in self._streams
 
     async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
@@ -184,21 +173,35 @@ class AsyncEngine:
             self._inbox.append(command)
             self._inbox_ready.notify()
 
-    async def _abort_if_cancelled(self, request_id: str | None, fn: Callable[[], T]) -> T:
-        """`_on_step_thread(fn)` for a call that adds `request_id`: its caller cancelled, the
-        request is aborted after it was added (else it would run for no one)."""
+    async def _open(self, request_id: str | None, fn: Callable[[], tuple[str, T]]) -> T:
+        """Run `fn` (which adds a request to the engine: its id and a result) on the step
+        thread and open the request's stream there, before any step can output to it; a
+        caller that gives up meanwhile has the request aborted and its stream dropped (else it
+        would run for no one)."""
+        stream = (asyncio.get_running_loop(), asyncio.Queue())
+
+        def opened() -> T:
+            added, result = fn()
+            self._streams[added] = stream
+            return result
+
         try:
-            return await self._on_step_thread(fn)
+            return await self._on_step_thread(opened)
         except asyncio.CancelledError:
             if request_id is not None:
 
                 def drop() -> None:
-                    if request_id in self.engine.requests:
-                        self.engine.abort(request_id)
-                    self._streams.pop(request_id, None)  # nobody will read it
+                    self._abort_now(request_id)
+                    self._streams.pop(request_id, None)
 
                 self._post(drop)
             raise
+
+    def _abort_now(self, request_id: str) -> None:
+        """Step thread: end the request if the engine has it; its last outputs to its stream."""
+        if request_id in self.engine.requests:
+            for out in self.engine.abort(request_id):
+                self._deliver(out)
 
     async def _on_step_thread(self, fn: Callable[[], T]) -> T:
         """`fn()`'s result (or exception), run by the step thread between steps."""
