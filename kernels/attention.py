@@ -25,7 +25,8 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor
     decode_seq_lens: torch.Tensor
     # The prefill runs' lengths, on the host, when no run has a cached prefix: they then
-    # attend over this step's own K/V (`ops.causal_attention`), with no page reads.
+    # attend over this step's own K/V (`ops.causal_attention`), with no page reads, unless
+    # the compiled CPU prefill kernel serves (`ops.native_prefill`), faster over the pages.
     prefill_dense_lens: list[int] | None = None
 
 
@@ -42,7 +43,8 @@ def paged_attention(
     ops.store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
     split = meta.num_prefill_tokens
     parts = []
-    if split > 0 and meta.prefill_dense_lens is not None:
+    over_pages = meta.prefill_dense_lens is None or ops.native_prefill(query, k_cache, v_cache)
+    if split > 0 and not over_pages:
         dense = (query[:split], key[:split], value[:split], meta.prefill_dense_lens, scale)
         parts.append(ops.causal_attention(*dense))
     elif split > 0:

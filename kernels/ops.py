@@ -1,14 +1,16 @@
 """The one dispatch point: every kernel the engine calls goes through here.
 
 CUDA tensors run the Triton kernels; CPU tensors the compiled C++ kernels of `cpu_attention`
-(decode attention) and `cpu_elementwise` (RMSNorm, rotary, SwiGLU, the KV write) where they
-build (`cpu_build`), and the torch references for the rest.
+(decode attention), `cpu_prefill` (bf16 prefill attention on AMX) and `cpu_elementwise`
+(RMSNorm, rotary, SwiGLU, the KV write) where they build (`cpu_build`), and the torch
+references for the rest.
 `HALFMOON_KERNELS=torch|triton` forces one backend (`torch`: the references alone; tests run
 Triton on CPU with `TRITON_INTERPRET=1`).
 
 Prefill runs with no cached prefix attend over the step's own K/V with torch's fused
 attention (`causal_attention`; FlashAttention on CUDA), which measured faster than the paged
-Triton kernel on an H100 (issue 13); runs over a cached prefix read it from the pages.
+Triton kernel on an H100 (issue 13); runs over a cached prefix read it from the pages. Where
+`cpu_prefill` serves, every run reads the pages: it is 2-3x faster than torch's SDPA there.
 `HALFMOON_PREFILL_ATTENTION=paged` sends every run through the paged kernel.
 """
 
@@ -19,7 +21,7 @@ from types import ModuleType
 
 import torch
 
-from halfmoon.kernels import cpu_attention, cpu_elementwise, reference
+from halfmoon.kernels import cpu_attention, cpu_elementwise, cpu_prefill, reference
 
 BACKEND_ENV = "HALFMOON_KERNELS"
 PREFILL_ENV = "HALFMOON_PREFILL_ATTENTION"
@@ -64,9 +66,18 @@ def _native_cpu() -> bool:
 
 
 def prefill_attention(query, k_cache, v_cache, cu_seqlens_q, block_tables, prefix_lens, scale):
-    return backend_for(query).prefill_attention(
+    backend = backend_for(query)
+    if backend is reference and native_prefill(query, k_cache, v_cache):
+        backend = cpu_prefill
+    return backend.prefill_attention(
         query, k_cache, v_cache, cu_seqlens_q, block_tables, prefix_lens, scale
     )
+
+
+def native_prefill(query, k_cache, v_cache) -> bool:
+    """Whether `cpu_prefill` serves these tensors; then runs without a cached prefix read the
+    pages too rather than take `causal_attention`."""
+    return _native_cpu() and cpu_prefill.supports(query, k_cache, v_cache)
 
 
 def dense_prefill() -> bool:

@@ -1,0 +1,77 @@
+"""The CPU prefill attention of `cpu_prefill.cpp`: bf16 runs over their pages on AMX tiles.
+
+Serves bf16 caches of head size 64 in pages of a multiple of 16 tokens on CPUs with AMX (built
+by `cpu_build`; `supports` says whether it serves given tensors). The torch reference serves
+the rest.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from halfmoon.kernels import cpu_build
+
+HEAD_DIM = 64
+
+
+def available() -> bool:
+    """Whether the kernel is built (or can be), loads, and the CPU lends this process AMX."""
+    library = _library()
+    return library is not None and library.amx_ready() == 1
+
+
+def supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether this kernel serves these tensors: CPU bf16, head size 64, contiguous caches
+    of pages of a multiple of 16 tokens, whole query groups."""
+    return (
+        query.device.type == "cpu"
+        and k_cache.device.type == "cpu"
+        and query.dtype == k_cache.dtype == v_cache.dtype == torch.bfloat16
+        and query.shape[-1] == HEAD_DIM
+        and k_cache.shape[1] % 16 == 0
+        and query.shape[1] % k_cache.shape[2] == 0
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and available()
+    )
+
+
+def prefill_attention(query, k_cache, v_cache, cu_seqlens_q, block_tables, prefix_lens, scale):
+    """`reference.prefill_attention`'s contract, for tensors `supports` accepts."""
+    if not all(t.device.type == "cpu" for t in (cu_seqlens_q, block_tables, prefix_lens)):
+        raise ValueError("the CPU prefill attention reads CPU tensors only")  # not a segfault
+    query = query.contiguous()
+    cu = cu_seqlens_q.to(torch.int32).contiguous()
+    tables = block_tables.to(torch.int32).contiguous()
+    prefixes = prefix_lens.to(torch.int32).contiguous()
+    out = torch.empty_like(query)
+    num_runs = prefixes.shape[0]
+    if num_runs == 0 or query.shape[0] == 0:
+        return out
+    _, block_size, kv_heads, head_dim = k_cache.shape
+    served = _library().prefill_attention_bf16(
+        query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), cu.data_ptr(),
+        tables.data_ptr(), prefixes.data_ptr(), num_runs, query.shape[1], kv_heads, head_dim,
+        block_size, tables.shape[1], scale, torch.get_num_threads(), out.data_ptr(),
+    )  # fmt: skip
+    if served != 0:
+        raise ValueError(f"the CPU prefill attention does not serve {tuple(k_cache.shape)}")
+    return out
+
+
+@cache
+def _library() -> ctypes.CDLL | None:
+    library = cpu_build.load(Path(__file__).with_name("cpu_prefill.cpp"))
+    if library is not None:
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        library.prefill_attention_bf16.argtypes = (
+            [ptr] * 6 + [i64] * 6 + [ctypes.c_float, ctypes.c_int, ptr]
+        )
+        library.prefill_attention_bf16.restype = ctypes.c_int
+        library.amx_ready.argtypes = []
+        library.amx_ready.restype = ctypes.c_int
+    return library
