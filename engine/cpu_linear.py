@@ -3,30 +3,44 @@ its blocked layout (AMX for bf16), instead of on every call as `F.linear` does.
 
 Measured on a 2-core AVX-512/AMX machine at this engine's shapes (issue 31). bf16: the four
 GEMMs of a BENCH_SHAPE layer 1.2-1.5x faster at 1-256 rows, 1.16x at 2,048; `bench engine` bf16
-+6-10 %. fp32: MKL's sgemm behind `F.linear` reads the plain weight at full bandwidth for one to
-three rows but packs it on every call from four rows on, so a whole decode step of the ~50M model
-(one thread, 300-token contexts) took 41.6 ms at 3 sequences and 56.7 at 8 against 33.5 and 42.0
-prepacked; prefill rows (512-2,048) run alike; at one or two sequences the prepacked step is
-4-5 ms slower (29.2 against 24.7 ms at one), the price of holding one copy of the weights.
++6-10 %. fp32: MKL's sgemm behind `F.linear` packs the plain weight on every call from four rows
+on, so a whole decode step of the ~50M model (one thread, 300-token contexts) took 41.6 ms at 3
+sequences and 56.7 at 8 against 33.5 and 42.0 prepacked; prefill rows (512-2,048) run alike.
+
+For one to three rows (decode at light load) MKL reads the plain fp32 weight at full bandwidth,
+where the prepacked one runs 10-15 % slower (the 14 layers' GEMMs of the ~50M model, one
+thread: 16.5 / 18.5 / 19.4 ms at 1 / 2 / 3 rows against 18.7 / 21.1 / 21.7 prepacked; served
+1+1 at 1 req/s, alternating fresh servers, TPOT 34.5 / 35.6 ms against 37.0 / 40.7). So fp32
+keeps its plain weight as well, and an fp32 model's linear weights are held twice; bf16's once
+(its prepacked GEMMs are faster at every row count: 12.0-12.3 against 17.4-17.8 ms at 1-3 rows).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+# Rows up to which an fp32 layer multiplies by its plain weight (MKL) rather than the prepacked.
+PLAIN_ROWS = 3
 
 
 class PackedLinear(nn.Module):
-    """`nn.Linear`'s forward over a weight in oneDNN's prepacked layout."""
+    """`nn.Linear`'s forward over a weight in oneDNN's prepacked layout; fp32 over its plain
+    weight too, for up to `PLAIN_ROWS` rows."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.out_features = linear.out_features
         self.bias = None if linear.bias is None else linear.bias.detach()
         self.weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
+        fp32 = linear.weight.dtype == torch.float32
+        self.plain = linear.weight.detach() if fp32 else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
+        if self.plain is not None and rows.shape[0] <= PLAIN_ROWS:
+            return F.linear(x, self.plain, self.bias)
         out = torch.ops.mkldnn._linear_pointwise(rows, self.weight, self.bias, "none", [], "")
         return out.view(*x.shape[:-1], self.out_features)
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from halfmoon.engine.cpu_linear import PackedLinear, pack_linears
+from halfmoon.engine.cpu_linear import PLAIN_ROWS, PackedLinear, pack_linears
 
 pytestmark = pytest.mark.skipif(
     not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN"
@@ -37,3 +38,15 @@ def test_pack_linears_swaps_bf16_and_fp32_linears_and_skips_the_tied_head():
     assert pack_linears(model, skip=(model[3],)) == 2
     kinds = [type(model[0]), type(model[1][0]), type(model[2]), type(model[3])]
     assert kinds == [PackedLinear, PackedLinear, nn.Linear, nn.Linear]
+
+
+def test_fp32_takes_its_plain_weight_up_to_three_rows_and_bf16_holds_one_copy():
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 80, bias=True)
+    packed = PackedLinear(linear)
+    with torch.inference_mode():
+        for rows in (1, 2, PLAIN_ROWS):
+            x = torch.randn(rows, 96)
+            assert torch.equal(packed(x), F.linear(x, linear.weight, linear.bias))  # MKL's bits
+    assert packed.plain is not None
+    assert PackedLinear(nn.Linear(96, 80, dtype=torch.bfloat16)).plain is None
