@@ -94,9 +94,14 @@ void silu_and_mul(const T* x, int64_t rows, int64_t width, int num_threads, T* o
 }
 
 // Row n of `src` (`row` elements, `src_stride` apart) to row slots[n] of `cache`; -1 skips.
+// A prefill step's rows (MBs, to pages not in cache) are shared among the threads; a decode
+// step's few are not worth waking them.
+constexpr int64_t kParallelRows = 256;
+
 template <typename T>
 void store_rows(const T* src, int64_t src_stride, const int64_t* slots, int64_t tokens,
-                int64_t row, T* cache) {
+                int64_t row, int num_threads, T* cache) {
+#pragma omp parallel for num_threads(num_threads) if (tokens >= kParallelRows)
   for (int64_t n = 0; n < tokens; ++n) {
     if (slots[n] >= 0) std::memcpy(cache + slots[n] * row, src + n * src_stride, row * sizeof(T));
   }
@@ -140,17 +145,17 @@ void silu_and_mul(const void* x, int64_t rows, int64_t width, int dtype, int num
 }
 
 void store_kv(const void* key, const void* value, int64_t key_stride, int64_t value_stride,
-              const int64_t* slots, int64_t tokens, int64_t row, int dtype, void* k_cache,
-              void* v_cache) {
+              const int64_t* slots, int64_t tokens, int64_t row, int dtype, int num_threads,
+              void* k_cache, void* v_cache) {
   if (dtype == 1) {
-    store_rows(static_cast<const uint16_t*>(key), key_stride, slots, tokens, row,
+    store_rows(static_cast<const uint16_t*>(key), key_stride, slots, tokens, row, num_threads,
                static_cast<uint16_t*>(k_cache));
-    store_rows(static_cast<const uint16_t*>(value), value_stride, slots, tokens, row,
+    store_rows(static_cast<const uint16_t*>(value), value_stride, slots, tokens, row, num_threads,
                static_cast<uint16_t*>(v_cache));
   } else {
-    store_rows(static_cast<const float*>(key), key_stride, slots, tokens, row,
+    store_rows(static_cast<const float*>(key), key_stride, slots, tokens, row, num_threads,
                static_cast<float*>(k_cache));
-    store_rows(static_cast<const float*>(value), value_stride, slots, tokens, row,
+    store_rows(static_cast<const float*>(value), value_stride, slots, tokens, row, num_threads,
                static_cast<float*>(v_cache));
   }
 }

@@ -75,8 +75,8 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
     slots = slot_mapping.to(torch.int64).contiguous()
     _library().store_kv(
         key.data_ptr(), value.data_ptr(), key.stride(0), value.stride(0), slots.data_ptr(),
-        key.shape[0], key.shape[1] * key.shape[2], DTYPES[key.dtype], k_cache.data_ptr(),
-        v_cache.data_ptr(),
+        key.shape[0], key.shape[1] * key.shape[2], DTYPES[key.dtype], torch.get_num_threads(),
+        k_cache.data_ptr(), v_cache.data_ptr(),
     )  # fmt: skip
 
 
@@ -118,7 +118,7 @@ def _library() -> ctypes.CDLL | None:
         "rms_norm": [ptr, ptr, ptr, ctypes.c_float, i64, i64, i32, i32, ptr, ptr],
         "rotary_embedding": [ptr, i64, i64, i64, ptr, ptr, i64, i32, i32],
         "silu_and_mul": [ptr, i64, i64, i32, i32, ptr],
-        "store_kv": [ptr, ptr, i64, i64, ptr, i64, i64, i32, ptr, ptr],
+        "store_kv": [ptr, ptr, i64, i64, ptr, i64, i64, i32, i32, ptr, ptr],
     }
     for name, argtypes in signatures.items():
         getattr(library, name).argtypes = argtypes

@@ -168,7 +168,8 @@ inline __m512 exp_below_zero16(__m512 x) {
   return _mm512_scalef_ps(p, k);
 }
 
-// A thread's buffer of `count` T, 64-byte aligned, kept between calls.
+// A thread's buffer of `count` T, 64-byte aligned, kept between calls; `Slot` tells a thread's
+// buffers apart (scores, probabilities, the packed context).
 template <typename T, int Slot>
 T* scratch(int64_t count) {
   thread_local std::unique_ptr<T, decltype(&std::free)> buffer(nullptr, &std::free);

@@ -18,6 +18,7 @@ from halfmoon.kernels import cpu_build
 HEAD_DIM = 64
 
 
+@cache
 def available() -> bool:
     """Whether the kernel is built (or can be), loads, and the CPU lends this process AMX."""
     library = _library()
