@@ -79,8 +79,13 @@ def test_the_forced_torch_backend_keeps_the_reference(paged_kv, monkeypatch):
     assert not ops.native_prefill(query, k_cache, v_cache)
 
 
-def test_runs_with_no_prefix_read_the_pages_where_the_kernel_serves(paged_kv, assert_close):
+def test_runs_with_no_prefix_read_the_pages_where_the_kernel_serves(
+    paged_kv, assert_close, monkeypatch
+):
     """The dense lengths a step carries are not taken: the kernel reads the pages instead."""
+    calls = []
+    kernel = cpu_prefill.prefill_attention
+    monkeypatch.setattr(cpu_prefill, "prefill_attention", lambda *a: calls.append(1) or kernel(*a))
     lens = [40, 7]
     query, k_cache, v_cache, cu_seqlens, tables, prefix_lens, scale = runs_over_pages(
         paged_kv, lens, [0, 0], ratio=2
@@ -99,6 +104,7 @@ def test_runs_with_no_prefix_read_the_pages_where_the_kernel_serves(paged_kv, as
         prefill_dense_lens=lens,
     )
     out = paged_attention(query, key, value, k_cache, v_cache, meta, scale)
+    assert calls == [1]
     assert_close(out, reference.causal_attention(query, key, value, lens, scale))
 
 
