@@ -59,11 +59,7 @@ def paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scal
 
 @cache
 def _library() -> ctypes.CDLL | None:
-    library = cpu_build.load(Path(__file__).with_name("cpu_attention.cpp"))
-    if library is not None:
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        library.paged_decode_attention.argtypes = (
-            [ptr] * 5 + [i64] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int, ptr]
-        )
-        library.paged_decode_attention.restype = None
-    return library
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    args = [ptr] * 5 + [i64] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int, ptr]
+    source = Path(__file__).with_name("cpu_attention.cpp")
+    return cpu_build.load_functions(source, {"paged_decode_attention": (args, None)})

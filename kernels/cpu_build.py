@@ -40,6 +40,17 @@ def load(source: Path) -> ctypes.CDLL | None:
     return None if path is None else ctypes.CDLL(str(path))
 
 
+def load_functions(source: Path, signatures: dict[str, tuple[list, object]]) -> ctypes.CDLL | None:
+    """`load(source)` with the ctypes signature (argument types, result type) of each named
+    function declared; None where it does not build."""
+    library = load(source)
+    if library is not None:
+        for name, (argtypes, restype) in signatures.items():
+            function = getattr(library, name)
+            function.argtypes, function.restype = argtypes, restype
+    return library
+
+
 def _build(source: Path) -> Path | None:
     compiler = shutil.which(os.environ.get("CXX", "g++"))
     if compiler is None or not source.is_file():  # no compiler, or an install without sources

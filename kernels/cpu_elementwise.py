@@ -110,17 +110,11 @@ def _fits_cache(cos_sin_cache: torch.Tensor, head_dim: int) -> bool:
 
 @cache
 def _library() -> ctypes.CDLL | None:
-    library = cpu_build.load(Path(__file__).with_name("cpu_elementwise.cpp"))
-    if library is None:
-        return None
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     signatures = {
-        "rms_norm": [ptr, ptr, ptr, ctypes.c_float, i64, i64, i32, i32, ptr, ptr],
-        "rotary_embedding": [ptr, i64, i64, i64, ptr, ptr, i64, i32, i32],
-        "silu_and_mul": [ptr, i64, i64, i32, i32, ptr],
-        "store_kv": [ptr, ptr, i64, i64, ptr, i64, i64, i32, i32, ptr, ptr],
+        "rms_norm": ([ptr, ptr, ptr, ctypes.c_float, i64, i64, i32, i32, ptr, ptr], None),
+        "rotary_embedding": ([ptr, i64, i64, i64, ptr, ptr, i64, i32, i32], None),
+        "silu_and_mul": ([ptr, i64, i64, i32, i32, ptr], None),
+        "store_kv": ([ptr, ptr, i64, i64, ptr, i64, i64, i32, i32, ptr, ptr], None),
     }
-    for name, argtypes in signatures.items():
-        getattr(library, name).argtypes = argtypes
-        getattr(library, name).restype = None
-    return library
+    return cpu_build.load_functions(Path(__file__).with_name("cpu_elementwise.cpp"), signatures)

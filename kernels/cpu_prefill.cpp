@@ -181,9 +181,20 @@ T* scratch(int64_t count) {
   return buffer.get();
 }
 
+// The scores of the query tiles (4, 5: 16 rows, dims 0-31 and 32-63) against one 16-token
+// group of packed K^T, through tile 0, stored as 16 rows `stride` bytes apart.
+inline void group_scores(const uint32_t* keys, float* to, int64_t stride) {
+  _tile_zero(0);
+  _tile_loadd(6, keys, 64);
+  _tile_loadd(7, keys + kTileWords, 64);
+  _tile_dpbf16ps(0, 4, 6);
+  _tile_dpbf16ps(0, 5, 7);
+  _tile_stored(0, to, stride);
+}
+
 // Query rows `row0 .. row0 + rows` of one head against its packed context, causal at positions
 // `pos0 + r`; writes the normalized output rows. Three stages, each left to its own unit: the
-// scores of every visible token (AMX, four 16-token groups at once), each row's softmax
+// scores of every visible token (AMX, 16 tokens at a time), each row's softmax
 // (AVX-512, rounded to bf16), the probabilities times V (AMX, into four output tiles).
 void attend(const uint16_t* query, const uint32_t* keys, const uint32_t* values, int64_t head,
             int64_t row0, int64_t rows, int64_t pos0, const Shape& s, uint16_t* out) {
@@ -198,36 +209,8 @@ void attend(const uint16_t* query, const uint32_t* keys, const uint32_t* values,
 
   _tile_loadd(4, q, kDim * 2);
   _tile_loadd(5, q + 32, kDim * 2);
-  const int64_t stride = width * 4;
-  for (int64_t c = 0; c < 2 * blocks; c += 4) {  // 16-token groups; the buffers hold 2 * blocks
-    const uint32_t* tile = keys + c * kSteps * kTileWords;
-    const int64_t more = 2 * blocks - c;
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    _tile_loadd(6, tile, 64);
-    _tile_loadd(7, tile + kTileWords, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(0, 5, 7);
-    _tile_loadd(6, tile + 2 * kTileWords, 64);
-    _tile_loadd(7, tile + 3 * kTileWords, 64);
-    _tile_dpbf16ps(1, 4, 6);
-    _tile_dpbf16ps(1, 5, 7);
-    _tile_stored(0, scores + c * 16, stride);
-    _tile_stored(1, scores + c * 16 + 16, stride);
-    if (more > 2) {
-      _tile_loadd(6, tile + 4 * kTileWords, 64);
-      _tile_loadd(7, tile + 5 * kTileWords, 64);
-      _tile_dpbf16ps(2, 4, 6);
-      _tile_dpbf16ps(2, 5, 7);
-      _tile_loadd(6, tile + 6 * kTileWords, 64);
-      _tile_loadd(7, tile + 7 * kTileWords, 64);
-      _tile_dpbf16ps(3, 4, 6);
-      _tile_dpbf16ps(3, 5, 7);
-      _tile_stored(2, scores + c * 16 + 32, stride);
-      _tile_stored(3, scores + c * 16 + 48, stride);
-    }
+  for (int64_t c = 0; c < 2 * blocks; ++c) {  // 16-token groups, two to a 32-token block
+    group_scores(keys + c * kSteps * kTileWords, scores + c * 16, width * 4);
   }
 
   const __m512 scale = _mm512_set1_ps(s.scale);
@@ -251,7 +234,9 @@ void attend(const uint16_t* query, const uint32_t* keys, const uint32_t* values,
     for (int64_t t = 0; t < full; t += 16) exps(t, 0xFFFF);
     int64_t t = full;
     if (tail) exps(t, tail), t += 16;
-    for (; t < width; t += 16) _mm256_store_si256(reinterpret_cast<__m256i*>(p + t), _mm256_setzero_si256());
+    for (; t < width; t += 16) {
+      _mm256_store_si256(reinterpret_cast<__m256i*>(p + t), _mm256_setzero_si256());
+    }
     sums[r] = _mm512_reduce_add_ps(sum);
   }
 

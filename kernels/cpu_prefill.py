@@ -66,13 +66,9 @@ def prefill_attention(query, k_cache, v_cache, cu_seqlens_q, block_tables, prefi
 
 @cache
 def _library() -> ctypes.CDLL | None:
-    library = cpu_build.load(Path(__file__).with_name("cpu_prefill.cpp"))
-    if library is not None:
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        library.prefill_attention_bf16.argtypes = (
-            [ptr] * 6 + [i64] * 6 + [ctypes.c_float, ctypes.c_int, ptr]
-        )
-        library.prefill_attention_bf16.restype = ctypes.c_int
-        library.amx_ready.argtypes = []
-        library.amx_ready.restype = ctypes.c_int
-    return library
+    i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    args = [ptr] * 6 + [i64] * 6 + [ctypes.c_float, i32, ptr]
+    source = Path(__file__).with_name("cpu_prefill.cpp")
+    return cpu_build.load_functions(
+        source, {"prefill_attention_bf16": (args, i32), "amx_ready": ([], i32)}
+    )
