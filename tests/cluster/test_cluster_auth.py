@@ -22,7 +22,7 @@ def test_a_cluster_with_a_key_and_tls_serves_only_callers_with_both(tiny_model_d
         grpc_address = f"127.0.0.1:{cluster.ports['grpc_port']}"
         base_url = f"http://127.0.0.1:{cluster.ports['http_port']}/v1"
         with Client(grpc_address, tls_ca=cert, api_key=KEY) as keyed:
-            assert keyed.complete("hello", max_tokens=3).finish_reason == "length"
+            assert keyed.complete("hello", max_tokens=3, ignore_eos=True).finish_reason == "length"
         wrong = Client(grpc_address, tls_ca=cert, api_key="wrong")
         with wrong, pytest.raises(ServerError) as unkeyed:
             wrong.complete("hello", max_tokens=3)

@@ -82,7 +82,7 @@ def test_an_oversized_prompt_is_invalid_at_once(server):
         chat = [{"role": "user", "content": "hi"}] * (LIMITS.max_chat_messages + 1)
         too_many = rejection(lambda: client.complete(chat))
         ids = rejection(lambda: client.complete([1] * (LIMITS.max_prompt_token_ids + 1)))
-        assert client.complete("hello", max_tokens=2).finish_reason == "length"
+        assert client.complete("hello", max_tokens=2, ignore_eos=True).finish_reason == "length"
     assert error.code == too_many.code == ids.code == "INVALID_ARGUMENT"
     assert f"<{LIMITS.max_prompt_chars + 1} characters>" in error.message
     assert f"<{LIMITS.max_chat_messages + 1} messages>" in too_many.message
@@ -138,7 +138,7 @@ def test_tls_server_answers_clients_that_trust_its_ca_only(tiny_model_dir, tmp_p
         tls = (c.read(), k.read())
     with serve_model(tiny_model_dir, tls=tls) as running:
         with Client(running.address, tls_ca=cert) as client:
-            assert client.complete("hello", max_tokens=3).finish_reason == "length"
+            assert client.complete("hello", max_tokens=3, ignore_eos=True).finish_reason == "length"
         with Client(running.address) as plaintext:
             error = rejection(lambda: plaintext.model_info(timeout=10))
     assert error.code == "UNAVAILABLE" and error.unreachable
