@@ -44,19 +44,25 @@ class Controller:
         workers = [w for w in self.cluster.workers.values() if w.name not in self.pending]
         timeout_s = self.cluster.config.health.timeout_s
         refs = {worker.name: worker.actor.ping.remote() for worker in workers}
+        # One deadline for all: a check takes `timeout_s` however many workers are silent.
+        answered = set()
+        if refs:
+            answered, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+            answered = set(answered)
         dead = []
         for worker in workers:
+            if refs[worker.name] not in answered:
+                if self._silent_too_long(worker.name):
+                    dead.append(worker)
+                continue
             try:
-                ray.get(refs[worker.name], timeout=timeout_s)
+                ray.get(refs[worker.name])
                 self.silent_since.pop(worker.name, None)
             except RayActorError:
                 dead.append(worker)
             except RayTaskError as error:  # alive, but its engine cannot step (a rank died)
                 log.warning("worker %s failed its health check: %s", worker.name, error.cause)
                 dead.append(worker)
-            except GetTimeoutError:
-                if self._silent_too_long(worker.name):
-                    dead.append(worker)
         for worker in dead:
             self.silent_since.pop(worker.name, None)
             log.warning("worker %s is dead or unresponsive; replacing it", worker.name)
