@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from halfmoon.cluster.bench.peer import PeerUnavailableError, VllmPeer
+from halfmoon.cluster.bench.peer import PeerRun, PeerUnavailableError, VllmPeer
 from halfmoon.engine.init_model import SHAPES, default_model_dir, ensure_model
 
 
@@ -219,7 +219,12 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     parser.add_argument("--scale", type=float, default=1.0, help="shrink lengths for a quick run")
     parser.add_argument(
-        "--threads", type=int, help="torch threads (1; with --tp T, T: its ranks split them)"
+        "--threads",
+        type=int,
+        nargs="+",
+        help="torch threads (1; with --tp T, T: its ranks split them); several counts (e.g. "
+        "`--threads 1 2`) run ours, and vLLM with --peer, at each count in alternating turns and "
+        "print how much faster the last count runs than the first (ours_scaling)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-hf-cb", action="store_true", help="skip transformers CB")
@@ -241,7 +246,7 @@ def _parser() -> argparse.ArgumentParser:
         "--repeats",
         type=int,
         default=3,
-        help="runs of each with --peer (medians) or --tp (the best) (3)",
+        help="runs of each with --peer or several --threads (medians) or --tp (the best) (3)",
     )
     return parser
 
@@ -255,7 +260,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--peer vllm: the peer is vLLM's CPU build; use --device cpu")
     if args.tp is not None and (args.tp < 2 or args.peer):
         parser.error(f"--tp {args.tp}: give a degree of 2 or more, without --peer")
-    args.threads = args.threads or args.tp or 1
+    args.thread_counts = args.threads or [args.tp or 1]
+    if min(args.thread_counts) < 1 or len(set(args.thread_counts)) < len(args.thread_counts):
+        parser.error(f"--threads {args.threads}: give distinct counts of 1 or more")
+    if len(args.thread_counts) > 1 and (args.tp or args.device != "cpu"):
+        parser.error("several --threads counts: on --device cpu, without --tp")
+    args.threads = args.thread_counts[0]
     setup = SETUPS[args.device]
     dtype = getattr(torch, args.dtype) if args.dtype else setup.dtype
     args.requests = args.requests or setup.num_requests
@@ -274,10 +284,11 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"model {model_dir} ({_num_params(model_dir) / 1e6:.1f}M params), {args.requests} "
         f"requests, {work.num_output_tokens} output tokens, batch {args.batch_size}, "
-        f"{args.threads} thread(s), device {args.device}, {dtype}",
+        f"{'/'.join(map(str, args.thread_counts))} thread(s), device {args.device}, {dtype}",
         file=sys.stderr,
     )
-    compare = compare_with_peer if args.peer else compare_with_transformers
+    in_turns = args.peer or len(args.thread_counts) > 1
+    compare = compare_in_turns if in_turns else compare_with_transformers
     if args.tp:
         from halfmoon.cluster.bench.engine_degrees import compare_degrees as compare
     try:
@@ -288,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "device": args.device,
         "dtype": str(dtype).removeprefix("torch."),
-        "threads": args.threads,
+        "threads": args.threads if len(args.thread_counts) == 1 else args.thread_counts,
         "requests": args.requests,
         "output_tokens": work.num_output_tokens,
         **figures,
@@ -324,36 +335,74 @@ def compare_with_transformers(model_dir: Path, work: Workload, dtype: torch.dtyp
     }
 
 
-def compare_with_peer(model_dir: Path, work: Workload, dtype: torch.dtype, args) -> dict:
-    """vLLM and ours in turns, `--repeats` runs each, both loaded once; medians, and the
-    median of each turn's ratio (the machine's load moves both alike within a turn)."""
-    name = str(dtype).removeprefix("torch.")
-    peer = VllmPeer(model_dir, work, name, args.threads, args.batch_size)
+def compare_in_turns(model_dir: Path, work: Workload, dtype: torch.dtype, args) -> dict:
+    """Ours, and vLLM with `--peer`, at each of `--threads` in turns (vLLM then ours at each
+    count), `--repeats` turns, every engine loaded once; medians, and the median of each turn's
+    ratios (the machine's load moves the runs of one turn alike)."""
+    name, counts, log = str(dtype).removeprefix("torch."), args.thread_counts, sys.stderr
+    peers: dict[int, VllmPeer] = {}
+    runs: dict[int, list[TimedRun]] = {threads: [] for threads in counts}
     try:
+        for threads in counts if args.peer else ():
+            peers[threads] = VllmPeer(model_dir, work, name, threads, args.batch_size)
         llm = our_llm(model_dir, args.batch_size, "cpu", dtype)
-        turns = []
         for turn in range(args.repeats):
-            theirs, (ours_s, ours_cpu_s, _) = peer.run(), time_ours(llm, work)
-            assert theirs.output_tokens == work.num_output_tokens, theirs
-            turns.append((ours_s, ours_cpu_s, theirs.wall_s, theirs.cpu_s))
-            print(f"turn {turn}: ours {ours_s:.1f}s, vllm {theirs.wall_s:.1f}s", file=sys.stderr)
+            for threads in counts:
+                theirs = peers[threads].run() if peers else None
+                torch.set_num_threads(threads)
+                ours_s, ours_cpu_s, _ = time_ours(llm, work)
+                if theirs is not None:
+                    assert theirs.output_tokens == work.num_output_tokens, theirs
+                runs[threads].append(TimedRun(ours_s, ours_cpu_s, theirs))
+                vllm = f", vllm {theirs.wall_s:.1f}s" if theirs else ""
+                print(f"turn {turn}, {threads} thread(s): ours {ours_s:.1f}s{vllm}", file=log)
     finally:
-        peer.close()
-    return _peer_result(turns, work.num_output_tokens)
+        for peer in peers.values():
+            peer.close()
+    tokens = work.num_output_tokens
+    if len(counts) == 1:
+        return _turns_result(runs[counts[0]], tokens)
+    result = {}
+    for threads in counts:
+        figures = _turns_result(runs[threads], tokens)
+        result |= {f"{key}_{threads}t": value for key, value in figures.items()}
+    first, last = runs[counts[0]], runs[counts[-1]]
+    scalings = [a.ours_s / b.ours_s for a, b in zip(first, last, strict=True)]
+    result |= {"ours_scaling": statistics.median(scalings), "ours_scalings": _rounded(scalings)}
+    if peers:
+        scalings = [a.peer.wall_s / b.peer.wall_s for a, b in zip(first, last, strict=True)]
+        result |= {"vllm_scaling": statistics.median(scalings), "vllm_scalings": _rounded(scalings)}
+    return result
 
 
-def _peer_result(turns: list[tuple[float, float, float, float]], tokens: int) -> dict:
-    ours_s, ours_cpu_s, vllm_s, vllm_cpu_s = (
-        statistics.median(col) for col in zip(*turns, strict=True)
-    )
-    return {
+@dataclass(frozen=True, slots=True)
+class TimedRun:
+    """One pass of ours (wall and CPU seconds) and, with a peer, the peer's pass of that turn."""
+
+    ours_s: float
+    ours_cpu_s: float
+    peer: PeerRun | None
+
+
+def _turns_result(runs: list[TimedRun], tokens: int) -> dict:
+    ours_s = statistics.median(run.ours_s for run in runs)
+    result = {
         "ours_tok_s": tokens / ours_s,
-        "vllm_tok_s": tokens / vllm_s,
-        "ratio_vs_vllm": statistics.median(v / o for o, _, v, _ in turns),
-        "ratios_vs_vllm": [round(v / o, 3) for o, _, v, _ in turns],
-        "ours_tok_per_cpu_s": tokens / ours_cpu_s,
-        "vllm_tok_per_cpu_s": tokens / vllm_cpu_s,
+        "ours_tok_per_cpu_s": tokens / statistics.median(run.ours_cpu_s for run in runs),
     }
+    if runs[0].peer is None:
+        return result
+    ratios = [run.peer.wall_s / run.ours_s for run in runs]
+    return result | {
+        "vllm_tok_s": tokens / statistics.median(run.peer.wall_s for run in runs),
+        "ratio_vs_vllm": statistics.median(ratios),
+        "ratios_vs_vllm": _rounded(ratios),
+        "vllm_tok_per_cpu_s": tokens / statistics.median(run.peer.cpu_s for run in runs),
+    }
+
+
+def _rounded(values: list[float]) -> list[float]:
+    return [round(value, 3) for value in values]
 
 
 def _print(result: dict, as_json: bool) -> None:

@@ -25,3 +25,28 @@ def test_tp_needs_two_ranks_or_more_and_no_peer():
     for argv in (["--tp", "1"], ["--tp", "2", "--peer", "vllm"]):
         with pytest.raises(SystemExit):
             bench_engine.main(argv)
+
+
+@pytest.mark.timeout(120)
+def test_several_thread_counts_run_in_turns_and_print_the_scaling(tiny_model_dir, capsys):
+    work = bench_engine.make_workload(3, 200, seed=0, scale=0.1)
+    args = argparse.Namespace(thread_counts=[1, 2], peer=None, batch_size=4, repeats=2)
+    threads_before = torch.get_num_threads()
+    try:
+        figures = bench_engine.compare_in_turns(tiny_model_dir, work, torch.float32, args)
+    finally:
+        torch.set_num_threads(threads_before)
+    scalings = figures["ours_scalings"]  # a turn's 1-thread seconds over its 2-thread seconds
+    assert len(scalings) == 2 and figures["ours_scaling"] == pytest.approx(
+        sum(scalings) / 2, abs=1e-3
+    )
+    assert figures["ours_tok_s_1t"] > 0 and figures["ours_tok_s_2t"] > 0
+    assert "vllm_scaling" not in figures
+    err = capsys.readouterr().err
+    assert "turn 1, 2 thread(s): ours" in err and "turn 0, 1 thread(s): ours" in err
+
+
+def test_thread_counts_are_distinct_and_several_only_on_cpu_without_tp():
+    for argv in (["--threads", "1", "1"], ["--threads", "0"], ["--threads", "1", "2", "--tp", "2"]):
+        with pytest.raises(SystemExit):
+            bench_engine.main(argv)
