@@ -45,6 +45,9 @@ class Setup:
     output_lens: tuple[int, int]
 
 
+# How long a timed run of `compare_in_turns` waits at most for the CPUs to go idle.
+QUIET_TIMEOUT_S = 10.0
+
 SETUPS = {
     "cpu": Setup("bench-50m", SHAPES["bench"], torch.float32, 64, (32, 512), (16, 128)),
     "cuda": Setup("bench-0.9b", SHAPES["gpu"], torch.bfloat16, 256, (128, 1024), (128, 128)),
@@ -348,9 +351,9 @@ def compare_in_turns(model_dir: Path, work: Workload, dtype: torch.dtype, args) 
         llm = our_llm(model_dir, args.batch_size, "cpu", dtype)
         for turn in range(args.repeats):
             for threads in counts:
-                theirs = peers[threads].run() if peers else None
+                theirs = _after_quiet(peers[threads].run) if peers else None
                 torch.set_num_threads(threads)
-                ours_s, ours_cpu_s, _ = time_ours(llm, work)
+                ours_s, ours_cpu_s, _ = _after_quiet(time_ours, llm, work)
                 if theirs is not None:
                     assert theirs.output_tokens == work.num_output_tokens, theirs
                 runs[threads].append(TimedRun(ours_s, ours_cpu_s, theirs))
@@ -373,6 +376,37 @@ def compare_in_turns(model_dir: Path, work: Workload, dtype: torch.dtype, args) 
         scalings = [a.peer.wall_s / b.peer.wall_s for a, b in zip(first, last, strict=True)]
         result |= {"vllm_scaling": statistics.median(scalings), "vllm_scalings": _rounded(scalings)}
     return result
+
+
+def _after_quiet(run, *args, timeout_s: float = QUIET_TIMEOUT_S):
+    """`run(*args)` once the machine's CPUs have been idle (under 10 % busy) for a 0.2 s window,
+    or after `timeout_s`: vLLM's processes keep a core busy for ~1 s after each of its runs,
+    which would otherwise be charged to the run after it."""
+    deadline = time.monotonic() + timeout_s
+    while _busy_fraction(0.2) > 0.1:
+        if time.monotonic() > deadline:
+            print(f"the CPUs are still busy after {timeout_s:g} s: timing anyway", file=sys.stderr)
+            break
+    return run(*args)
+
+
+def _busy_fraction(window_s: float) -> float:
+    """The share of all CPUs' time spent busy over the next `window_s` (0 where /proc/stat is
+    not there to tell)."""
+
+    def sample() -> tuple[int, int]:
+        try:
+            with open("/proc/stat") as stat:
+                fields = [int(field) for field in stat.readline().split()[1:]]
+        except (OSError, ValueError):
+            return 0, 0
+        idle = fields[3] + fields[4]  # idle and iowait
+        return sum(fields) - idle, sum(fields)
+
+    busy_before, total_before = sample()
+    time.sleep(window_s)
+    busy, total = sample()
+    return (busy - busy_before) / (total - total_before) if total > total_before else 0.0
 
 
 @dataclass(frozen=True, slots=True)

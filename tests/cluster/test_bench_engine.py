@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -50,3 +53,16 @@ def test_thread_counts_are_distinct_and_several_only_on_cpu_without_tp():
     for argv in (["--threads", "1", "1"], ["--threads", "0"], ["--threads", "1", "2", "--tp", "2"]):
         with pytest.raises(SystemExit):
             bench_engine.main(argv)
+
+
+@pytest.mark.timeout(60)
+def test_a_timed_run_waits_for_the_cpus_to_go_idle():
+    spinner = "import time\nt = time.monotonic()\nwhile time.monotonic() - t < 1.0: pass"
+    busy = subprocess.Popen([sys.executable, "-c", spinner])
+    try:
+        started = time.monotonic()
+        ran_at = bench_engine._after_quiet(time.monotonic, timeout_s=20)
+        assert ran_at - started >= 0.5  # not while the spinner held a core
+    finally:
+        busy.wait()
+    assert 0.0 <= bench_engine._busy_fraction(0.05) <= 1.0
