@@ -11,6 +11,35 @@ namespace {
 
 using namespace halfmoon;
 
+// sum = a + b, rounded to T as torch's add rounds.
+template <typename T>
+void add_rows(const T* a, const T* b, int64_t dim, T* sum) {
+  int64_t done = 0;
+#if defined(HALFMOON_VECTOR_BF16)
+  for (; done + kLanes <= dim; done += kLanes)
+    store16(sum + done, _mm512_add_ps(load16(a + done), load16(b + done)));
+#endif
+#pragma omp simd
+  for (int64_t i = done; i < dim; ++i) store(sum, i, load(a, i) + load(b, i));
+}
+
+template <typename T>
+float sum_of_squares(const T* row, int64_t dim) {
+  float squares = 0.0f;
+  int64_t done = 0;
+#if defined(HALFMOON_VECTOR_BF16)
+  __m512 partial = _mm512_setzero_ps();
+  for (; done + kLanes <= dim; done += kLanes) {
+    const __m512 value = load16(row + done);
+    partial = _mm512_fmadd_ps(value, value, partial);
+  }
+  squares = _mm512_reduce_add_ps(partial);
+#endif
+#pragma omp simd reduction(+ : squares)
+  for (int64_t i = done; i < dim; ++i) squares += load(row, i) * load(row, i);
+  return squares;
+}
+
 // out = weight * (x' * rsqrt(mean(x'^2) + eps)), x' = x + residual (when given; written to
 // residual_out). Rows of `dim` elements, contiguous.
 template <typename T>
@@ -19,25 +48,21 @@ void rms_norm(const T* x, const T* residual, const T* weight, float eps, int64_t
 #pragma omp parallel for num_threads(num_threads)
   for (int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * dim;
-    float squares = 0.0f;
     if (residual != nullptr) {
-      const T* rr = residual + r * dim;
-      T* sum_row = residual_out + r * dim;
-#pragma omp simd reduction(+ : squares)
-      for (int64_t i = 0; i < dim; ++i) {
-        const float value = round_as(xr, load(xr, i) + load(rr, i));
-        store(sum_row, i, value);
-        squares += value * value;
-      }
-      xr = sum_row;
-    } else {
-#pragma omp simd reduction(+ : squares)
-      for (int64_t i = 0; i < dim; ++i) squares += load(xr, i) * load(xr, i);
+      add_rows(xr, residual + r * dim, dim, residual_out + r * dim);
+      xr = residual_out + r * dim;
     }
-    const float inverse = 1.0f / std::sqrt(squares / dim + eps);
+    const float inverse = 1.0f / std::sqrt(sum_of_squares(xr, dim) / dim + eps);
     T* out_row = out + r * dim;
+    int64_t done = 0;
+#if defined(HALFMOON_VECTOR_BF16)
+    const __m512 scale = _mm512_set1_ps(inverse);
+    for (; done + kLanes <= dim; done += kLanes)  // the loop below, 16 lanes at a time
+      store16(out_row + done, _mm512_mul_ps(load16(weight + done),
+                                            round16(xr, _mm512_mul_ps(load16(xr + done), scale))));
+#endif
 #pragma omp simd
-    for (int64_t i = 0; i < dim; ++i)
+    for (int64_t i = done; i < dim; ++i)
       store(out_row, i, load(weight, i) * round_as(xr, load(xr, i) * inverse));
   }
 }
@@ -54,8 +79,18 @@ void rotate(T* x, int64_t token_stride, int64_t heads, int64_t dim, const int64_
     const float* sin = cos + half;
     for (int64_t h = 0; h < heads; ++h) {
       T* row = x + n * token_stride + h * dim;
+      int64_t done = 0;
+#if defined(HALFMOON_VECTOR_BF16)
+      for (; done + kLanes <= half; done += kLanes) {  // the loop below, 16 lanes at a time
+        const __m512 first = load16(row + done), second = load16(row + done + half);
+        const __m512 c = _mm512_loadu_ps(cos + done), s = _mm512_loadu_ps(sin + done);
+        store16(row + done, _mm512_sub_ps(_mm512_mul_ps(first, c), _mm512_mul_ps(second, s)));
+        store16(row + done + half,
+                _mm512_add_ps(_mm512_mul_ps(second, c), _mm512_mul_ps(first, s)));
+      }
+#endif
 #pragma omp simd
-      for (int64_t i = 0; i < half; ++i) {
+      for (int64_t i = done; i < half; ++i) {
         const float first = load(row, i), second = load(row, i + half);
         store(row, i, first * cos[i] - second * sin[i]);
         store(row, i + half, second * cos[i] + first * sin[i]);

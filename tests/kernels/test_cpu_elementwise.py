@@ -20,10 +20,11 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("with_residual", (False, True))
-def test_rms_norm_matches_the_reference(assert_close, dtype, with_residual):
+@pytest.mark.parametrize("dim", (320, 100))  # 100: 16-lane groups and a tail of 4
+def test_rms_norm_matches_the_reference(assert_close, dtype, with_residual, dim):
     torch.manual_seed(0)
-    x, weight = torch.randn(37, 320).to(dtype), torch.randn(320).to(dtype)
-    residual = torch.randn(37, 320).to(dtype) if with_residual else None
+    x, weight = torch.randn(37, dim).to(dtype), torch.randn(dim).to(dtype)
+    residual = torch.randn(37, dim).to(dtype) if with_residual else None
     normed, summed = cpu_elementwise.rms_norm(x, weight, 1e-6, residual)
     expected_normed, expected_summed = reference.rms_norm(x, weight, 1e-6, residual)
     assert_close(normed, expected_normed)
@@ -31,9 +32,10 @@ def test_rms_norm_matches_the_reference(assert_close, dtype, with_residual):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_rotary_rotates_strided_query_and_key_views_in_place(assert_close, dtype):
+@pytest.mark.parametrize("dim", (64, 40))  # 40: a 16-lane group and a tail of 4 per half
+def test_rotary_rotates_strided_query_and_key_views_in_place(assert_close, dtype, dim):
     torch.manual_seed(0)
-    heads, kv_heads, dim = 8, 2, 64
+    heads, kv_heads = 8, 2
     qkv = torch.randn(21, (heads + 2 * kv_heads) * dim).to(dtype)
     positions = torch.randint(0, 4096, (21,))
     table = cos_sin_cache(dim, 10000.0, None, 4096)
