@@ -340,8 +340,8 @@ def compare_with_transformers(model_dir: Path, work: Workload, dtype: torch.dtyp
 
 def compare_in_turns(model_dir: Path, work: Workload, dtype: torch.dtype, args) -> dict:
     """Ours, and vLLM with `--peer`, at each of `--threads` in turns (vLLM then ours at each
-    count), `--repeats` turns, every engine loaded once; medians, and the median of each turn's
-    ratios (the machine's load moves the runs of one turn alike)."""
+    count), `--repeats` turns after an untimed one, every engine loaded once; medians, and the
+    median of each turn's ratios (the machine's load moves the runs of one turn alike)."""
     name, counts, log = str(dtype).removeprefix("torch."), args.thread_counts, sys.stderr
     peers: dict[int, VllmPeer] = {}
     runs: dict[int, list[TimedRun]] = {threads: [] for threads in counts}
@@ -349,6 +349,11 @@ def compare_in_turns(model_dir: Path, work: Workload, dtype: torch.dtype, args) 
         for threads in counts if args.peer else ():
             peers[threads] = VllmPeer(model_dir, work, name, threads, args.batch_size)
         llm = our_llm(model_dir, args.batch_size, "cpu", dtype)
+        for threads in counts:  # an untimed pass each at every count: warm at every count
+            torch.set_num_threads(threads)
+            time_ours(llm, work)
+            if peers:
+                peers[threads].run()
         for turn in range(args.repeats):
             for threads in counts:
                 theirs = _after_quiet(peers[threads].run) if peers else None
