@@ -23,20 +23,13 @@
 // query and out are [tokens, q_heads, head_dim], contiguous; cu_seqlens [runs + 1], block
 // tables [runs, table_width] and prefix_lens [runs], int32.
 
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #include <cstdlib>
 #include <memory>
 #include <vector>
 
+#include "cpu_amx.h"
 #include "cpu_common.h"
 #include "cpu_vector.h"
-
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(HALFMOON_VECTOR_BF16)
-#define HALFMOON_AMX 1
-#endif
 
 namespace {
 
@@ -48,23 +41,6 @@ constexpr int64_t kSteps = kDim / 32;     // K-dimension tiles of a Q row (32 bf
 constexpr int64_t kCols = kDim / 16;      // output tiles of 16 fp32 columns
 constexpr int64_t kTileWords = 16 * 16;   // a packed tile: 16 rows of 16 bf16 pairs
 constexpr int64_t kBlockWords = 2 * kSteps * kTileWords;  // K of 32 tokens (= V's, kCols * 256)
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Linux hands a process AMX's tile state only when asked (arch_prctl, ARCH_REQ_XCOMP_PERM).
-bool amx_permitted() {
-  static const bool permitted = [] {
-    constexpr int kReqXcompPerm = 0x1023, kXtileData = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
-  }();
-  return permitted;
-}
 
 struct Shape {
   int64_t q_heads, kv_heads, block_size, table_width;
@@ -289,11 +265,7 @@ void prefill(const uint16_t* query, const uint16_t* k_cache, const uint16_t* v_c
   const int64_t group = s.q_heads / s.kv_heads;
 #pragma omp parallel num_threads(num_threads)
   {
-    alignas(64) uint8_t saved[64];
-    _tile_storeconfig(saved);  // the thread's own (oneDNN's, or none), put back at the end
-    TileConfig config;
-    for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = 16;
-    _tile_loadconfig(&config);
+    const ThreadTiles tiles;
 #pragma omp for schedule(dynamic, 1)
     for (size_t i = 0; i < tasks.size(); ++i) {
       const int64_t index = tasks[i] / s.kv_heads, head = tasks[i] % s.kv_heads;
@@ -309,11 +281,6 @@ void prefill(const uint16_t* query, const uint16_t* k_cache, const uint16_t* v_c
         }
       }
     }
-    if (saved[0] == 0) {
-      _tile_release();
-    } else {
-      _tile_loadconfig(saved);
-    }
   }
 }
 #endif
@@ -323,13 +290,7 @@ void prefill(const uint16_t* query, const uint16_t* k_cache, const uint16_t* v_c
 extern "C" {
 
 // 1 when this build can serve (AMX compiled in and granted by the kernel), else 0.
-int amx_ready() {
-#if defined(HALFMOON_AMX)
-  return amx_permitted() ? 1 : 0;
-#else
-  return 0;
-#endif
-}
+int amx_ready() { return halfmoon::amx_usable(); }
 
 // 0 when done; 1 when this build or shape is not served (nothing written).
 int prefill_attention_bf16(const void* query, const void* k_cache, const void* v_cache,

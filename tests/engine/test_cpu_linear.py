@@ -1,5 +1,5 @@
-"""bf16 and fp32 linear layers on CPU run over oneDNN-prepacked weights and give F.linear's
-output."""
+"""bf16 and fp32 linear layers on CPU run over oneDNN-prepacked weights (fp32's few rows over
+the plain weight, bf16's decode rows on AMX tiles) and give F.linear's output."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from halfmoon.engine.cpu_linear import PLAIN_ROWS, PackedLinear, pack_linears
+from halfmoon.engine.cpu_linear import PLAIN_ROWS, TILE_ROWS, PackedLinear, pack_linears
+from halfmoon.kernels import cpu_gemm
 
 pytestmark = pytest.mark.skipif(
     not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN"
@@ -40,7 +41,7 @@ def test_pack_linears_swaps_bf16_and_fp32_linears_and_skips_the_tied_head():
     assert kinds == [PackedLinear, PackedLinear, nn.Linear, nn.Linear]
 
 
-def test_fp32_takes_its_plain_weight_up_to_three_rows_and_bf16_holds_one_copy():
+def test_fp32_takes_its_plain_weight_up_to_three_rows():
     torch.manual_seed(0)
     linear = nn.Linear(96, 80, bias=True)
     packed = PackedLinear(linear)
@@ -48,5 +49,24 @@ def test_fp32_takes_its_plain_weight_up_to_three_rows_and_bf16_holds_one_copy():
         for rows in (1, 2, PLAIN_ROWS):
             x = torch.randn(rows, 96)
             assert torch.equal(packed(x), F.linear(x, linear.weight, linear.bias))  # MKL's bits
-    assert packed.plain is not None
+    assert packed.plain is not None and packed.tiles is None
     assert PackedLinear(nn.Linear(96, 80, dtype=torch.bfloat16)).plain is None
+
+
+@pytest.mark.skipif(not cpu_gemm.available(), reason="no AMX: bf16 takes oneDNN at every row count")
+def test_bf16_takes_amx_tiles_up_to_tile_rows_and_onednn_beyond(monkeypatch):
+    torch.manual_seed(0)
+    linear = nn.Linear(512, 1024, bias=False, dtype=torch.bfloat16)
+    packed = PackedLinear(linear)
+    served = []
+    tiled = cpu_gemm.linear
+    monkeypatch.setattr(
+        cpu_gemm, "linear", lambda x, tiles: served.append(len(x)) or tiled(x, tiles)
+    )
+    with torch.inference_mode():
+        for rows in (1, 48, TILE_ROWS, TILE_ROWS + 1):
+            x = torch.randn(3, rows, 512, dtype=torch.bfloat16)[1]  # a view, as the model's
+            torch.testing.assert_close(packed(x), F.linear(x, linear.weight), atol=1e-2, rtol=1e-2)
+    assert served == [1, 48, TILE_ROWS]
+    with_bias = PackedLinear(nn.Linear(512, 1024, bias=True, dtype=torch.bfloat16))
+    assert packed.tiles is not None and with_bias.tiles is None  # a bias: oneDNN adds it

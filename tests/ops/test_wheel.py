@@ -26,7 +26,10 @@ PACKAGE_DATA = [
     "cluster/bench/router_report_template.md",
     "kernels/cpu_attention.cpp",
     "kernels/cpu_elementwise.cpp",
+    "kernels/cpu_prefill.cpp",
+    "kernels/cpu_gemm.cpp",
     "kernels/cpu_common.h",
+    "kernels/cpu_amx.h",
 ]
 
 
