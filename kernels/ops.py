@@ -1,4 +1,5 @@
-"""The one dispatch point: every kernel the engine calls goes through here.
+"""The one dispatch point of the attention and per-token kernels (the linear layers' GEMMs
+are `engine/cpu_linear.py`'s choice: oneDNN, MKL, or `cpu_gemm` on AMX tiles).
 
 CUDA tensors run the Triton kernels; CPU tensors the compiled C++ kernels of `cpu_attention`
 (decode attention), `cpu_prefill` (bf16 prefill attention on AMX) and `cpu_elementwise`
