@@ -26,7 +26,7 @@ def available() -> bool:
 def rms_norm(x, weight, eps: float, residual=None):
     """`reference.rms_norm`: RMSNorm of `x + residual`; returns (normed, the new residual)."""
     tensors = (x, weight) if residual is None else (x, weight, residual)
-    if not _dense(*tensors) or x.shape[-1] != weight.numel() or _mixed(*tensors):
+    if not _dense(*tensors) or x.shape[-1] != weight.numel():
         return reference.rms_norm(x, weight, eps, residual)
     out = torch.empty_like(x)
     summed = None if residual is None else torch.empty_like(x)
@@ -81,7 +81,14 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
 
 
 def _dense(*tensors: torch.Tensor) -> bool:
-    return all(t.device.type == "cpu" and t.dtype in DTYPES and t.is_contiguous() for t in tensors)
+    """CPU tensors of one dtype the kernels know, each contiguous."""
+    dtype = tensors[0].dtype
+    if dtype not in DTYPES:
+        return False
+    for t in tensors:
+        if t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous():
+            return False
+    return True
 
 
 def _mixed(*tensors: torch.Tensor) -> bool:

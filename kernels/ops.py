@@ -45,31 +45,30 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
 
 
 def paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale):
-    backend = backend_for(query)
-    if backend is reference and _native_cpu() and cpu_attention.supports(query, k_cache, v_cache):
+    if _native_cpu(query) and cpu_attention.supports(query, k_cache, v_cache):
         backend = cpu_attention
+    else:
+        backend = backend_for(query)
     return backend.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale)
 
 
 def _per_token(tensor: torch.Tensor) -> ModuleType:
     """Where RMSNorm, rotary, SwiGLU and the KV write run: Triton on CUDA, the compiled
     `cpu_elementwise` on CPU (when it builds), the torch references when forced or else."""
-    backend = backend_for(tensor)
-    if backend is reference and _native_cpu() and cpu_elementwise.available():
+    if _native_cpu(tensor) and cpu_elementwise.available():
         return cpu_elementwise
-    return backend
+    return backend_for(tensor)
 
 
-def _native_cpu() -> bool:
-    """Whether CPU tensors may take the compiled C++ kernels: unless `HALFMOON_KERNELS=torch`
-    asks for the references alone."""
-    return os.environ.get(BACKEND_ENV, "auto") == "auto"
+def _native_cpu(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` may take the compiled C++ kernels: a CPU tensor, unless
+    `HALFMOON_KERNELS` asks for the references alone (or names another backend). Checked on
+    every call, before `backend_for`, being the engine's common case on CPU."""
+    return tensor.device.type == "cpu" and os.environ.get(BACKEND_ENV, "auto") == "auto"
 
 
 def prefill_attention(query, k_cache, v_cache, cu_seqlens_q, block_tables, prefix_lens, scale):
-    backend = backend_for(query)
-    if backend is reference and native_prefill(query, k_cache, v_cache):
-        backend = cpu_prefill
+    backend = cpu_prefill if native_prefill(query, k_cache, v_cache) else backend_for(query)
     return backend.prefill_attention(
         query, k_cache, v_cache, cu_seqlens_q, block_tables, prefix_lens, scale
     )
@@ -78,7 +77,7 @@ def prefill_attention(query, k_cache, v_cache, cu_seqlens_q, block_tables, prefi
 def native_prefill(query, k_cache, v_cache) -> bool:
     """Whether `cpu_prefill` serves these tensors; then runs without a cached prefix read the
     pages too rather than take `causal_attention`."""
-    return _native_cpu() and cpu_prefill.supports(query, k_cache, v_cache)
+    return _native_cpu(query) and cpu_prefill.supports(query, k_cache, v_cache)
 
 
 def dense_prefill() -> bool:
