@@ -15,6 +15,7 @@ BENCHMARKS = {
     "engine": "halfmoon.cluster.bench.engine",
     "step": "halfmoon.cluster.bench.step",
     "kernels": "halfmoon.cluster.bench.kernels",
+    "cpu-linear": "halfmoon.cluster.bench.cpu_linear",
     "kvstore": "halfmoon.cluster.bench.kvstore",
     "rdt": "halfmoon.cluster.bench.rdt",
     "router": "halfmoon.cluster.bench.router",

@@ -1,0 +1,29 @@
+"""`halfmoon bench cpu-linear`: the engine's bf16 GEMMs against oneDNN's alone, side by side."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from halfmoon.cluster.bench import cpu_linear as bench
+from halfmoon.engine import cpu_linear
+from halfmoon.kernels import cpu_gemm
+
+
+def test_each_setting_times_both_paths_and_prints_the_ratio(capsys):
+    threads, tile_rows = torch.get_num_threads(), cpu_linear.TILE_ROWS
+    argv = ["--rows", "1", "17", "--threads", "1", "--layers", "1", "--repeats", "1", "--json"]
+    assert bench.main(argv) == 0
+    report = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert report["amx_tiles"] == cpu_gemm.available()
+    assert [(r["threads"], r["rows"]) for r in report["results"]] == [(1, 1), (1, 17)]
+    for r in report["results"]:
+        assert r["ratio"] == pytest.approx(r["onednn_ms"] / r["ours_ms"])
+    assert (torch.get_num_threads(), cpu_linear.TILE_ROWS) == (threads, tile_rows)  # put back
+
+
+def test_counts_below_one_are_refused():
+    with pytest.raises(SystemExit):
+        bench.main(["--rows", "0"])
