@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from halfmoon.cluster.bench import engine as bench_engine
+from halfmoon.cluster.bench import engine_turns
 from halfmoon.cluster.bench.engine_degrees import compare_degrees
 
 
@@ -36,7 +37,7 @@ def test_several_thread_counts_run_in_turns_and_print_the_scaling(tiny_model_dir
     args = argparse.Namespace(thread_counts=[1, 2], peer=None, batch_size=4, repeats=2)
     threads_before = torch.get_num_threads()
     try:
-        figures = bench_engine.compare_in_turns(tiny_model_dir, work, torch.float32, args)
+        figures = engine_turns.compare_in_turns(tiny_model_dir, work, torch.float32, args)
     finally:
         torch.set_num_threads(threads_before)
     scalings = figures["ours_scalings"]  # a turn's 1-thread seconds over its 2-thread seconds
@@ -61,8 +62,8 @@ def test_a_timed_run_waits_for_the_cpus_to_go_idle():
     busy = subprocess.Popen([sys.executable, "-c", spinner])
     try:
         started = time.monotonic()
-        ran_at = bench_engine._after_quiet(time.monotonic, timeout_s=20)
+        ran_at = engine_turns._after_quiet(time.monotonic, timeout_s=20)
         assert ran_at - started >= 0.5  # not while the spinner held a core
     finally:
         busy.wait()
-    assert 0.0 <= bench_engine._busy_fraction(0.05) <= 1.0
+    assert 0.0 <= engine_turns._busy_fraction(0.05) <= 1.0
