@@ -265,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--threads {args.threads}: give distinct counts of 1 or more")
     if len(args.thread_counts) > 1 and (args.tp or args.device != "cpu"):
         parser.error("several --threads counts: on --device cpu, without --tp")
+    if args.repeats < 1:
+        parser.error(f"--repeats {args.repeats}: give 1 or more")
     args.threads = args.thread_counts[0]
     setup = SETUPS[args.device]
     dtype = getattr(torch, args.dtype) if args.dtype else setup.dtype

@@ -74,6 +74,8 @@ class Cluster:
         `http_port`, None when the HTTP API is off)."""
         model = str(resolve_model(self.config.model))  # a missing model fails before Ray starts
         self._init_ray()
+        replicas = sum(pool.replicas for pool in self.pools.values())
+        log.info("Ray is up; starting %d worker(s) and the router", replicas)
         self.engine_config = self.config.engine.engine_config(model)
         for kind, pool in self.pools.items():
             for _ in range(pool.replicas):

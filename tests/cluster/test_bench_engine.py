@@ -50,8 +50,9 @@ def test_several_thread_counts_run_in_turns_and_print_the_scaling(tiny_model_dir
     assert "turn 1, 2 thread(s): ours" in err and "turn 0, 1 thread(s): ours" in err
 
 
-def test_thread_counts_are_distinct_and_several_only_on_cpu_without_tp():
-    for argv in (["--threads", "1", "1"], ["--threads", "0"], ["--threads", "1", "2", "--tp", "2"]):
+def test_thread_counts_are_distinct_and_several_only_on_cpu_without_tp_and_repeats_one_or_more():
+    bad = (["--threads", "1", "1"], ["--threads", "0"], ["--threads", "1", "2", "--tp", "2"])
+    for argv in (*bad, ["--threads", "1", "2", "--repeats", "0"]):
         with pytest.raises(SystemExit):
             bench_engine.main(argv)
 
