@@ -43,7 +43,7 @@ def rotary_embedding(positions, query, key, cos_sin_cache) -> None:
     positions = positions.to(torch.int64).contiguous()
     head_dim = query.shape[-1]
     dense = _heads_dense(query) and _heads_dense(key) and _fits_cache(cos_sin_cache, head_dim)
-    if _mixed(query, key) or not dense:
+    if not (dense and _one_dtype(query, key)):
         reference.rotary_embedding(positions, query, key, cos_sin_cache)
         return
     for x in (query, key):
@@ -69,7 +69,7 @@ def silu_and_mul(x):
 def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
     """`reference.store_kv`: row `key[i]`, `value[i]` to slot `slot_mapping[i]`; -1 skips."""
     dense = _heads_dense(key) and _heads_dense(value) and _dense(k_cache, v_cache)
-    if _mixed(key, value, k_cache, v_cache) or not dense:
+    if not (dense and _one_dtype(key, value, k_cache, v_cache)):
         reference.store_kv(key, value, k_cache, v_cache, slot_mapping)
         return
     slots = slot_mapping.to(torch.int64).contiguous()
@@ -80,29 +80,26 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
     )  # fmt: skip
 
 
-def _dense(*tensors: torch.Tensor) -> bool:
-    """CPU tensors of one dtype the kernels know, each contiguous."""
+def _one_dtype(*tensors: torch.Tensor) -> bool:
+    """All of `tensors` in one dtype the kernels know."""
     dtype = tensors[0].dtype
     if dtype not in DTYPES:
         return False
+    return all(t.dtype == dtype for t in tensors)
+
+
+def _dense(*tensors: torch.Tensor) -> bool:
+    """CPU tensors of one dtype the kernels know, each contiguous."""
     for t in tensors:
-        if t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous():
+        if t.device.type != "cpu" or not t.is_contiguous():
             return False
-    return True
-
-
-def _mixed(*tensors: torch.Tensor) -> bool:
-    return len({t.dtype for t in tensors}) > 1
+    return _one_dtype(*tensors)
 
 
 def _heads_dense(x: torch.Tensor) -> bool:
-    """[N, heads, D] with each token's heads one dense row (tokens may be any stride apart)."""
+    """CPU [N, heads, D] with each token's heads one dense row (tokens any stride apart)."""
     return (
-        x.device.type == "cpu"
-        and x.dtype in DTYPES
-        and x.dim() == 3
-        and x.stride(2) == 1
-        and x.stride(1) == x.shape[2]
+        x.device.type == "cpu" and x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
     )
 
 

@@ -54,6 +54,19 @@ def _wait_for_line(process: subprocess.Popen, needle: str, timeout_s: float = 12
     raise AssertionError(f"no {needle!r} from halfmoon serve in {timeout_s}s")
 
 
+def _output_or_stacks(process: subprocess.Popen, timeout_s: float) -> str:
+    """What `process` printed until it exited; past `timeout_s`, fail with its threads' stacks
+    (SIGABRT makes `-X faulthandler` print them)."""
+    try:
+        return process.communicate(timeout=timeout_s)[0]
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGABRT)
+        out = process.communicate(timeout=30)[0]
+        raise AssertionError(
+            f"no exit {timeout_s}s after SIGINT; its stacks:\n{out[-6000:]}"
+        ) from None
+
+
 # SIGTERM (a drain, then the same clean exit) is test_cluster_drain.py's; it checks the
 # processes too.
 @pytest.mark.parametrize("signum", [signal.SIGINT])
@@ -128,8 +141,9 @@ def test_ctrl_c_while_starting_stops_what_started_and_exits_130(tiny_model_dir, 
     cache = cache_with_built_kernels(tmp_path / "cache")
     env = {**os.environ, "RAY_ADDRESS": "local", "HALFMOON_CACHE": str(cache)}
     serve = subprocess.Popen(
-        [sys.executable, "-m", "halfmoon.cluster.cli", "serve", "--model", str(tiny_model_dir),
-         "--port", "0", "--metrics-port", "0", "--http-port", "off"],
+        [sys.executable, "-X", "faulthandler", "-m", "halfmoon.cluster.cli", "serve",
+         "--model", str(tiny_model_dir), "--port", "0", "--metrics-port", "0",
+         "--http-port", "off"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )  # fmt: skip
     try:
@@ -141,7 +155,7 @@ def test_ctrl_c_while_starting_stops_what_started_and_exits_130(tiny_model_dir, 
         time.sleep(0.5)
         started = _descendants(serve.pid)
         serve.send_signal(signal.SIGINT)
-        rest, _ = serve.communicate(timeout=120)
+        rest = _output_or_stacks(serve, timeout_s=120)
     finally:
         if serve.poll() is None:
             serve.kill()
