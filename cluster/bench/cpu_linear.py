@@ -1,6 +1,8 @@
 """`halfmoon bench cpu-linear`: the linear layers' GEMMs of the CPU benchmark model as the
-engine runs them (`engine/cpu_linear.py`: bf16 decode rows on AMX tiles where the CPU has them)
-against oneDNN's prepacked GEMM alone, the path before, at each row count and thread count."""
+engine runs them (`engine/cpu_linear.py`: decode rows through `kernels/cpu_gemm.py`, bf16 on AMX
+tiles, fp32 on AVX-512, where the CPU has them) against the path before, at each row count and
+thread count: oneDNN's prepacked GEMM, and for fp32 at up to `PLAIN_ROWS` rows MKL over the
+plain weight."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import statistics
 import time
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from halfmoon.cluster.bench.options import bench_parser
@@ -16,9 +19,10 @@ from halfmoon.engine import cpu_linear
 from halfmoon.engine.init_model import SHAPES
 
 
-def layer_weights(shape, layers: int, dtype: torch.dtype) -> list[list[cpu_linear.PackedLinear]]:
-    """Each layer's four GEMMs (qkv, o, gate_up, down) of `shape`, random, packed as the engine
-    packs them; `layers` distinct copies, so that the weights come from memory as in a step."""
+def layer_weights(shape, layers: int, dtype: torch.dtype) -> list[list[nn.Linear]]:
+    """Each layer's four GEMMs (qkv, o, gate_up, down) of `shape`, random, as `nn.Linear`s
+    (each with `.packed`, its `PackedLinear`); `layers` distinct copies, so that the weights
+    come from memory as in a step."""
     head_dim = shape.hidden_size // shape.num_attention_heads
     qkv = (shape.num_attention_heads + 2 * shape.num_key_value_heads) * head_dim
     sizes = [
@@ -27,25 +31,33 @@ def layer_weights(shape, layers: int, dtype: torch.dtype) -> list[list[cpu_linea
         (shape.hidden_size, 2 * shape.intermediate_size),
         (shape.intermediate_size, shape.hidden_size),
     ]
-    return [
-        [cpu_linear.PackedLinear(nn.Linear(i, o, bias=False, dtype=dtype)) for i, o in sizes]
-        for _ in range(layers)
-    ]
+    result = []
+    for _ in range(layers):
+        linears = [nn.Linear(i, o, bias=False, dtype=dtype) for i, o in sizes]
+        for linear in linears:
+            linear.packed = cpu_linear.PackedLinear(linear)
+        result.append(linears)
+    return result
 
 
-def time_layers(layers, rows: int, tile_rows: int, repeats: int) -> float:
-    """Median ms of one pass over every layer's GEMMs at `rows` rows, with the engine's
-    `TILE_ROWS` set to `tile_rows` (0: oneDNN at every row count)."""
-    inputs = [torch.randn(rows, gemm.weight.shape[1], dtype=torch.bfloat16) for gemm in layers[0]]
+def time_layers(layers, rows: int, ours: bool, repeats: int) -> float:
+    """Median ms of one pass over every layer's GEMMs at `rows` rows: the engine's path (`ours`)
+    or the one before (`TILE_ROWS` 0: oneDNN; fp32 at up to `PLAIN_ROWS` rows, MKL)."""
+    dtype = layers[0][0].weight.dtype
+    inputs = [torch.randn(rows, linear.in_features, dtype=dtype) for linear in layers[0]]
+    plain = not ours and dtype == torch.float32 and rows <= cpu_linear.PLAIN_ROWS
     before = cpu_linear.TILE_ROWS
-    cpu_linear.TILE_ROWS = tile_rows
+    cpu_linear.TILE_ROWS = before if ours else 0
     try:
         passes = []
         for attempt in range(repeats + 2):  # two untimed
             started = time.perf_counter()
             for layer in layers:
-                for gemm, x in zip(layer, inputs, strict=True):
-                    gemm(x)
+                for linear, x in zip(layer, inputs, strict=True):
+                    if plain:
+                        F.linear(x, linear.weight)
+                    else:
+                        linear.packed(x)
             if attempt >= 2:
                 passes.append((time.perf_counter() - started) * 1e3)
         return statistics.median(passes)
@@ -56,10 +68,11 @@ def time_layers(layers, rows: int, tile_rows: int, repeats: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = bench_parser(
         "cpu-linear",
-        description="The bf16 GEMMs of the ~50M CPU benchmark model's layers, at decode's row "
-        "counts: the engine's path (AMX tiles up to TILE_ROWS rows, where the CPU has them) "
-        "against oneDNN's prepacked GEMM alone, one after the other at each setting; prints each "
-        "one's median ms a pass over all layers and oneDNN / ours.",
+        description="The GEMMs of the ~50M CPU benchmark model's layers, at decode's row "
+        "counts: the engine's path (up to TILE_ROWS rows, kernels/cpu_gemm.py: bf16 on AMX "
+        "tiles, fp32 on AVX-512, where the CPU has them) against the path before (oneDNN's "
+        "prepacked GEMM; fp32 at 1-3 rows, MKL over the plain weight), one after the other at "
+        "each setting; prints each one's median ms a pass over all layers and before / ours.",
     )
     parser.add_argument(
         "--rows", type=int, nargs="+", default=[1, 16, 32, 64, 128],
@@ -71,32 +84,36 @@ def main(argv: list[str] | None = None) -> int:
         help="layers of distinct weights (the model's, %(default)s)",
     )  # fmt: skip
     parser.add_argument("--repeats", type=int, default=7, help="timed passes each (median)")
+    parser.add_argument(
+        "--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="(%(default)s)"
+    )
     args = parser.parse_args(argv)
     if min(args.rows) < 1 or min(args.threads) < 1 or args.layers < 1 or args.repeats < 1:
         parser.error("--rows, --threads, --layers and --repeats take counts of 1 or more")
-    layers = layer_weights(SHAPES["bench"], args.layers, torch.bfloat16)
-    tiled = layers[0][0].tiles is not None
+    layers = layer_weights(SHAPES["bench"], args.layers, getattr(torch, args.dtype))
+    tiled = layers[0][0].packed.tiles is not None
     if not tiled:
-        print("no AMX here (or no C++ compiler): both sides are oneDNN", flush=True)
+        print(f"no cpu_gemm kernel for {args.dtype} here: both sides take the path before")
     threads_before, results = torch.get_num_threads(), []
     try:
         with torch.inference_mode():
             for threads in args.threads:
                 torch.set_num_threads(threads)
                 for rows in args.rows:
-                    ours = time_layers(layers, rows, cpu_linear.TILE_ROWS, args.repeats)
-                    onednn = time_layers(layers, rows, 0, args.repeats)
+                    ours = time_layers(layers, rows, True, args.repeats)
+                    before = time_layers(layers, rows, False, args.repeats)
                     results.append(
                         {"threads": threads, "rows": rows, "ours_ms": ours,
-                         "onednn_ms": onednn, "ratio": onednn / ours}
+                         "before_ms": before, "ratio": before / ours}
                     )  # fmt: skip
     finally:
         torch.set_num_threads(threads_before)
     if args.json:
-        print(json.dumps({"amx_tiles": tiled, "layers": args.layers, "results": results}))
+        report = {"dtype": args.dtype, "tiled": tiled, "layers": args.layers}
+        print(json.dumps(report | {"results": results}))
         return 0
-    print(f"{'threads':>7} {'rows':>5} {'ours ms':>9} {'oneDNN ms':>10} {'oneDNN / ours':>14}")
+    print(f"{'threads':>7} {'rows':>5} {'ours ms':>9} {'before ms':>10} {'before / ours':>14}")
     for r in results:
-        print(f"{r['threads']:>7} {r['rows']:>5} {r['ours_ms']:>9.2f} {r['onednn_ms']:>10.2f} "
+        print(f"{r['threads']:>7} {r['rows']:>5} {r['ours_ms']:>9.2f} {r['before_ms']:>10.2f} "
               f"{r['ratio']:>13.2f}x")  # fmt: skip
     return 0

@@ -1,5 +1,6 @@
-"""bf16 and fp32 linear layers on CPU run over oneDNN-prepacked weights (fp32's few rows over
-the plain weight, bf16's decode rows on AMX tiles) and give F.linear's output."""
+"""bf16 and fp32 linear layers on CPU run over oneDNN-prepacked weights (decode rows through
+cpu_gemm where it serves, else fp32's few rows over the plain weight) and give F.linear's
+output."""
 
 from __future__ import annotations
 
@@ -53,10 +54,12 @@ def test_fp32_takes_its_plain_weight_up_to_three_rows():
     assert PackedLinear(nn.Linear(96, 80, dtype=torch.bfloat16)).plain is None
 
 
-@pytest.mark.skipif(not cpu_gemm.available(), reason="no AMX: bf16 takes oneDNN at every row count")
-def test_bf16_takes_amx_tiles_up_to_tile_rows_and_onednn_beyond(monkeypatch):
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)])
+def test_cpu_gemm_serves_up_to_tile_rows_and_onednn_beyond(monkeypatch, dtype, tol):
+    if not cpu_gemm.available(dtype):
+        pytest.skip(f"no cpu_gemm kernel for {dtype} here: oneDNN at every row count")
     torch.manual_seed(0)
-    linear = nn.Linear(512, 1024, bias=False, dtype=torch.bfloat16)
+    linear = nn.Linear(512, 1024, bias=False, dtype=dtype)
     packed = PackedLinear(linear)
     served = []
     tiled = cpu_gemm.linear
@@ -64,9 +67,10 @@ def test_bf16_takes_amx_tiles_up_to_tile_rows_and_onednn_beyond(monkeypatch):
         cpu_gemm, "linear", lambda x, tiles: served.append(len(x)) or tiled(x, tiles)
     )
     with torch.inference_mode():
-        for rows in (1, 48, TILE_ROWS, TILE_ROWS + 1):
-            x = torch.randn(3, rows, 512, dtype=torch.bfloat16)[1]  # a view, as the model's
-            torch.testing.assert_close(packed(x), F.linear(x, linear.weight), atol=1e-2, rtol=1e-2)
-    assert served == [1, 48, TILE_ROWS]
-    with_bias = PackedLinear(nn.Linear(512, 1024, bias=True, dtype=torch.bfloat16))
+        for rows in (1, 3, 48, TILE_ROWS, TILE_ROWS + 1):
+            x = torch.randn(3, rows, 512, dtype=dtype)[1]  # a view, as the model's
+            torch.testing.assert_close(packed(x), F.linear(x, linear.weight), atol=tol, rtol=tol)
+    assert served == [1, 3, 48, TILE_ROWS]
+    with_bias = PackedLinear(nn.Linear(512, 1024, bias=True, dtype=dtype))
     assert packed.tiles is not None and with_bias.tiles is None  # a bias: oneDNN adds it
+    assert packed.plain is None  # the packed copy replaces fp32's plain one: two copies, not 3

@@ -1,6 +1,7 @@
-"""The AMX decode GEMM of `cpu_gemm` against fp32 matmul and oneDNN's bf16 linear: every row
-count from 1 to past a tile group, this engine's layer shapes, both thread counts alike; the
-AMX tile state it borrows left as oneDNN expects; and the shapes it declines."""
+"""The decode GEMMs of `cpu_gemm` against matmuls in wider precision and torch's linear: bf16 on
+AMX (every row count from 1 to past a tile group, this engine's layer shapes, both thread
+counts alike, the tile state it borrows left as oneDNN expects) and fp32 on AVX-512 (row and K
+tails, each row's result independent of its batch and the threads); the shapes each declines."""
 
 from __future__ import annotations
 
@@ -10,8 +11,11 @@ import torch.nn.functional as F
 
 from halfmoon.kernels import cpu_gemm
 
-pytestmark = pytest.mark.skipif(
-    not cpu_gemm.available(), reason="no AMX (or no C++ compiler): oneDNN serves"
+needs_amx = pytest.mark.skipif(
+    not cpu_gemm.available(torch.bfloat16), reason="no AMX (or no C++ compiler): oneDNN serves"
+)
+needs_fp32 = pytest.mark.skipif(
+    not cpu_gemm.available(torch.float32), reason="no AVX-512 (or no C++ compiler)"
 )
 
 
@@ -20,6 +24,7 @@ def weight_and_rows(rows: int, k: int, n: int):
     return torch.randn(n, k).to(torch.bfloat16), torch.randn(rows, k).to(torch.bfloat16)
 
 
+@needs_amx
 @pytest.mark.parametrize("rows", (1, 2, 15, 16, 17, 33, 48, 64, 65, 130))
 @pytest.mark.parametrize(("k", "n"), ((512, 1024), (512, 512), (1792, 512), (64, 48)))
 def test_rows_match_an_fp32_matmul_rounded_once(rows, k, n):
@@ -32,19 +37,25 @@ def test_rows_match_an_fp32_matmul_rounded_once(rows, k, n):
     torch.testing.assert_close(out, F.linear(x, weight), rtol=2**-7, atol=1e-2)
 
 
+@needs_amx
 def test_threads_share_the_columns_without_changing_a_bit():
     weight, x = weight_and_rows(40, 512, 1024)
-    packed, threads = cpu_gemm.pack(weight), torch.get_num_threads()
+    one, two = on_one_and_two_threads(x, cpu_gemm.pack(weight))
+    assert torch.equal(one, two)  # a block of columns is one thread's, all of its K
+
+
+def on_one_and_two_threads(x: torch.Tensor, packed: torch.Tensor):
+    threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         one = cpu_gemm.linear(x, packed)
         torch.set_num_threads(2)
-        two = cpu_gemm.linear(x, packed)
+        return one, cpu_gemm.linear(x, packed)
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(one, two)  # a block of columns is one thread's, all of its K
 
 
+@needs_amx
 def test_onednn_gemms_give_the_same_bits_after_it_ran():
     weight, x = weight_and_rows(300, 512, 1024)
     before = F.linear(x, weight)
@@ -52,11 +63,48 @@ def test_onednn_gemms_give_the_same_bits_after_it_ran():
     assert torch.equal(F.linear(x, weight), before)
 
 
+@needs_amx
 def test_shapes_it_does_not_serve_are_declined_or_refused():
     assert not cpu_gemm.packable(torch.zeros(20, 64, dtype=torch.bfloat16))  # N not 16s
     assert not cpu_gemm.packable(torch.zeros(32, 48, dtype=torch.bfloat16))  # K not 32s
-    assert not cpu_gemm.packable(torch.zeros(32, 64))  # fp32
+    assert not cpu_gemm.packable(torch.zeros(32, 64, dtype=torch.float16))
     packed = cpu_gemm.pack(torch.zeros(32, 64, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match=r"\[M, 64\]"):
         cpu_gemm.linear(torch.zeros(3, 32, dtype=torch.bfloat16), packed)
     assert cpu_gemm.linear(torch.zeros(0, 64, dtype=torch.bfloat16), packed).shape == (0, 32)
+
+
+@needs_fp32
+@pytest.mark.parametrize("rows", (1, 2, 3, 5, 6, 7, 13, 64, 128, 130))
+@pytest.mark.parametrize(("k", "n"), ((512, 1024), (1792, 512), (200, 80), (7, 16)))
+def test_fp32_rows_match_an_fp64_matmul(rows, k, n):
+    """Rows past a tile of six and K past a sweep of 128 steps, and their tails."""
+    torch.manual_seed(rows)
+    weight, x = torch.randn(n, k), torch.randn(rows, k)
+    out = cpu_gemm.linear(x, cpu_gemm.pack(weight))
+    assert out.shape == (rows, n) and out.dtype == torch.float32
+    expected = (x.double() @ weight.double().T).float()
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(out, F.linear(x, weight), rtol=1e-5, atol=1e-4)
+
+
+@needs_fp32
+def test_fp32_rows_do_not_depend_on_their_batch_or_the_threads():
+    """Each row's sums run in K order: alone, at any place in a batch, on one or two threads."""
+    torch.manual_seed(0)
+    weight, x = torch.randn(1024, 512), torch.randn(37, 512)
+    packed = cpu_gemm.pack(weight)
+    one, two = on_one_and_two_threads(x, packed)
+    assert torch.equal(one, two)
+    for row in (0, 5, 6, 36):
+        assert torch.equal(cpu_gemm.linear(x[row : row + 1], packed)[0], one[row])
+
+
+@needs_fp32
+def test_fp32_shapes_it_does_not_serve_are_declined_or_refused():
+    assert cpu_gemm.packable(torch.zeros(32, 7))  # any K
+    assert not cpu_gemm.packable(torch.zeros(20, 64))  # N not 16s
+    packed = cpu_gemm.pack(torch.zeros(32, 64))
+    with pytest.raises(ValueError, match=r"float32 \[M, 64\]"):
+        cpu_gemm.linear(torch.zeros(3, 64, dtype=torch.bfloat16), packed)
+    assert cpu_gemm.linear(torch.zeros(0, 64), packed).shape == (0, 32)
