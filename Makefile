@@ -94,3 +94,9 @@ proto: $(STAMP)
 .PHONY: peers
 peers:
 	bash deploy/peers.sh
+
+# `vllm bench serve` against `vllm serve`, 1+1 and colocated `halfmoon serve`, fresh servers
+# alternating (docs/benchmarks.md, "Served, with vLLM's client"); needs `make peers`.
+.PHONY: bench-served-vllm
+bench-served-vllm: $(STAMP) system-deps
+	bash deploy/served-vs-vllm.sh
