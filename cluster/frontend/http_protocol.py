@@ -54,6 +54,11 @@ def _request_timeout() -> bytes:
 
 
 REQUEST_TIMEOUT = _request_timeout()
+# How long a timed-out connection, half-closed, still has its client's bytes read and dropped
+# before it is closed: closing a socket with unread bytes sends a reset, which can reach the
+# client before it has read the 408 (and with a flood of partial heads, a connection displaced
+# at the cap may not have been read at all yet).
+LINGER_S = 1.0
 # The app of a connection over the cap: its request is read, then refused.
 REFUSAL = JSONResponse(
     error_body("too many connections; retry later", "service_unavailable_error"),
@@ -90,7 +95,7 @@ class ConnectionGate:
             log.warning(REFUSED, self.max_connections)
             return False
         log.warning(DISPLACED, self.max_connections)
-        next(iter(self.heading)).time_out()
+        next(iter(self.heading)).time_out(displaced=True)
         return True
 
 
@@ -103,6 +108,8 @@ class GuardedProtocol(H11Protocol):
         self.gate = gate
         self.reading: object = None  # the h11 state the deadline is for: IDLE head, SEND_BODY body
         self.deadline: asyncio.TimerHandle | None = None
+        self.answered = False  # whether a response on this connection has been completed
+        self.lingering = False  # timed out: half-closed, dropping what still arrives
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -112,26 +119,38 @@ class GuardedProtocol(H11Protocol):
         self._follow()
 
     def data_received(self, data: bytes) -> None:
+        if self.lingering:
+            return
         super().data_received(data)
         self._follow()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
+        self.answered = True
         self._follow()
 
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)
         self._stop()
 
-    def time_out(self) -> None:
+    def time_out(self, displaced: bool = False) -> None:
         """Close the connection, with a 408 if a request has begun and is not yet answered (an
-        idle one is closed silently, as uvicorn closes a kept-alive one)."""
+        idle one is closed silently, as uvicorn closes a kept-alive one), or if it is
+        `displaced` before it was ever answered (its head may be in, not yet read)."""
         self._stop()
-        if self.transport.is_closing():
+        if self.transport.is_closing() or self.lingering:
             return
-        if self._unanswered():
+        if self._unanswered() or (displaced and not self.answered):
             self.transport.write(REQUEST_TIMEOUT)
-        self.transport.close()
+        self._linger()
+
+    def _linger(self) -> None:
+        """Half-close once what was written is sent, drop what the client still sends, and
+        close after `LINGER_S` (or when the client closes first)."""
+        self.lingering = True
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.loop.call_later(LINGER_S, self.transport.close)
 
     def _unanswered(self) -> bool:
         """Whether some of a request has arrived and no response to it has begun."""
