@@ -28,10 +28,12 @@ PEERS=.peers-venv/bin
 [ -x "$PEERS/vllm" ] || { echo "no $PEERS/vllm: run \`make peers\` first" >&2; exit 2; }
 [ -x .venv/bin/halfmoon ] || { echo "no .venv/bin/halfmoon: run \`make serve\` or \`make test\` first" >&2; exit 2; }
 if [ ! -f "$MODEL/config.json" ]; then  # the checkpoint `bench engine` runs, made on first use
-    .venv/bin/python -c "from halfmoon.engine.init_model import SHAPES, ensure_model; from pathlib import Path; ensure_model(Path('$MODEL'), SHAPES['bench'])"
+    .venv/bin/halfmoon init-model --shape bench "$MODEL"
 fi
 export RAY_AUTH_MODE=disabled
 printf 'mode: colocated\ndecode: {replicas: 1, num_cpus: 2}\n' > "$OUT/colocated.yaml"
+halfmoon=(.venv/bin/halfmoon serve --model "$MODEL" --served-model-name bench --http-port "$PORT"
+          --port 0 --metrics-port 0)
 server=
 
 stop_server() {
@@ -49,11 +51,8 @@ start_server() {  # $1: vllm | disagg | colocated; $2: its log
         vllm) VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=2 setsid "$PEERS/vllm" serve "$MODEL" \
                   --dtype float32 --max-model-len 2048 --max-num-seqs 64 \
                   --no-enable-prefix-caching --served-model-name bench --port "$PORT" > "$2" 2>&1 & ;;
-        disagg) setsid .venv/bin/halfmoon serve --model "$MODEL" --served-model-name bench \
-                    --http-port "$PORT" --port 0 --metrics-port 0 > "$2" 2>&1 & ;;
-        colocated) setsid .venv/bin/halfmoon serve --config "$OUT/colocated.yaml" --model "$MODEL" \
-                       --served-model-name bench --http-port "$PORT" --port 0 --metrics-port 0 \
-                       > "$2" 2>&1 & ;;
+        disagg) setsid "${halfmoon[@]}" > "$2" 2>&1 & ;;
+        colocated) setsid "${halfmoon[@]}" --config "$OUT/colocated.yaml" > "$2" 2>&1 & ;;
         *) echo "unknown server $1 (vllm, disagg, colocated)" >&2; exit 2 ;;
     esac
     server=$!

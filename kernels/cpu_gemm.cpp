@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_amx.h"
@@ -24,6 +25,18 @@
 namespace {
 
 using namespace halfmoon;
+
+// `each(std::integral_constant<int, B>{})` for the `blocks` (1-4) of 16 columns in a group of
+// 64: the kernels take a group's block count at compile time.
+template <typename Each>
+inline void with_blocks(int64_t blocks, Each&& each) {
+  switch (blocks) {
+    case 1: each(std::integral_constant<int, 1>{}); break;
+    case 2: each(std::integral_constant<int, 2>{}); break;
+    case 3: each(std::integral_constant<int, 3>{}); break;
+    default: each(std::integral_constant<int, 4>{}); break;
+  }
+}
 
 #if defined(HALFMOON_AMX)
 constexpr int64_t kTileWords = 16 * 16;  // a B tile: 16 rows of 16 bf16 pairs (32-bit words)
@@ -103,12 +116,9 @@ void gemm(const uint16_t* x, int64_t m, int64_t k, const uint32_t* packed, int64
     for (int64_t g = 0; g < groups; ++g) {
       const uint32_t* weights = packed + 4 * g * block_words;
       uint16_t* out_group = out + 64 * g;
-      switch (std::min<int64_t>(4, blocks - 4 * g)) {
-        case 1: column_group<1>(x, m, k, weights, block_words, n, out_group); break;
-        case 2: column_group<2>(x, m, k, weights, block_words, n, out_group); break;
-        case 3: column_group<3>(x, m, k, weights, block_words, n, out_group); break;
-        default: column_group<4>(x, m, k, weights, block_words, n, out_group); break;
-      }
+      with_blocks(std::min<int64_t>(4, blocks - 4 * g), [&](auto b) {
+        column_group<decltype(b)::value>(x, m, k, weights, block_words, n, out_group);
+      });
     }
   }
 }
@@ -179,12 +189,8 @@ void gemm_f32(const float* x, int64_t m, int64_t k, const float* packed, int64_t
   for (int64_t g = 0; g < groups; ++g) {
     const float* w = packed + 4 * g * k * 16;
     float* out_group = out + 64 * g;
-    switch (std::min<int64_t>(4, blocks - 4 * g)) {
-      case 1: f32_group<1>(x, m, k, w, n, out_group); break;
-      case 2: f32_group<2>(x, m, k, w, n, out_group); break;
-      case 3: f32_group<3>(x, m, k, w, n, out_group); break;
-      default: f32_group<4>(x, m, k, w, n, out_group); break;
-    }
+    with_blocks(std::min<int64_t>(4, blocks - 4 * g),
+                [&](auto b) { f32_group<decltype(b)::value>(x, m, k, w, n, out_group); });
   }
 }
 #endif
