@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from halfmoon.engine.cpu_linear import describe
 from halfmoon.engine.llm_engine import LLMEngine
 from halfmoon.engine.outputs import EngineStats
 
@@ -27,6 +28,7 @@ class WorkerInfo:
     root_key: bytes
     device: str = "cpu"  # the device type its weights and KV are on: cpu or cuda
     tensor_parallel_size: int = 1  # ranks it splits the model across; its KV moves whole-head
+    kernels: str = ""  # what runs the model (cpu_linear.describe): "avx2 kernels, linear blocks"
 
 
 def worker_info(name: str, kind: str, engine: LLMEngine) -> WorkerInfo:
@@ -47,6 +49,7 @@ def worker_info(name: str, kind: str, engine: LLMEngine) -> WorkerInfo:
         root_key=engine.root_key,
         device=engine.device.type,
         tensor_parallel_size=engine.config.tensor_parallel_size,
+        kernels=describe(engine.device, engine.dtype),
     )
 
 

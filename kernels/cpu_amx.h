@@ -2,7 +2,6 @@
 // permission to use the tiles, and a thread's tile state set up and put back around a kernel.
 #pragma once
 
-#include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -10,7 +9,7 @@
 
 #include "cpu_vector.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(HALFMOON_VECTOR_BF16)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && HALFMOON_VEC == 512
 #define HALFMOON_AMX 1
 
 namespace halfmoon {

@@ -1,15 +1,15 @@
 // Paged decode attention for CPUs: one query token per sequence over its cached tokens, read
 // in place from the pages (no gather), K and V each read once for all query heads of a KV
-// head. Built and loaded by cpu_build.py, called by cpu_attention.py. Where the build machine
-// has AVX-512, the common shapes (head size 64 or 128, 1-8 queries per KV head) take a path
-// that sums 16 tokens' dot products at once and keeps each head group in registers: 64
-// sequences of 100-640 tokens, cache resident, 4.8x faster than the plain loop below (4.9 ->
-// 1.0 ms fp32, 2.5 -> 1.1 ms bf16, one thread). From DRAM, the prefetches spread over the
-// reads (`prefetch_ahead`) make it 1.3x faster again: the same 64 sequences among 2 GiB of
-// pages, bf16, 5.4 -> 4.0 ms a layer on one thread, 3.0 -> 2.2 ms on two (fp32 7.5 -> 7.1).
-// A bf16 cache's scores take `vdpbf16ps` where the CPU has it (hot 7-11 % faster; from DRAM
-// 1-3 %). With fewer than two sequences per thread, a sequence's KV heads go to different
-// threads.
+// head. Built and loaded by cpu_build.py, called by cpu_attention.py. Where the build has
+// vectors (AVX-512 or AVX2: cpu_vector.h), the common shapes (head size 64 or 128, 1-8 queries
+// per KV head) take a path that sums a vector's worth of tokens' dot products at once and
+// keeps each head group in registers. On AVX-512 (issue 31): 64 sequences of 100-640 tokens,
+// cache resident, 4.8x faster than the plain loop below (4.9 -> 1.0 ms fp32, 2.5 -> 1.1 ms
+// bf16, one thread); from DRAM, the prefetches spread over the reads (`prefetch_ahead`) make it
+// 1.3x faster again: the same 64 sequences among 2 GiB of pages, bf16, 5.4 -> 4.0 ms a layer on
+// one thread, 3.0 -> 2.2 ms on two (fp32 7.5 -> 7.1). A bf16 cache's scores take `vdpbf16ps`
+// where the CPU has it (hot 7-11 % faster; from DRAM 1-3 %). With fewer than two sequences per
+// thread, a sequence's KV heads go to different threads.
 //
 // Layouts (DESIGN.md, "KV layout"): a cache is [num_pages, block_size, kv_heads, head_dim];
 // query and out are [num_seqs, q_heads, head_dim], contiguous; block tables
@@ -107,33 +107,52 @@ void attend(const T* query, const T* k_cache, const T* v_cache, const int32_t* t
   for (int64_t i = 0; i < s.q_heads * dim; ++i) store(out, i, acc[i]);
 }
 
-#if defined(__AVX512F__)
-// AVX-512 path for a head size D and group size G known at compile time: a group's queries
-// and accumulators stay in registers.
+#if defined(HALFMOON_VEC)
+// The vector path for a head size D and group size G known at compile time: a group's
+// queries and accumulators stay in registers, kLanes tokens a tile (16 on AVX-512, 8 on AVX2).
 
-// A head's row of NV * 16 values, widened to fp32.
+// A head's row of NV vectors, widened to fp32.
 template <int NV, typename T>
-inline void load_row(const T* row, __m512* out) {
-#pragma GCC unroll 8
-  for (int c = 0; c < NV; ++c) out[c] = load16(row + c * kLanes);
+inline void load_row(const T* row, vfloat* out) {
+#pragma GCC unroll 16
+  for (int c = 0; c < NV; ++c) out[c] = vload(row + c * kLanes);
 }
 
-// The dot products of 16 tokens as one vector: lane i of the result sums all lanes of the i-th
-// partial product, by four levels of pairwise shuffles and adds (three instructions per token
-// where a horizontal sum of each takes a dozen in sequence).
-inline __m512 pair_sums(__m512 a, __m512 b) {  // per 128 bits: a0+a2, b0+b2, a1+a3, b1+b3
+// The dot products of a tile's tokens as one vector: lane i of the result sums all lanes of the
+// i-th partial product, by pairwise shuffles and adds (three instructions per token where a
+// horizontal sum of each takes a dozen in sequence). Per 128 bits, pair_sums(a, b) is a0+a2,
+// b0+b2, a1+a3, b1+b3 and quad_sums(ab, cd) the four sums a, b, c, d; token_sums then adds up
+// the 128-bit chunks of the kLanes / 4 quads, in token order.
+#if HALFMOON_VEC == 512
+inline vfloat pair_sums(vfloat a, vfloat b) {
   return _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
 }
-inline __m512 quad_sums(__m512 ab, __m512 cd) {  // per 128 bits: a, b, c, d
+inline vfloat quad_sums(vfloat ab, vfloat cd) {
   return _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
                        _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
 }
-inline __m512 lane_sums(__m512 x, __m512 y) {  // 128-bit chunks summed in pairs, in order
+inline vfloat lane_sums(vfloat x, vfloat y) {  // 128-bit chunks summed in pairs, in order
   return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(2, 0, 2, 0)),
                        _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
 }
+inline vfloat token_sums(const vfloat* quads) {
+  return lane_sums(lane_sums(quads[0], quads[1]), lane_sums(quads[2], quads[3]));
+}
+#else
+inline vfloat pair_sums(vfloat a, vfloat b) {
+  return _mm256_add_ps(_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b));
+}
+inline vfloat quad_sums(vfloat ab, vfloat cd) {
+  return _mm256_add_ps(_mm256_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                       _mm256_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+}
+inline vfloat token_sums(const vfloat* quads) {
+  return _mm256_add_ps(_mm256_permute2f128_ps(quads[0], quads[1], 0x20),
+                       _mm256_permute2f128_ps(quads[0], quads[1], 0x31));
+}
+#endif
 
-// The AVX-512 path reads a stream of KV rows: a sequence's K, then its V, then the next
+// The vector path reads a stream of KV rows: a sequence's K, then its V, then the next
 // sequence's K. Each row read prefetches head h's row kStreamAhead tokens further along that
 // stream, so the prefetches (a few lines each) are spread over the work instead of issued a
 // tile at a time, which waits on the line-fill buffers before the tile's work can begin
@@ -163,80 +182,85 @@ __attribute__((always_inline)) inline void prefetch_ahead(
     prefetch(token_row(then, then_table, ahead - len, s) + h * D, D);
 }
 
-// Whether a bf16 cache's scores take `vdpbf16ps`: it multiplies pairs of bf16 values exactly
-// and sums them in fp32, so the keys need no widening (the query stays bf16, unscaled; the
-// scale is applied to the sums).
+// Whether a bf16 cache's scores take `vdpbf16ps` (AVX-512 BF16): it multiplies pairs of bf16
+// values exactly and sums them in fp32, so the keys need no widening (the query stays bf16,
+// unscaled; the scale is applied to the sums).
 template <typename T>
 constexpr bool kBf16Dots =
-#if defined(HALFMOON_VECTOR_BF16)
+#if HALFMOON_VEC == 512 && defined(__AVX512BF16__)
     std::is_same_v<T, uint16_t>;
 #else
     false;
 #endif
 
-// Scores of the G queries against `n` <= 16 tokens from `t0` of KV head `h`; query j's land in
-// scores[j * len + t0 ...]. The queries are `q` ([G][D], fp32, pre-scaled), or with kBf16Dots
-// `qb` (the same rows in bf16, unscaled).
+// The G queries' dot products with one token's key row `key` (D values), into dots[j].
+template <typename T, int D, int G>
+__attribute__((always_inline)) inline void token_dots(const float* q, const uint16_t* qb,
+                                                      const T* key, vfloat* dots) {
+#if HALFMOON_VEC == 512 && defined(__AVX512BF16__)
+  if constexpr (kBf16Dots<T>) {
+    constexpr int NP = D / (2 * kLanes);  // 32 bf16 values a vector
+    __m512bh k[NP];
+#pragma GCC unroll 4
+    for (int c = 0; c < NP; ++c) k[c] = (__m512bh)_mm512_loadu_si512(key + c * 2 * kLanes);
+#pragma GCC unroll 8
+    for (int j = 0; j < G; ++j) {
+      __m512 dot = _mm512_setzero_ps();
+#pragma GCC unroll 4
+      for (int c = 0; c < NP; ++c)
+        dot = _mm512_dpbf16_ps(dot, (__m512bh)_mm512_loadu_si512(qb + j * D + c * 2 * kLanes),
+                               k[c]);
+      dots[j] = dot;
+    }
+    return;
+  }
+#endif
+  constexpr int NV = D / kLanes;
+  vfloat k[NV];
+  load_row<NV>(key, k);
+#pragma GCC unroll 8
+  for (int j = 0; j < G; ++j) {
+    vfloat dot = vmul(vload(q + j * D), k[0]);
+#pragma GCC unroll 16
+    for (int c = 1; c < NV; ++c) dot = vfmadd(vload(q + j * D + c * kLanes), k[c], dot);
+    dots[j] = dot;
+  }
+}
+
+// Scores of the G queries against `n` <= kLanes tokens from `t0` of KV head `h`; query j's land
+// in scores[j * len + t0 ...]. The queries are `q` ([G][D], fp32, pre-scaled), or with
+// kBf16Dots `qb` (the same rows in bf16, unscaled).
 template <typename T, int D, int G>
 inline void score_tile(const float* q, const uint16_t* qb, const T* k_cache, const T* v_cache,
                        const Stream& at, int64_t t0, int n, int64_t h, const Shape& s,
                        float* scores) {
   const int32_t* table = at.table;
   const int64_t len = at.len;
-  constexpr int NV = D / kLanes;
-  __m512 quads[G][4];
+  constexpr int NQ = kLanes / 4;  // quads of tokens in a tile
+  vfloat quads[G][NQ];
 #pragma GCC unroll 4
-  for (int m = 0; m < 4; ++m) {
-    __m512 pairs[G][2];
+  for (int m = 0; m < NQ; ++m) {
+    vfloat pairs[G][2];
 #pragma GCC unroll 2
     for (int p = 0; p < 2; ++p) {
-      __m512 dots[G][2];
+      vfloat dots[2][G];
 #pragma GCC unroll 2
       for (int r = 0; r < 2; ++r) {
-        const int64_t t = t0 + std::min(4 * m + 2 * p + r, n - 1);  // past n: masked below
-        const T* key = token_row(k_cache, table, t, s) + h * D;
+        const int64_t t = t0 + std::min(4 * m + 2 * p + r, n - 1);  // past n: not stored below
         prefetch_ahead<T, D>(k_cache, table, len, v_cache, table, len, t, h, s);
-        if constexpr (kBf16Dots<T>) {
-          constexpr int NP = D / (2 * kLanes);  // 32 bf16 values a vector
-          __m512bh k[NP];
-#pragma GCC unroll 4
-          for (int c = 0; c < NP; ++c) k[c] = (__m512bh)_mm512_loadu_si512(key + c * 2 * kLanes);
-#pragma GCC unroll 8
-          for (int j = 0; j < G; ++j) {
-            __m512 dot = _mm512_setzero_ps();
-#pragma GCC unroll 4
-            for (int c = 0; c < NP; ++c)
-              dot = _mm512_dpbf16_ps(
-                  dot, (__m512bh)_mm512_loadu_si512(qb + j * D + c * 2 * kLanes), k[c]);
-            dots[j][r] = dot;
-          }
-        } else {
-          __m512 k[NV];
-          load_row<NV>(key, k);
-#pragma GCC unroll 8
-          for (int j = 0; j < G; ++j) {
-            __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(q + j * D), k[0]);
-#pragma GCC unroll 8
-            for (int c = 1; c < NV; ++c)
-              dot = _mm512_fmadd_ps(_mm512_loadu_ps(q + j * D + c * kLanes), k[c], dot);
-            dots[j][r] = dot;
-          }
-        }
+        token_dots<T, D, G>(q, qb, token_row(k_cache, table, t, s) + h * D, dots[r]);
       }
 #pragma GCC unroll 8
-      for (int j = 0; j < G; ++j) pairs[j][p] = pair_sums(dots[j][0], dots[j][1]);
+      for (int j = 0; j < G; ++j) pairs[j][p] = pair_sums(dots[0][j], dots[1][j]);
     }
 #pragma GCC unroll 8
     for (int j = 0; j < G; ++j) quads[j][m] = quad_sums(pairs[j][0], pairs[j][1]);
   }
-  const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
 #pragma GCC unroll 8
   for (int j = 0; j < G; ++j) {
-    const __m512 low = lane_sums(quads[j][0], quads[j][1]);
-    const __m512 high = lane_sums(quads[j][2], quads[j][3]);
-    __m512 sums = lane_sums(low, high);
-    if constexpr (kBf16Dots<T>) sums = _mm512_mul_ps(sums, _mm512_set1_ps(s.scale));
-    _mm512_mask_storeu_ps(scores + j * len + t0, mask, sums);
+    vfloat sums = token_sums(quads[j]);
+    if constexpr (kBf16Dots<T>) sums = vmul(sums, vset(s.scale));
+    vstore_first(scores + j * len + t0, sums, n);
   }
 }
 
@@ -247,15 +271,60 @@ inline void prefetch_tile(const T* cache, const int32_t* table, int64_t t0, int6
   for (int64_t t = t0; t < t1; ++t) prefetch(token_row(cache, table, t, s) + h0 * D, (h1 - h0) * D);
 }
 
+// Vectors of a head's row the V pass sums at a time: the whole row where the group's sums fit
+// the registers beside it, else the largest power-of-two part of it that does (head size 128,
+// 8 queries a KV head, AVX-512: 1.2x faster fp32, 1.5x bf16 than the whole row, its sums
+// spilled; 64 sequences of 200-400 tokens, one thread, Zen 4).
+template <int G, int NV>
+constexpr int value_chunk() {
+  int chunk = NV;
+  while (chunk > 1 && (G + 1) * chunk + 1 > kRegisters) chunk /= 2;
+  return chunk;
+}
+
+// The tile's tokens [t0, t1) of KV head h: their V rows weighted by the G queries' scores,
+// summed into acc ([G][D]), `CV` vectors of each row at a time.
+template <typename T, int D, int G>
+inline void value_tile(const T* k_cache, const T* v_cache, const Stream& at, int64_t t0,
+                       int64_t t1, int64_t h, const Shape& s, const float* scores, float* acc) {
+  constexpr int NV = D / kLanes, CV = value_chunk<G, NV>();
+  const int64_t len = at.len;
+#pragma GCC unroll 1
+  for (int c0 = 0; c0 < NV; c0 += CV) {
+    vfloat sum[G][CV];
+#pragma GCC unroll 8
+    for (int j = 0; j < G; ++j)
+#pragma GCC unroll 16
+      for (int c = 0; c < CV; ++c) sum[j][c] = vload(acc + j * D + (c0 + c) * kLanes);
+    for (int64_t t = t0; t < t1; ++t) {
+      const T* value = token_row(v_cache, at.table, t, s) + h * D + c0 * kLanes;
+      if (c0 == 0)
+        prefetch_ahead<T, D>(v_cache, at.table, len, k_cache, at.next_table, at.next_len, t, h,
+                             s);
+      vfloat v[CV];
+      load_row<CV>(value, v);
+#pragma GCC unroll 8
+      for (int j = 0; j < G; ++j) {
+        const vfloat weight = vset(scores[j * len + t]);
+#pragma GCC unroll 16
+        for (int c = 0; c < CV; ++c) sum[j][c] = vfmadd(weight, v[c], sum[j][c]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < G; ++j)
+#pragma GCC unroll 16
+      for (int c = 0; c < CV; ++c) vstore(acc + j * D + (c0 + c) * kLanes, sum[j][c]);
+  }
+}
+
 // A sequence's KV heads [h0, h1): their queries' attention over its `at.len` cached tokens,
-// 16 tokens at a time, each tile's rows (contiguous within a page) read for every head.
+// kLanes tokens at a time, each tile's rows (contiguous within a page) read for every head.
 // `q` holds (h1 - h0) * G * D floats (`qb` as many bf16 values), `scores` (h1 - h0) * G * len,
 // `acc` (h1 - h0) * G * D.
 template <typename T, int D, int G>
 void attend_heads(const T* query, const T* k_cache, const T* v_cache, const Stream& at,
                   int64_t h0, int64_t h1, const Shape& s, float* q, uint16_t* qb, float* scores,
                   float* acc, T* out) {
-  constexpr int NV = D / kLanes;
   const int32_t* table = at.table;
   const int64_t len = at.len, rows = (h1 - h0) * G;
   if constexpr (kBf16Dots<T>)
@@ -264,7 +333,7 @@ void attend_heads(const T* query, const T* k_cache, const T* v_cache, const Stre
     for (int64_t i = 0; i < rows * D; ++i) q[i] = load(query + h0 * G * D, i) * s.scale;
   prefetch_tile<T, D>(k_cache, table, 0, std::min(kStreamAhead, len), h0, h1, s);
   for (int64_t t0 = 0; t0 < len; t0 += kLanes) {
-    const int64_t t1 = std::min(t0 + kLanes, len);
+    const int64_t t1 = std::min<int64_t>(t0 + kLanes, len);
     for (int64_t h = h0; h < h1; ++h) {
       const int64_t r = (h - h0) * G;
       score_tile<T, D, G>(q + r * D, qb + r * D, k_cache, v_cache, at, t0, int(t1 - t0), h, s,
@@ -274,30 +343,10 @@ void attend_heads(const T* query, const T* k_cache, const T* v_cache, const Stre
   softmax_rows(scores, rows, len);
   std::fill(acc, acc + rows * D, 0.0f);
   for (int64_t t0 = 0; t0 < len; t0 += kLanes) {
-    const int64_t t1 = std::min(t0 + kLanes, len);
+    const int64_t t1 = std::min<int64_t>(t0 + kLanes, len);
     for (int64_t h = h0; h < h1; ++h) {
       const int64_t r = (h - h0) * G;
-      __m512 sum[G][NV];
-#pragma GCC unroll 8
-      for (int j = 0; j < G; ++j)
-#pragma GCC unroll 8
-        for (int c = 0; c < NV; ++c) sum[j][c] = _mm512_loadu_ps(acc + (r + j) * D + c * kLanes);
-      for (int64_t t = t0; t < t1; ++t) {
-        const T* value = token_row(v_cache, table, t, s) + h * D;
-        prefetch_ahead<T, D>(v_cache, table, len, k_cache, at.next_table, at.next_len, t, h, s);
-        __m512 v[NV];
-        load_row<NV>(value, v);
-#pragma GCC unroll 8
-        for (int j = 0; j < G; ++j) {
-          const __m512 weight = _mm512_set1_ps(scores[(r + j) * len + t]);
-#pragma GCC unroll 8
-          for (int c = 0; c < NV; ++c) sum[j][c] = _mm512_fmadd_ps(weight, v[c], sum[j][c]);
-        }
-      }
-#pragma GCC unroll 8
-      for (int j = 0; j < G; ++j)
-#pragma GCC unroll 8
-        for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + (r + j) * D + c * kLanes, sum[j][c]);
+      value_tile<T, D, G>(k_cache, v_cache, at, t0, t1, h, s, scores + r * len, acc + r * D);
     }
   }
   for (int64_t i = 0; i < rows * D; ++i) store(out + h0 * G * D, i, acc[i]);
@@ -328,7 +377,7 @@ void decode_fixed(const T* query, const T* k_cache, const T* v_cache, const int3
     }
   }
 }
-#endif  // __AVX512F__
+#endif  // HALFMOON_VEC
 
 template <typename T>
 void decode(const void* query_, const void* k_cache_, const void* v_cache_,
@@ -337,8 +386,8 @@ void decode(const void* query_, const void* k_cache_, const void* v_cache_,
   const T *query = static_cast<const T*>(query_), *k_cache = static_cast<const T*>(k_cache_),
           *v_cache = static_cast<const T*>(v_cache_);
   T* out = static_cast<T*>(out_);
+#if defined(HALFMOON_VEC)
   const int64_t group = s.q_heads / s.kv_heads;
-#if defined(__AVX512F__)
 #define HALFMOON_FIXED(D, G)                                                                   \
   if (s.head_dim == D && group == G)                                                           \
     return decode_fixed<T, D, G>(query, k_cache, v_cache, tables, seq_lens, s, num_threads, out);

@@ -8,8 +8,6 @@ bf16 decode step; this kernel reads each cached token once for all query heads o
 from __future__ import annotations
 
 import ctypes
-from functools import cache
-from pathlib import Path
 
 import torch
 
@@ -20,7 +18,7 @@ DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 def available() -> bool:
     """Whether the kernel is built (or can be) and loads on this machine."""
-    return _library() is not None
+    return LIBRARY.get() is not None
 
 
 def supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -48,7 +46,7 @@ def paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scal
     out = torch.empty_like(query)
     if num_seqs == 0:
         return out
-    _library().paged_decode_attention(
+    LIBRARY.get().paged_decode_attention(
         query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         tables.data_ptr(), lens.data_ptr(), num_seqs, q_heads, kv_heads, head_dim,
         block_size, tables.shape[1], scale, DTYPES[query.dtype], torch.get_num_threads(),
@@ -57,9 +55,13 @@ def paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scal
     return out
 
 
-@cache
-def _library() -> ctypes.CDLL | None:
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    args = [ptr] * 5 + [i64] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int, ptr]
-    source = Path(__file__).with_name("cpu_attention.cpp")
-    return cpu_build.load_functions(source, {"paged_decode_attention": (args, None)})
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+LIBRARY = cpu_build.Library(
+    "cpu_attention.cpp",
+    {
+        "paged_decode_attention": (
+            [_ptr] * 5 + [_i64] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int, _ptr],
+            None,
+        )
+    },
+)

@@ -32,8 +32,8 @@ inline float round_as(const float*, float value) { return value; }
 inline float round_as(const uint16_t*, float value) { return bf16_to_float(float_to_bf16(value)); }
 
 // e^x: 2^k * 2^f with f in [-0.5, 0.5] by a degree-6 polynomial (relative error ~2e-7);
-// x clamped to [kExpMin, kExpMax], where e^x is a normal float. cpu_vector.h's exp16 is the
-// same in 16 lanes.
+// x clamped to [kExpMin, kExpMax], where e^x is a normal float. cpu_vector.h's vexp is the
+// same a vector at a time.
 constexpr float kExpMin = -87.0f, kExpMax = 88.0f, kLog2e = 1.44269504f;
 constexpr float kExpPoly[7] = {1.5353362e-4f, 1.3398874e-3f, 9.6184197e-3f, 5.5503366e-2f,
                                2.4022649e-1f, 6.9314718e-1f, 1.0f};  // highest power first

@@ -15,9 +15,9 @@ using namespace halfmoon;
 template <typename T>
 void add_rows(const T* a, const T* b, int64_t dim, T* sum) {
   int64_t done = 0;
-#if defined(HALFMOON_VECTOR_BF16)
+#if defined(HALFMOON_VEC)
   for (; done + kLanes <= dim; done += kLanes)
-    store16(sum + done, _mm512_add_ps(load16(a + done), load16(b + done)));
+    vstore(sum + done, vadd(vload(a + done), vload(b + done)));
 #endif
 #pragma omp simd
   for (int64_t i = done; i < dim; ++i) store(sum, i, load(a, i) + load(b, i));
@@ -27,13 +27,13 @@ template <typename T>
 float sum_of_squares(const T* row, int64_t dim) {
   float squares = 0.0f;
   int64_t done = 0;
-#if defined(HALFMOON_VECTOR_BF16)
-  __m512 partial = _mm512_setzero_ps();
+#if defined(HALFMOON_VEC)
+  vfloat partial = vzero();
   for (; done + kLanes <= dim; done += kLanes) {
-    const __m512 value = load16(row + done);
-    partial = _mm512_fmadd_ps(value, value, partial);
+    const vfloat value = vload(row + done);
+    partial = vfmadd(value, value, partial);
   }
-  squares = _mm512_reduce_add_ps(partial);
+  squares = vsum(partial);
 #endif
 #pragma omp simd reduction(+ : squares)
   for (int64_t i = done; i < dim; ++i) squares += load(row, i) * load(row, i);
@@ -55,11 +55,11 @@ void rms_norm(const T* x, const T* residual, const T* weight, float eps, int64_t
     const float inverse = 1.0f / std::sqrt(sum_of_squares(xr, dim) / dim + eps);
     T* out_row = out + r * dim;
     int64_t done = 0;
-#if defined(HALFMOON_VECTOR_BF16)
-    const __m512 scale = _mm512_set1_ps(inverse);
-    for (; done + kLanes <= dim; done += kLanes)  // the loop below, 16 lanes at a time
-      store16(out_row + done, _mm512_mul_ps(load16(weight + done),
-                                            round16(xr, _mm512_mul_ps(load16(xr + done), scale))));
+#if defined(HALFMOON_VEC)
+    const vfloat scale = vset(inverse);
+    for (; done + kLanes <= dim; done += kLanes)  // the loop below, a vector at a time
+      vstore(out_row + done,
+             vmul(vload(weight + done), vround_as(xr, vmul(vload(xr + done), scale))));
 #endif
 #pragma omp simd
     for (int64_t i = done; i < dim; ++i)
@@ -80,13 +80,12 @@ void rotate(T* x, int64_t token_stride, int64_t heads, int64_t dim, const int64_
     for (int64_t h = 0; h < heads; ++h) {
       T* row = x + n * token_stride + h * dim;
       int64_t done = 0;
-#if defined(HALFMOON_VECTOR_BF16)
-      for (; done + kLanes <= half; done += kLanes) {  // the loop below, 16 lanes at a time
-        const __m512 first = load16(row + done), second = load16(row + done + half);
-        const __m512 c = _mm512_loadu_ps(cos + done), s = _mm512_loadu_ps(sin + done);
-        store16(row + done, _mm512_sub_ps(_mm512_mul_ps(first, c), _mm512_mul_ps(second, s)));
-        store16(row + done + half,
-                _mm512_add_ps(_mm512_mul_ps(second, c), _mm512_mul_ps(first, s)));
+#if defined(HALFMOON_VEC)
+      for (; done + kLanes <= half; done += kLanes) {  // the loop below, a vector at a time
+        const vfloat first = vload(row + done), second = vload(row + done + half);
+        const vfloat c = vload(cos + done), s = vload(sin + done);
+        vstore(row + done, vsub(vmul(first, c), vmul(second, s)));
+        vstore(row + done + half, vadd(vmul(second, c), vmul(first, s)));
       }
 #endif
 #pragma omp simd
@@ -108,14 +107,13 @@ void silu_and_mul(const T* x, int64_t rows, int64_t width, int num_threads, T* o
     const T* up = gate + width;
     T* out_row = out + r * width;
     int64_t done = 0;
-#if defined(HALFMOON_VECTOR_BF16)
-    for (; done + kLanes <= width; done += kLanes) {  // the loop below, 16 lanes at a time
-      const __m512 g = load16(gate + done);
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(),
-                                           _mm512_max_ps(g, _mm512_set1_ps(-60.0f))));
-      const __m512 sigmoid = reciprocal16(_mm512_add_ps(_mm512_set1_ps(1.0f), e));
-      const __m512 silu = round16(gate, _mm512_mul_ps(g, sigmoid));
-      store16(out_row + done, _mm512_mul_ps(silu, load16(up + done)));
+#if defined(HALFMOON_VEC)
+    for (; done + kLanes <= width; done += kLanes) {  // the loop below, a vector at a time
+      const vfloat g = vload(gate + done);
+      const vfloat e = vexp(vsub(vzero(), vmax(g, vset(-60.0f))));
+      const vfloat sigmoid = vreciprocal(vadd(vset(1.0f), e));
+      const vfloat silu = vround_as(gate, vmul(g, sigmoid));
+      vstore(out_row + done, vmul(silu, vload(up + done)));
     }
 #endif
 #pragma omp simd

@@ -8,8 +8,6 @@ does not cover (a tensor not dense where the kernel needs it, a dtype other than
 from __future__ import annotations
 
 import ctypes
-from functools import cache
-from pathlib import Path
 
 import torch
 
@@ -20,7 +18,7 @@ DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 def available() -> bool:
     """Whether the kernels are built (or can be) and load on this machine."""
-    return _library() is not None
+    return LIBRARY.get() is not None
 
 
 def rms_norm(x, weight, eps: float, residual=None):
@@ -30,7 +28,7 @@ def rms_norm(x, weight, eps: float, residual=None):
         return reference.rms_norm(x, weight, eps, residual)
     out = torch.empty_like(x)
     summed = None if residual is None else torch.empty_like(x)
-    _library().rms_norm(
+    LIBRARY.get().rms_norm(
         x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
         eps, x.numel() // x.shape[-1], x.shape[-1], DTYPES[x.dtype], torch.get_num_threads(),
         out.data_ptr(), None if summed is None else summed.data_ptr(),
@@ -47,7 +45,7 @@ def rotary_embedding(positions, query, key, cos_sin_cache) -> None:
         reference.rotary_embedding(positions, query, key, cos_sin_cache)
         return
     for x in (query, key):
-        _library().rotary_embedding(
+        LIBRARY.get().rotary_embedding(
             x.data_ptr(), x.stride(0), x.shape[1], head_dim, positions.data_ptr(),
             cos_sin_cache.data_ptr(), x.shape[0], DTYPES[x.dtype], torch.get_num_threads(),
         )  # fmt: skip
@@ -59,7 +57,7 @@ def silu_and_mul(x):
         return reference.silu_and_mul(x)
     width = x.shape[-1] // 2
     out = torch.empty(*x.shape[:-1], width, dtype=x.dtype)
-    _library().silu_and_mul(
+    LIBRARY.get().silu_and_mul(
         x.data_ptr(), x.numel() // x.shape[-1], width, DTYPES[x.dtype], torch.get_num_threads(),
         out.data_ptr(),
     )  # fmt: skip
@@ -73,7 +71,7 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
         reference.store_kv(key, value, k_cache, v_cache, slot_mapping)
         return
     slots = slot_mapping.to(torch.int64).contiguous()
-    _library().store_kv(
+    LIBRARY.get().store_kv(
         key.data_ptr(), value.data_ptr(), key.stride(0), value.stride(0), slots.data_ptr(),
         key.shape[0], key.shape[1] * key.shape[2], DTYPES[key.dtype], torch.get_num_threads(),
         k_cache.data_ptr(), v_cache.data_ptr(),
@@ -112,13 +110,13 @@ def _fits_cache(cos_sin_cache: torch.Tensor, head_dim: int) -> bool:
     )
 
 
-@cache
-def _library() -> ctypes.CDLL | None:
-    i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    signatures = {
-        "rms_norm": ([ptr, ptr, ptr, ctypes.c_float, i64, i64, i32, i32, ptr, ptr], None),
-        "rotary_embedding": ([ptr, i64, i64, i64, ptr, ptr, i64, i32, i32], None),
-        "silu_and_mul": ([ptr, i64, i64, i32, i32, ptr], None),
-        "store_kv": ([ptr, ptr, i64, i64, ptr, i64, i64, i32, i32, ptr, ptr], None),
-    }
-    return cpu_build.load_functions(Path(__file__).with_name("cpu_elementwise.cpp"), signatures)
+_i64, _ptr, _i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+LIBRARY = cpu_build.Library(
+    "cpu_elementwise.cpp",
+    {
+        "rms_norm": ([_ptr, _ptr, _ptr, ctypes.c_float, _i64, _i64, _i32, _i32, _ptr, _ptr], None),
+        "rotary_embedding": ([_ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _i32, _i32], None),
+        "silu_and_mul": ([_ptr, _i64, _i64, _i32, _i32, _ptr], None),
+        "store_kv": ([_ptr, _ptr, _i64, _i64, _ptr, _i64, _i64, _i32, _i32, _ptr, _ptr], None),
+    },
+)

@@ -1,7 +1,7 @@
 // The linear layers' GEMMs for decode's few rows: out[M, N] = x[M, K] W^T, bf16 on AMX tiles
-// (fp32 sums) and fp32 on AVX-512 FMA (below). Built and loaded by cpu_build.py, called by
-// cpu_gemm.py; an entry point answers 1 (not served) where the build lacks the instructions,
-// and oneDNN serves instead.
+// (fp32 sums), and on vectors (AVX-512 or AVX2 FMA, below) fp32 and bf16 (widened to fp32 sums).
+// Built and loaded by cpu_build.py, called by cpu_gemm.py; an entry point answers 1 (not
+// served) where the build lacks the instructions, and oneDNN serves instead.
 //
 // Why: at decode's 1-64 rows a GEMM only streams its weight once, and oneDNN's (through
 // torch's `_linear_pointwise`) spends ~18 us a call setting up before it does (a 16x16 GEMM
@@ -43,7 +43,7 @@ constexpr int64_t kTileWords = 16 * 16;  // a B tile: 16 rows of 16 bf16 pairs (
 
 // The fp32 tile `acc` (16 x 16) as bf16 to `rows` rows of `out`, `n` apart.
 inline void store_block(const float* acc, int64_t rows, int64_t n, uint16_t* out) {
-  for (int64_t r = 0; r < rows; ++r) store16(out + r * n, _mm512_load_ps(acc + r * 16));
+  for (int64_t r = 0; r < rows; ++r) vstore(out + r * n, _mm512_load_ps(acc + r * 16));
 }
 
 // Every row tile of x (16 rows each, `k` apart) times B blocks of 16 columns each (their
@@ -124,58 +124,87 @@ void gemm(const uint16_t* x, int64_t m, int64_t k, const uint32_t* packed, int64
 }
 #endif
 
-#if defined(__AVX512F__)
-// fp32 on AVX-512 FMA: W packed at load into blocks of 16 output columns, each [K][16]
-// (K * 16 floats, one block after the other). oneDNN's prepacked fp32 GEMM ran this engine's
-// layers at 55-111 GFLOP/s at 16-64 rows, where it reaches ~196 at 2,048; this one is 1.1-1.3x
-// faster at 1-64 rows. Threads share groups of up to four blocks, as above; a group is swept
-// `kDepth` K steps at a time, so that its 32 KiB of weights for those steps, read from memory
-// by the first tile of rows, stay in L1 for the next ones. Each row's sums run in K order
-// whatever the row count: a row's result does not depend on the batch it came in.
-constexpr int64_t kDepth = 128;
-constexpr int kTileRows = 6;  // 6 rows x 4 blocks: 24 of the 32 vector registers hold sums
+#if defined(HALFMOON_VEC)
+// On vectors (AVX-512 or AVX2 FMA: cpu_vector.h), fp32 sums over a weight packed at load into
+// blocks of 16 output columns, each [K][16] (K * 16 values, one block after the other), held in
+// fp32 or in bf16 (widened as it is loaded: half the bytes a decode step streams). On AVX-512,
+// oneDNN's prepacked fp32 GEMM ran this engine's layers at 55-111 GFLOP/s at 16-64 rows, where
+// it reaches ~196 at 2,048; this one is 1.1-1.3x faster at 1-64 rows. Threads share groups of
+// up to four blocks, as above; a group is swept `kDepth` K steps at a time (all of this engine's
+// K), its weights for those steps (at most 512 KiB in fp32) read from memory by the first tile
+// of rows and from L2 by the next ones: sweeps of 128 steps, to stay in L1, measured 1-20 %
+// slower at 4-64 rows (Zen 4, AVX-512 and AVX2 alike). Each row's sums run in K order whatever
+// the row count: a row's result does not depend on the batch it came in.
+constexpr int64_t kDepth = 2048;
+constexpr int kTileRows = 6;
+constexpr int kBlockVectors = 16 / kLanes;  // vectors across a block's 16 columns: 1 or 2
 
-// Rows [0, R) of x (`k` apart) times blocks [0, B) over K steps [k0, k1), summed into `out`
-// (`n` apart; set, not summed, when `first`).
-template <int R, int B>
-void f32_tile(const float* x, int64_t k, int64_t k0, int64_t k1, const float* w,
-              int64_t block_floats, bool first, int64_t n, float* out) {
-  __m512 acc[R][B];
+// Rows [0, R) of x (`k` apart) times blocks [0, B) of W (fp32 or bf16, `block_values` apart)
+// over K steps [k0, k1), summed into `out` (`ldo` apart; set, not summed, when `first`).
+template <int R, int B, typename W>
+void vec_tile(const float* x, int64_t k, int64_t k0, int64_t k1, const W* w,
+              int64_t block_values, bool first, int64_t ldo, float* out) {
+  constexpr int V = B * kBlockVectors;
+  vfloat acc[R][V];
 #pragma GCC unroll 6
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-    for (int b = 0; b < B; ++b)
-      acc[r][b] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(out + r * n + b * 16);
+    for (int v = 0; v < V; ++v) acc[r][v] = first ? vzero() : vload(out + r * ldo + v * kLanes);
   for (int64_t step = k0; step < k1; ++step) {
-    __m512 weights[B];
+    vfloat weights[V];
 #pragma GCC unroll 4
-    for (int b = 0; b < B; ++b) weights[b] = _mm512_loadu_ps(w + b * block_floats + step * 16);
+    for (int v = 0; v < V; ++v)
+      weights[v] = vload(w + (v / kBlockVectors) * block_values + step * 16 +
+                         (v % kBlockVectors) * kLanes);
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) {
-      const __m512 xr = _mm512_set1_ps(x[r * k + step]);
+      const vfloat xr = vset(x[r * k + step]);
 #pragma GCC unroll 4
-      for (int b = 0; b < B; ++b) acc[r][b] = _mm512_fmadd_ps(xr, weights[b], acc[r][b]);
+      for (int v = 0; v < V; ++v) acc[r][v] = vfmadd(xr, weights[v], acc[r][v]);
     }
   }
 #pragma GCC unroll 6
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-    for (int b = 0; b < B; ++b) _mm512_storeu_ps(out + r * n + b * 16, acc[r][b]);
+    for (int v = 0; v < V; ++v) vstore(out + r * ldo + v * kLanes, acc[r][v]);
 }
 
-template <int B>
-void f32_group(const float* x, int64_t m, int64_t k, const float* w, int64_t n, float* out) {
-  const int64_t block_floats = k * 16;
+// Blocks a tile of R rows sums at once: all B (up to 4) on AVX-512, 6 x 4 sums in its 32
+// registers; on AVX2's 16, two blocks (four vectors) a row for one or two rows, else one.
+template <int R, int B>
+constexpr int tile_blocks() {
+  if constexpr (HALFMOON_VEC == 512) return B;
+  return std::min(B, R <= 2 ? 2 : 1);
+}
+
+// Rows [0, R) of x times the group's B blocks over K steps [k0, k1), `tile_blocks` at a time.
+template <int R, int B, typename W>
+inline void row_tile(const float* x, int64_t k, int64_t k0, int64_t k1, const W* w,
+                     int64_t block_values, int64_t ldo, float* out) {
+  constexpr int TB = tile_blocks<R, B>();
+  int b0 = 0;
+  for (; b0 + TB <= B; b0 += TB)
+    vec_tile<R, TB>(x, k, k0, k1, w + b0 * block_values, block_values, k0 == 0, ldo,
+                    out + b0 * 16);
+  if constexpr (B % TB != 0)
+    vec_tile<R, B % TB>(x, k, k0, k1, w + b0 * block_values, block_values, k0 == 0, ldo,
+                        out + b0 * 16);
+}
+
+// x [m, k] (fp32) times a group's B blocks of W into out ([m][16 B], `ldo` apart), fp32.
+template <int B, typename W>
+void vec_group(const float* x, int64_t m, int64_t k, const W* w, int64_t ldo, float* out) {
+  const int64_t block_values = k * 16;
   for (int64_t k0 = 0; k0 < k; k0 += kDepth) {
-    const int64_t k1 = std::min(k, k0 + kDepth);
+    const int64_t k1 = std::min<int64_t>(k, k0 + kDepth);
     for (int64_t row0 = 0; row0 < m; row0 += kTileRows) {
       const float* rows = x + row0 * k;
-      float* out_rows = out + row0 * n;
+      float* out_rows = out + row0 * ldo;
       switch (std::min<int64_t>(kTileRows, m - row0)) {
 #define HALFMOON_ROWS(R) \
-  case R: f32_tile<R, B>(rows, k, k0, k1, w, block_floats, k0 == 0, n, out_rows); break;
+  case R: row_tile<R, B>(rows, k, k0, k1, w, block_values, ldo, out_rows); break;
         HALFMOON_ROWS(1) HALFMOON_ROWS(2) HALFMOON_ROWS(3) HALFMOON_ROWS(4) HALFMOON_ROWS(5)
-        default: f32_tile<6, B>(rows, k, k0, k1, w, block_floats, k0 == 0, n, out_rows);
+        default: row_tile<6, B>(rows, k, k0, k1, w, block_values, ldo, out_rows);
 #undef HALFMOON_ROWS
       }
     }
@@ -190,7 +219,36 @@ void gemm_f32(const float* x, int64_t m, int64_t k, const float* packed, int64_t
     const float* w = packed + 4 * g * k * 16;
     float* out_group = out + 64 * g;
     with_blocks(std::min<int64_t>(4, blocks - 4 * g),
-                [&](auto b) { f32_group<decltype(b)::value>(x, m, k, w, n, out_group); });
+                [&](auto b) { vec_group<decltype(b)::value>(x, m, k, w, n, out_group); });
+  }
+}
+
+// bf16 x [m, k] times bf16 blocks: each thread widens `kChunkRows` rows of x at a time into
+// fp32 (x is small beside W at decode's rows; at prefill's it is read once a chunk), sums its
+// groups into fp32 and rounds each result once, as an fp32 matmul rounded to bf16.
+constexpr int64_t kChunkRows = 240;
+
+void gemm_bf16_vec(const uint16_t* x, int64_t m, int64_t k, const uint16_t* packed, int64_t n,
+                   int num_threads, uint16_t* out) {
+  const int64_t blocks = n / 16, groups = (blocks + 3) / 4;
+#pragma omp parallel num_threads(num_threads)
+  {
+    std::vector<float> rows(std::min(m, kChunkRows) * k), sums(std::min(m, kChunkRows) * 64);
+    for (int64_t row0 = 0; row0 < m; row0 += kChunkRows) {
+      const int64_t count = std::min(kChunkRows, m - row0);
+      for (int64_t i = 0; i < count * k; ++i) rows[i] = bf16_to_float(x[row0 * k + i]);
+#pragma omp for schedule(static)
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t width = std::min<int64_t>(4, blocks - 4 * g) * 16;
+        with_blocks(width / 16, [&](auto b) {
+          vec_group<decltype(b)::value>(rows.data(), count, k, packed + 4 * g * k * 16, 64,
+                                        sums.data());
+        });
+        for (int64_t r = 0; r < count; ++r)
+          for (int64_t c = 0; c < width; c += kLanes)
+            vstore(out + (row0 + r) * n + 64 * g + c, vload(sums.data() + r * 64 + c));
+      }
+    }
   }
 }
 #endif
@@ -216,9 +274,9 @@ int gemm_bf16(const void* x, int64_t m, int64_t k, const void* packed, int64_t n
 #endif
 }
 
-// 1 when this build has the fp32 GEMM (AVX-512), else 0.
-int f32_ready() {
-#if defined(__AVX512F__)
+// 1 when this build has the vector GEMMs (AVX-512 or AVX2 FMA: fp32, and bf16 widened), else 0.
+int vec_ready() {
+#if defined(HALFMOON_VEC)
   return 1;
 #else
   return 0;
@@ -229,10 +287,24 @@ int f32_ready() {
 // multiple of 16. 0 when done; 1 when not served (nothing written).
 int gemm_fp32(const void* x, int64_t m, int64_t k, const void* packed, int64_t n,
               int num_threads, void* out) {
-#if defined(__AVX512F__)
+#if defined(HALFMOON_VEC)
   if (n % 16 != 0) return 1;
   gemm_f32(static_cast<const float*>(x), m, k, static_cast<const float*>(packed), n,
            num_threads, static_cast<float*>(out));
+  return 0;
+#else
+  return 1;
+#endif
+}
+
+// The same for bf16 x, W (packed as fp32's, [n / 16][k][16]) and out: fp32 sums, each result
+// rounded once. 0 when done; 1 when not served (nothing written).
+int gemm_bf16_blocks(const void* x, int64_t m, int64_t k, const void* packed, int64_t n,
+                     int num_threads, void* out) {
+#if defined(HALFMOON_VEC)
+  if (n % 16 != 0) return 1;
+  gemm_bf16_vec(static_cast<const uint16_t*>(x), m, k, static_cast<const uint16_t*>(packed), n,
+                num_threads, static_cast<uint16_t*>(out));
   return 0;
 #else
   return 1;

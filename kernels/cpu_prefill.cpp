@@ -130,7 +130,7 @@ void pack(const uint16_t* k_cache, const uint16_t* v_cache, const int32_t* table
   }
 }
 
-// e^x for x <= ~0 (a row's scores less its largest): exp16's split with a degree-4 polynomial
+// e^x for x <= ~0 (a row's scores less its largest): vexp's split with a degree-4 polynomial
 // for 2^f (relative error 3.6e-6, ample for probabilities rounded to bf16) and no clamps
 // (scalef takes a very negative x to 0).
 inline __m512 exp_below_zero16(__m512 x) {
@@ -241,7 +241,7 @@ void attend(const uint16_t* query, const uint32_t* keys, const uint32_t* values,
     uint16_t* row = out + ((row0 + r) * s.q_heads + head) * kDim;
 #pragma GCC unroll 4
     for (int64_t c = 0; c < kCols; ++c) {
-      store16(row + c * 16, _mm512_mul_ps(_mm512_load_ps(acc + r * kDim + c * 16), inverse));
+      vstore(row + c * 16, _mm512_mul_ps(_mm512_load_ps(acc + r * kDim + c * 16), inverse));
     }
   }
 }

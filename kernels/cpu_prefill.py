@@ -8,8 +8,6 @@ the rest.
 from __future__ import annotations
 
 import ctypes
-from functools import cache
-from pathlib import Path
 
 import torch
 
@@ -18,11 +16,9 @@ from halfmoon.kernels import cpu_build
 HEAD_DIM = 64
 
 
-@cache
 def available() -> bool:
     """Whether the kernel is built (or can be), loads, and the CPU lends this process AMX."""
-    library = _library()
-    return library is not None and library.amx_ready() == 1
+    return LIBRARY.ready("amx_ready")
 
 
 def supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -54,7 +50,7 @@ def prefill_attention(query, k_cache, v_cache, cu_seqlens_q, block_tables, prefi
     if num_runs == 0 or query.shape[0] == 0:
         return out
     _, block_size, kv_heads, head_dim = k_cache.shape
-    served = _library().prefill_attention_bf16(
+    served = LIBRARY.get().prefill_attention_bf16(
         query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), cu.data_ptr(),
         tables.data_ptr(), prefixes.data_ptr(), num_runs, query.shape[1], kv_heads, head_dim,
         block_size, tables.shape[1], scale, torch.get_num_threads(), out.data_ptr(),
@@ -64,11 +60,11 @@ def prefill_attention(query, k_cache, v_cache, cu_seqlens_q, block_tables, prefi
     return out
 
 
-@cache
-def _library() -> ctypes.CDLL | None:
-    i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    args = [ptr] * 6 + [i64] * 6 + [ctypes.c_float, i32, ptr]
-    source = Path(__file__).with_name("cpu_prefill.cpp")
-    return cpu_build.load_functions(
-        source, {"prefill_attention_bf16": (args, i32), "amx_ready": ([], i32)}
-    )
+_i64, _ptr, _i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+LIBRARY = cpu_build.Library(
+    "cpu_prefill.cpp",
+    {
+        "prefill_attention_bf16": ([_ptr] * 6 + [_i64] * 6 + [ctypes.c_float, _i32, _ptr], _i32),
+        "amx_ready": ([], _i32),
+    },
+)

@@ -1,8 +1,8 @@
 """`halfmoon bench cpu-linear`: the linear layers' GEMMs of the CPU benchmark model as the
 engine runs them (`engine/cpu_linear.py`: decode rows through `kernels/cpu_gemm.py`, bf16 on AMX
-tiles, fp32 on AVX-512, where the CPU has them) against the path before, at each row count and
-thread count: oneDNN's prepacked GEMM, and for fp32 at up to `PLAIN_ROWS` rows MKL over the
-plain weight."""
+tiles, fp32 and bf16 on AVX-512 or AVX2 vectors, where the CPU has them) against the path
+without cpu_gemm, at each row count and thread count: oneDNN's prepacked GEMM where it serves
+the dtype (for fp32 at up to `PLAIN_ROWS` rows MKL over the plain weight), else `F.linear`."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from torch import nn
 from halfmoon.cluster.bench.options import bench_parser
 from halfmoon.engine import cpu_linear
 from halfmoon.engine.init_model import SHAPES
+from halfmoon.kernels import cpu_build
 
 
 def layer_weights(shape, layers: int, dtype: torch.dtype) -> list[list[nn.Linear]]:
@@ -42,12 +43,17 @@ def layer_weights(shape, layers: int, dtype: torch.dtype) -> list[list[nn.Linear
 
 def time_layers(layers, rows: int, ours: bool, repeats: int) -> float:
     """Median ms of one pass over every layer's GEMMs at `rows` rows: the engine's path (`ours`)
-    or the one before (`TILE_ROWS` 0: oneDNN; fp32 at up to `PLAIN_ROWS` rows, MKL)."""
+    or the one without cpu_gemm (`tile_rows` 0: oneDNN; fp32 at up to `PLAIN_ROWS` rows MKL;
+    `F.linear` where oneDNN does not serve the dtype)."""
     dtype = layers[0][0].weight.dtype
     inputs = [torch.randn(rows, linear.in_features, dtype=dtype) for linear in layers[0]]
-    plain = not ours and dtype == torch.float32 and rows <= cpu_linear.PLAIN_ROWS
-    before = cpu_linear.TILE_ROWS
-    cpu_linear.TILE_ROWS = before if ours else 0
+    onednn = layers[0][0].packed.weight is not None
+    small = dtype == torch.float32 and rows <= cpu_linear.PLAIN_ROWS
+    plain = not ours and (small or not onednn)
+    kept = [linear.packed.tile_rows for layer in layers for linear in layer]
+    for layer in layers:
+        for linear in layer:
+            linear.packed.tile_rows = linear.packed.tile_rows if ours else 0
     try:
         passes = []
         for attempt in range(repeats + 2):  # two untimed
@@ -62,17 +68,21 @@ def time_layers(layers, rows: int, ours: bool, repeats: int) -> float:
                 passes.append((time.perf_counter() - started) * 1e3)
         return statistics.median(passes)
     finally:
-        cpu_linear.TILE_ROWS = before
+        packed = (linear.packed for layer in layers for linear in layer)
+        for layer_packed, tile_rows in zip(packed, kept, strict=True):
+            layer_packed.tile_rows = tile_rows
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = bench_parser(
         "cpu-linear",
         description="The GEMMs of the ~50M CPU benchmark model's layers, at decode's row "
-        "counts: the engine's path (up to TILE_ROWS rows, kernels/cpu_gemm.py: bf16 on AMX "
-        "tiles, fp32 on AVX-512, where the CPU has them) against the path before (oneDNN's "
-        "prepacked GEMM; fp32 at 1-3 rows, MKL over the plain weight), one after the other at "
-        "each setting; prints each one's median ms a pass over all layers and before / ours.",
+        "counts: the engine's path (kernels/cpu_gemm.py where the CPU serves it: bf16 on AMX "
+        "tiles, fp32 and bf16 on AVX-512 or AVX2 vectors) against the path without it "
+        "(oneDNN's prepacked GEMM where it serves the dtype, fp32 at 1-3 rows MKL over the "
+        "plain weight, else F.linear), one after the other at each setting; prints each one's "
+        "median ms a pass over all layers and before / ours. HALFMOON_CPU_ISA=avx2 runs what "
+        "an AVX2 CPU runs.",
     )
     parser.add_argument(
         "--rows", type=int, nargs="+", default=[1, 16, 32, 64, 128],
@@ -92,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--rows, --threads, --layers and --repeats take counts of 1 or more")
     layers = layer_weights(SHAPES["bench"], args.layers, getattr(torch, args.dtype))
     tiled = layers[0][0].packed.tiles is not None
+    path = layers[0][0].packed.path
     if not tiled:
         print(f"no cpu_gemm kernel for {args.dtype} here: both sides take the path before")
     threads_before, results = torch.get_num_threads(), []
@@ -109,9 +120,11 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         torch.set_num_threads(threads_before)
     if args.json:
-        report = {"dtype": args.dtype, "tiled": tiled, "layers": args.layers}
+        report = {"dtype": args.dtype, "tiled": tiled, "path": path, "layers": args.layers}
+        report["kernels"] = cpu_build.report()
         print(json.dumps(report | {"results": results}))
         return 0
+    print(f"our path: {path} (the {cpu_build.current().name} kernels)")
     print(f"{'threads':>7} {'rows':>5} {'ours ms':>9} {'before ms':>10} {'before / ours':>14}")
     for r in results:
         print(f"{r['threads']:>7} {r['rows']:>5} {r['ours_ms']:>9.2f} {r['before_ms']:>10.2f} "

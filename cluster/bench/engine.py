@@ -20,7 +20,9 @@ from pathlib import Path
 import torch
 
 from halfmoon.cluster.bench.peer import PeerUnavailableError
+from halfmoon.engine import cpu_linear
 from halfmoon.engine.init_model import SHAPES, default_model_dir, ensure_model
+from halfmoon.kernels import cpu_build
 
 
 @dataclass(slots=True)
@@ -198,7 +200,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="halfmoon bench engine",
         description="Output tokens/s of our engine vs transformers generate (static batches) and "
         "transformers continuous batching, or (--peer vllm) vs vLLM's CPU build in a subprocess, "
-        "or (--tp T) at T ranks vs one, on the same requests.",
+        "or (--tp T) at T ranks vs one, or (--vs-dtype D) in --dtype vs D, on the same requests.",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(
@@ -243,10 +245,18 @@ def _parser() -> argparse.ArgumentParser:
         "prints tp1_tok_s, tp_tok_s and their ratio",
     )
     parser.add_argument(
+        "--vs-dtype",
+        choices=["float32", "bfloat16"],
+        help="instead of transformers: our engine in --dtype against itself in this dtype, on "
+        "the same requests and --threads, turns alternating (on CPU: e.g. bf16 vs fp32 on an "
+        "AVX2 CPU, HALFMOON_CPU_ISA=avx2 to run what one runs); prints the ratio",
+    )
+    parser.add_argument(
         "--repeats",
         type=int,
         default=3,
-        help="runs of each with --peer or several --threads (medians) or --tp (the best) (3)",
+        help="runs of each with --peer, --vs-dtype or several --threads (medians) or --tp (the "
+        "best) (3)",
     )
     return parser
 
@@ -267,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("several --threads counts: on --device cpu, without --tp")
     if args.repeats < 1:
         parser.error(f"--repeats {args.repeats}: give 1 or more")
+    if args.vs_dtype and (args.peer or args.tp or len(args.thread_counts) > 1):
+        parser.error("--vs-dtype: one --threads count, without --peer or --tp")
     args.threads = args.thread_counts[0]
     setup = SETUPS[args.device]
     dtype = getattr(torch, args.dtype) if args.dtype else setup.dtype
@@ -294,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
         from halfmoon.cluster.bench.engine_turns import compare_in_turns as compare
     if args.tp:
         from halfmoon.cluster.bench.engine_degrees import compare_degrees as compare
+    if args.vs_dtype:
+        from halfmoon.cluster.bench.engine_dtypes import compare_dtypes as compare
     try:
         figures = compare(model_dir, work, dtype, args)
     except PeerUnavailableError as error:
@@ -307,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
         "output_tokens": work.num_output_tokens,
         **figures,
     }
+    if args.device == "cpu":  # which kernel variant and linear path ours took
+        result["kernels"] = cpu_build.report() | {"linear": cpu_linear.plan(dtype)}
     _print(result, args.json)
     return 0
 

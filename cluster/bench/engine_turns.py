@@ -36,9 +36,9 @@ def compare_in_turns(model_dir: Path, work: Workload, dtype: torch.dtype, args) 
                 peers[threads].run()
         for turn in range(args.repeats):
             for threads in counts:
-                theirs = _after_quiet(peers[threads].run) if peers else None
+                theirs = after_quiet(peers[threads].run) if peers else None
                 torch.set_num_threads(threads)
-                ours_s, ours_cpu_s, _ = _after_quiet(time_ours, llm, work)
+                ours_s, ours_cpu_s, _ = after_quiet(time_ours, llm, work)
                 if theirs is not None:
                     assert theirs.output_tokens == work.num_output_tokens, theirs
                 runs[threads].append(TimedRun(ours_s, ours_cpu_s, theirs))
@@ -56,14 +56,14 @@ def compare_in_turns(model_dir: Path, work: Workload, dtype: torch.dtype, args) 
         result |= {f"{key}_{threads}t": value for key, value in figures.items()}
     first, last = runs[counts[0]], runs[counts[-1]]
     scalings = [a.ours_s / b.ours_s for a, b in zip(first, last, strict=True)]
-    result |= {"ours_scaling": statistics.median(scalings), "ours_scalings": _rounded(scalings)}
+    result |= {"ours_scaling": statistics.median(scalings), "ours_scalings": rounded(scalings)}
     if peers:
         scalings = [a.peer.wall_s / b.peer.wall_s for a, b in zip(first, last, strict=True)]
-        result |= {"vllm_scaling": statistics.median(scalings), "vllm_scalings": _rounded(scalings)}
+        result |= {"vllm_scaling": statistics.median(scalings), "vllm_scalings": rounded(scalings)}
     return result
 
 
-def _after_quiet(run, *args, timeout_s: float = QUIET_TIMEOUT_S):
+def after_quiet(run, *args, timeout_s: float = QUIET_TIMEOUT_S):
     """`run(*args)` once the machine's CPUs have been idle (under 10 % busy) for a 0.2 s window,
     or after `timeout_s`: vLLM's processes keep a core busy for ~1 s after each of its runs,
     which would otherwise be charged to the run after it."""
@@ -115,10 +115,10 @@ def _turns_result(runs: list[TimedRun], tokens: int) -> dict:
     return result | {
         "vllm_tok_s": tokens / statistics.median(run.peer.wall_s for run in runs),
         "ratio_vs_vllm": statistics.median(ratios),
-        "ratios_vs_vllm": _rounded(ratios),
+        "ratios_vs_vllm": rounded(ratios),
         "vllm_tok_per_cpu_s": tokens / statistics.median(run.peer.cpu_s for run in runs),
     }
 
 
-def _rounded(values: list[float]) -> list[float]:
+def rounded(values: list[float]) -> list[float]:
     return [round(value, 3) for value in values]

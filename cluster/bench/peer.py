@@ -12,6 +12,8 @@ from pathlib import Path
 
 PEERS_PYTHON = Path(__file__).resolve().parents[2] / ".peers-venv" / "bin" / "python"
 DRIVER = Path(__file__).with_name("vllm_peer.py")
+# Put on the peer's PYTHONPATH where our kernels run a pre-AVX-512 variant (its sitecustomize).
+PEER_SITE = Path(__file__).with_name("peer_site")
 
 
 class PeerUnavailableError(RuntimeError):
@@ -66,8 +68,11 @@ class VllmPeer:
 
 def _env(threads: int) -> dict[str, str]:
     """vLLM's own way to use `threads` cores: its OpenMP threads bound to the first `threads`
-    CPUs this process may use (unless the caller set VLLM_CPU_OMP_THREADS_BIND)."""
+    CPUs this process may use (unless the caller set VLLM_CPU_OMP_THREADS_BIND). Where
+    `HALFMOON_CPU_ISA` is `avx2` (or `generic`), vLLM's AVX2 build (`peer_site`)."""
     cpus = sorted(os.sched_getaffinity(0))[:threads]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cpus)))
+    if env.get("HALFMOON_CPU_ISA", "").strip().lower() in ("avx2", "generic"):
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PEER_SITE), env.get("PYTHONPATH")]))
     return env

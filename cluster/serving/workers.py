@@ -191,6 +191,7 @@ class WorkerPool:
             loads[worker.name] = {
                 "kind": worker.kind,
                 "tensor_parallel_size": worker.info.tensor_parallel_size,
+                "kernels": worker.info.kernels,
                 "draining": worker.draining,
                 "running": load.num_running,
                 "waiting": load.num_waiting,

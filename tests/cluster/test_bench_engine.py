@@ -13,6 +13,7 @@ import torch
 from halfmoon.cluster.bench import engine as bench_engine
 from halfmoon.cluster.bench import engine_turns
 from halfmoon.cluster.bench.engine_degrees import compare_degrees
+from halfmoon.cluster.bench.engine_dtypes import compare_dtypes
 
 
 @pytest.mark.timeout(120)
@@ -50,6 +51,22 @@ def test_several_thread_counts_run_in_turns_and_print_the_scaling(tiny_model_dir
     assert "turn 1, 2 thread(s): ours" in err and "turn 0, 1 thread(s): ours" in err
 
 
+@pytest.mark.timeout(120)
+def test_vs_dtype_times_both_dtypes_in_turns_and_prints_the_ratio(tiny_model_dir, capsys):
+    work = bench_engine.make_workload(3, 200, seed=0, scale=0.1)
+    args = argparse.Namespace(vs_dtype="float32", batch_size=4, device="cpu", repeats=2)
+    figures = compare_dtypes(tiny_model_dir, work, torch.bfloat16, args)
+    assert len(figures["ratios_vs_float32"]) == 2
+    assert figures["ours_tok_s"] > 0 and figures["float32_tok_s"] > 0
+    assert "turn 1: ours" in capsys.readouterr().err
+
+
+def test_vs_dtype_takes_one_thread_count_and_no_peer_or_tp():
+    for extra in (["--peer", "vllm"], ["--tp", "2"], ["--threads", "1", "2"]):
+        with pytest.raises(SystemExit):
+            bench_engine.main(["--vs-dtype", "float32", *extra])
+
+
 def test_thread_counts_are_distinct_and_several_only_on_cpu_without_tp_and_repeats_one_or_more():
     bad = (["--threads", "1", "1"], ["--threads", "0"], ["--threads", "1", "2", "--tp", "2"])
     for argv in (*bad, ["--threads", "1", "2", "--repeats", "0"]):
@@ -63,7 +80,7 @@ def test_a_timed_run_waits_for_the_cpus_to_go_idle():
     busy = subprocess.Popen([sys.executable, "-c", spinner])
     try:
         started = time.monotonic()
-        ran_at = engine_turns._after_quiet(time.monotonic, timeout_s=20)
+        ran_at = engine_turns.after_quiet(time.monotonic, timeout_s=20)
         assert ran_at - started >= 0.5  # not while the spinner held a core
     finally:
         busy.wait()

@@ -5,11 +5,12 @@ from __future__ import annotations
 import torch
 
 
-def reference_model(model_dir, device: str = "cpu"):
-    """The checkpoint as a transformers model in fp32 that never stops early (like ignore_eos)."""
+def reference_model(model_dir, device: str = "cpu", dtype: torch.dtype = torch.float32):
+    """The checkpoint as a transformers model (fp32 by default) that never stops early (like
+    ignore_eos)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     model.generation_config.eos_token_id = None
     return model
 

@@ -12,7 +12,9 @@ from halfmoon.engine.init_model import TinyModelShape, init_model
 from halfmoon.kernels import cpu_prefill, ops
 
 pytestmark = pytest.mark.skipif(
-    not cpu_prefill.available(), reason="no AMX (or no C++ compiler): the torch reference serves"
+    not cpu_prefill.available(),
+    reason=cpu_prefill.LIBRARY.error()
+    or "this CPU (or Linux) lends no AMX: the torch reference serves prefill attention",
 )
 
 

@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from isa_testkit import RUNNABLE, variant
 
-from halfmoon.kernels import cpu_attention, ops, reference
+from halfmoon.kernels import cpu_attention, cpu_build, ops, reference
 
 DTYPES = (torch.float32, torch.bfloat16)
 DTYPE_IDS = ("fp32", "bf16")
@@ -29,16 +30,25 @@ def per_sequence_attention(query, k_cache, v_cache, block_tables, seq_lens, scal
     return out
 
 
-# The two CPU implementations; the compiled one needs g++ (every CI machine has it).
-KERNELS = (cpu_attention, reference)
-KERNEL_IDS = ("native", "torch")
+# The CPU implementations: the compiled kernel in each variant this machine runs (it needs g++,
+# which every CI machine has), and the torch reference.
+KERNELS = (*RUNNABLE, "torch")
 
 
-@pytest.fixture(params=KERNELS, ids=KERNEL_IDS)
+@pytest.fixture(params=KERNELS)
 def kernel(request):
-    if request.param is cpu_attention and not cpu_attention.available():
-        pytest.skip("no C++ compiler: the torch reference serves CPU decode")
-    return request.param
+    if request.param == "torch":
+        yield reference
+        return
+    with variant(request.param, cpu_attention.LIBRARY):
+        yield cpu_attention
+
+
+@pytest.fixture(params=RUNNABLE)
+def native(request):
+    """The compiled kernel, in each variant this machine runs."""
+    with variant(request.param, cpu_attention.LIBRARY):
+        yield cpu_attention
 
 
 def decode_both(kernel, paged_kv, lens, ratio, dtype, num_kv_heads=2, head_dim=64, block_size=16):
@@ -73,6 +83,10 @@ def test_decode_of_equal_whole_page_contexts_needs_no_mask(kernel, paged_kv, ass
     assert_close(actual, expected)
 
 
+def test_every_variant_this_cpu_runs_is_tested_best_first():
+    assert RUNNABLE[-1] == "generic" and cpu_build.current().name == RUNNABLE[0]
+
+
 def test_decode_splits_the_batch_into_chunks_without_changing_the_result(
     paged_kv, assert_close, monkeypatch
 ):
@@ -89,10 +103,8 @@ def test_decode_splits_the_batch_into_chunks_without_changing_the_result(
 
 @pytest.mark.parametrize("num_threads", (2, 3))
 def test_native_decode_gives_the_same_bits_on_any_number_of_threads(
-    paged_kv, assert_close, num_threads
+    native, paged_kv, assert_close, num_threads
 ):
-    if not cpu_attention.available():
-        pytest.skip("no C++ compiler")
     lens = [900, 3, 70, 1, 16]
     kv = paged_kv(lens, 16, 2, 64, torch.bfloat16)
     query = torch.randn(len(lens), 4, 64).to(torch.bfloat16)
@@ -109,19 +121,18 @@ def test_native_decode_gives_the_same_bits_on_any_number_of_threads(
     assert_close(alone, per_sequence_attention(*args))
 
 
-def test_cpu_decode_dispatches_to_the_native_kernel_unless_torch_is_forced(monkeypatch):
+def test_cpu_decode_dispatches_to_the_native_kernel_unless_torch_is_forced(native, monkeypatch):
     query, cache = torch.zeros(1, 2, 8), torch.zeros(1, 16, 1, 8)
     calls = []
-    for module in KERNELS:
+    for module in (cpu_attention, reference):
         monkeypatch.setattr(module, "paged_decode_attention", lambda *a, m=module: calls.append(m))
     ops.paged_decode_attention(query, cache, cache, torch.zeros(1, 1), torch.ones(1), 1.0)
     monkeypatch.setenv(ops.BACKEND_ENV, "torch")
     ops.paged_decode_attention(query, cache, cache, torch.zeros(1, 1), torch.ones(1), 1.0)
-    native = cpu_attention if cpu_attention.available() else reference
-    assert calls == [native, reference]
+    assert calls == [cpu_attention, reference]
 
 
-def test_the_native_kernel_refuses_tensors_off_the_cpu():
+def test_the_native_kernel_refuses_tensors_off_the_cpu(native):
     # It reads raw pointers: a GPU tensor's would crash the process (seen on the first GPU run).
     query, cache = torch.zeros(1, 2, 8, device="meta"), torch.zeros(1, 16, 1, 8, device="meta")
     with pytest.raises(ValueError, match="CPU tensors only"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from isa_testkit import RUNNABLE, variant
 
 from halfmoon.engine.rope import cos_sin_cache
 from halfmoon.kernels import cpu_elementwise, ops, reference
@@ -13,14 +14,17 @@ from halfmoon.kernels import cpu_elementwise, ops, reference
 DTYPES = (torch.float32, torch.bfloat16)
 DTYPE_IDS = ("fp32", "bf16")
 
-pytestmark = pytest.mark.skipif(
-    not cpu_elementwise.available(), reason="no C++ compiler: the torch references serve"
-)
+
+@pytest.fixture(autouse=True, params=RUNNABLE)
+def isa(request):
+    """Every test once per variant of the kernels this machine runs."""
+    with variant(request.param, cpu_elementwise.LIBRARY) as name:
+        yield name
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("with_residual", (False, True))
-@pytest.mark.parametrize("dim", (320, 100))  # 100: 16-lane groups and a tail of 4
+@pytest.mark.parametrize("dim", (320, 100))  # 100: 16- or 8-lane vectors and a tail of 4
 def test_rms_norm_matches_the_reference(assert_close, dtype, with_residual, dim):
     torch.manual_seed(0)
     x, weight = torch.randn(37, dim).to(dtype), torch.randn(dim).to(dtype)
@@ -32,7 +36,7 @@ def test_rms_norm_matches_the_reference(assert_close, dtype, with_residual, dim)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-@pytest.mark.parametrize("dim", (64, 40))  # 40: a 16-lane group and a tail of 4 per half
+@pytest.mark.parametrize("dim", (64, 40))  # 40: 16- or 8-lane vectors and a tail of 4 a half
 def test_rotary_rotates_strided_query_and_key_views_in_place(assert_close, dtype, dim):
     torch.manual_seed(0)
     heads, kv_heads = 8, 2

@@ -7,14 +7,22 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from isa_testkit import RUNNABLE, variant
 
 from halfmoon.engine import cpu_linear
 from halfmoon.kernels import cpu_prefill, ops, reference
 from halfmoon.kernels.attention import AttentionMetadata, paged_attention
 
-pytestmark = pytest.mark.skipif(
-    not cpu_prefill.available(), reason="no AMX (or no C++ compiler): the torch reference serves"
-)
+
+@pytest.fixture(autouse=True)
+def amx():
+    """The `amx` variant, where this CPU has AMX and Linux lends it to this process."""
+    if "amx" not in RUNNABLE:
+        pytest.skip("this CPU has no AMX: the torch reference serves prefill attention")
+    with variant("amx", cpu_prefill.LIBRARY):
+        if not cpu_prefill.available():
+            pytest.skip("Linux did not lend this process the AMX tiles (arch_prctl refused)")
+        yield
 
 
 def runs_over_pages(paged_kv, lens, prefixes, ratio, block_size=16, num_kv_heads=2):
