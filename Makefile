@@ -3,6 +3,11 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+# Test processes for `make test` (pytest-xdist, a test file per process at a time, each with
+# its own Ray instance): the suite mostly waits on cluster start-ups, so two halve its wall
+# time on a 2-core machine. PYTEST_WORKERS=0 runs it in one process.
+PYTEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),-p no:xdist,-n $(PYTEST_WORKERS) --dist loadfile)
 
 .PHONY: serve test test-fast test-gpu bench-gpu gpu-session gpu-visit wheelhouse install-wheelhouse rehearse-image lint format system-deps clean
 
@@ -20,10 +25,10 @@ serve: $(STAMP) system-deps
 	$(VENV)/bin/halfmoon serve $(ARGS)
 
 test: $(STAMP) system-deps
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
 
 test-fast: $(STAMP) system-deps
-	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) -m "not slow" $(PYTEST_ARGS)
 
 # GPU suite: `gpu`-marked tests and compiled Triton kernels on a CUDA host (skipped without one).
 # On the device machine (no internet) it runs from the wheelhouse carried as .whl/.

@@ -21,9 +21,24 @@ if not HAS_CUDA:
 
 from halfmoon.kvstore.redis_server import free_port  # noqa: E402 - after the env setup
 
+# The files whose one unit of work takes longest (a cluster of Ray nodes or an offline install
+# in a subprocess, a chaos run; 40-110 s each on a 2-core machine): run first, so that with
+# `make test`'s test processes (pytest-xdist, a file at a time) none of them is left for last.
+LONGEST_FIRST = (
+    "test_multinode.py",
+    "test_wheelhouse.py",
+    "test_bench_chaos.py",
+    "test_remote_fetch.py",
+    "test_cluster_serving.py",
+    "test_cluster_protection.py",
+)
+
 
 def pytest_collection_modifyitems(config, items) -> None:
-    """Tests marked `gpu` need CUDA: without it they are skipped, so `make test` runs anywhere."""
+    """The longest files first (`LONGEST_FIRST`); tests marked `gpu` need CUDA: without it
+    they are skipped, so `make test` runs anywhere."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
     if HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run `make test-gpu` on a GPU host)")

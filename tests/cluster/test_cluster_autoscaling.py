@@ -104,4 +104,5 @@ def test_slo_planner_sizes_a_pool_from_the_live_cost_model(tiny_model_dir):
         assert failures == []
         (_, _, _, _, up), *_, (_, _, _, _, down) = controller.history
         assert up.startswith("scale up 1 -> 2: planner: ")
-        assert down.startswith("scale down 2 -> 1: planner: no requests finished")
+        # Down once the burst is over, or (on a loaded host) once its tail's rate needs one.
+        assert down.startswith("scale down 2 -> 1: planner: ")

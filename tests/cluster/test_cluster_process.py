@@ -127,11 +127,16 @@ def _stream_chat_and_completion_with_openai(base_url: str) -> None:
 
     with openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0) as client:
         model = client.models.list().data[0].id
+        # Sampled at OpenAI's default temperature 1: the random model may draw its EOS early.
+        no_eos = {"extra_body": {"ignore_eos": True}}
+        messages = [{"role": "user", "content": "Hi"}]
         chat = client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, stream=True
+            model=model, messages=messages, max_tokens=4, stream=True, **no_eos
         )
         assert [c.choices[0].finish_reason for c in chat][-1] == "length"
-        text = client.completions.create(model=model, prompt="Hi", max_tokens=4, stream=True)
+        text = client.completions.create(
+            model=model, prompt="Hi", max_tokens=4, stream=True, **no_eos
+        )
         assert [c.choices[0].finish_reason for c in text][-1] == "length"
 
 
