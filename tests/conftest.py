@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 import tempfile
@@ -13,6 +14,9 @@ import torch
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Ray waits 30 s for its GCS to come up; on a 2-core machine whose other test process is
+# compiling kernels or importing torch it can take longer (a CI run lost one worker so).
+os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
 HAS_CUDA = torch.cuda.is_available()
 # Triton kernels run under the interpreter on machines without CUDA; set before triton loads.
 if not HAS_CUDA:
@@ -31,6 +35,7 @@ LONGEST_FIRST = (
     "test_remote_fetch.py",
     "test_cluster_serving.py",
     "test_cluster_protection.py",
+    "test_cluster_http_families.py",
 )
 
 
@@ -52,14 +57,31 @@ def ray_session() -> Iterator[None]:
     """A local Ray instance shared by every test of the session."""
     import ray
 
+    # The test processes start their Rays one at a time (a lock file), and a start that fails
+    # is tried once more: a head that cannot come up costs every test of the process.
+    with open(os.path.join(tempfile.gettempdir(), "halfmoon-ray-start.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            _start_ray(ray)
+        except RuntimeError:
+            ray.shutdown()
+            _start_ray(ray)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    yield
+    ray.shutdown()
+
+
+def _start_ray(ray) -> None:
     # address="local": a Ray of its own, even while another runs on the machine (a benchmark,
     # a second checkout's tests), instead of joining that one.
     ray.init(
-        address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
+        address="local",
+        num_cpus=4,
+        include_dashboard=False,
+        log_to_driver=False,
         ignore_reinit_error=True,
-    )  # fmt: skip
-    yield
-    ray.shutdown()
+    )
 
 
 @dataclass
