@@ -1,6 +1,9 @@
 # halfmoon in a container: `docker build -t halfmoon .` then
-#   docker run --rm --shm-size=2g -p 127.0.0.1:50051:50051 -p 127.0.0.1:9400:9400 halfmoon
-# serves the tiny model on CPU (docs/deploy.md). For a GPU image, build on a CUDA base with the
+#   export HALFMOON_API_KEY=$(openssl rand -hex 32)
+#   docker run --rm --shm-size=2g -e HALFMOON_API_KEY -p 127.0.0.1:50051:50051 \
+#     -p 127.0.0.1:9400:9400 halfmoon
+# serves the tiny model on CPU (docs/deploy.md). It binds 0.0.0.0 inside the container, which
+# `serve` refuses without an API key. For a GPU image, build on a CUDA base with the
 # matching torch wheels:
 #   docker build -t halfmoon:cuda --build-arg BASE_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04 \
 #     --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128 .
@@ -31,6 +34,7 @@ RUN pip install -q /src/halfmoon && rm -rf /src/halfmoon \
 USER halfmoon
 WORKDIR /home/halfmoon
 EXPOSE 50051 9400
-# Inside the container's own network namespace: publish the ports with -p to reach them.
+# Inside the container's own network namespace: publish the ports with -p to reach them. Beyond
+# loopback `serve` needs $HALFMOON_API_KEY (docker run -e), or --allow-unauthenticated.
 ENTRYPOINT ["halfmoon"]
 CMD ["serve", "--host", "0.0.0.0"]

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 from pydantic_core import PydanticCustomError
 
 from halfmoon.cluster.control.autoscaling_policy import invalid
+from halfmoon.cluster.frontend.auth import API_KEY_ENV, loopback
 from halfmoon.cluster.frontend.http_limits import HttpLimits
 from halfmoon.engine.config import EngineConfig, EngineSettings
 from halfmoon.kvstore.config import StoreConfig, StoreSettings
@@ -238,7 +239,10 @@ class ServerSection(Section):
     # On SIGTERM: refuse new requests (UNAVAILABLE, health NOT_SERVING), let the streams in
     # flight finish for up to this long, then stop.
     drain_timeout_s: float = Field(30.0, ge=0)
-    # PEM files: serve the gRPC API over TLS (both or neither).
+    # Serve beyond loopback (a `host` other than 127.0.0.1, ::1, localhost) without `api_key`:
+    # refused unless this is set, and then logged at start.
+    allow_unauthenticated: bool = False
+    # PEM files: serve the gRPC and the HTTP API over TLS (both or neither).
     tls_cert: str | None = None
     tls_key: str | None = None
     # Read deadlines and connection bounds of the HTTP API (docs/deploy.md, "Protection").
@@ -261,6 +265,13 @@ class ServerSection(Section):
             for other, other_port in named[:i]:
                 if port and port == other_port:
                     raise invalid(name, f"{port} is also {other}; give each its own port")
+        if self.api_key is None and not self.allow_unauthenticated and not loopback(self.host):
+            raise invalid(
+                "host",
+                f"{self.host} serves beyond this machine with no API key: set server.api_key "
+                f"(serve --api-key-file PATH, or ${API_KEY_ENV}), or server.allow_unauthenticated "
+                "(serve --allow-unauthenticated) to serve anyone who can reach it",
+            )
         if (self.tls_cert is None) != (self.tls_key is None):
             raise invalid("tls_key", "give tls_cert and tls_key together (or neither)")
         for name in ("tls_cert", "tls_key"):

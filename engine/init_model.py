@@ -38,13 +38,18 @@ SHAPES = {
 }
 
 
-def default_model_dir() -> Path:
-    """`$HALFMOON_CACHE/tiny-llama`, by default `~/.cache/halfmoon/tiny-llama`."""
+def cache_root() -> Path:
+    """`$HALFMOON_CACHE`, by default `~/.cache/halfmoon`."""
     cache = (
         os.environ.get("HALFMOON_CACHE")
         or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "halfmoon"
     )
-    return Path(cache) / "tiny-llama"
+    return Path(cache)
+
+
+def default_model_dir() -> Path:
+    """`$HALFMOON_CACHE/tiny-llama`, by default `~/.cache/halfmoon/tiny-llama`."""
+    return cache_root() / "tiny-llama"
 
 
 def ensure_model(model_dir: str | Path | None = None, shape: TinyModelShape | None = None) -> Path:

@@ -19,8 +19,9 @@ from halfmoon.engine.grammar import Grammars
 from halfmoon.engine.hooks import KVHooks
 from halfmoon.engine.intake import Intake
 from halfmoon.engine.kv_sizing import size_kv
-from halfmoon.engine.loader import model_directory, model_identity, pick_device, pick_dtype
+from halfmoon.engine.loader import model_directory, pick_device, pick_dtype
 from halfmoon.engine.model_config import load_model_config
+from halfmoon.engine.model_digest import model_identity
 from halfmoon.engine.model_facts import ModelFacts
 from halfmoon.engine.model_runner import ModelRunner
 from halfmoon.engine.outputs import EngineStats, RequestOutput, StepTiming

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from pathlib import Path
@@ -115,15 +114,6 @@ def _copy_slice(name: str, param: torch.Tensor, source, ranks: int, rank: int) -
     if count:
         part = source[(slice(None),) * dim + (slice(first, first + count),)]
         param.narrow(dim, 0, count).copy_(part)
-
-
-def model_identity(model_dir: Path) -> str:
-    """Name plus a hash of the config and the first weight bytes: equal across nodes that
-    hold the same checkpoint, different for checkpoints that differ."""
-    digest = hashlib.sha256((model_dir / "config.json").read_bytes())
-    with checkpoint_files(model_dir)[0].open("rb") as weights:
-        digest.update(weights.read(1 << 16))
-    return f"{model_dir.resolve().name}@{digest.hexdigest()[:16]}"
 
 
 def pick_device(name: str) -> torch.device:

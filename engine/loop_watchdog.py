@@ -20,7 +20,7 @@ import traceback
 log = logging.getLogger(__name__)
 
 STALL_S = 5.0  # far above any step or call the loop runs itself
-BEAT_S = 0.25
+BEAT_S = 0.05  # a beat this often: the longest gap between two tells any stall over it
 
 
 class LoopWatchdog:
@@ -31,6 +31,7 @@ class LoopWatchdog:
         self.stall_s = stall_s
         self.num_stalls = 0
         self.last_beat = time.monotonic()
+        self.max_gap_s = 0.0  # the longest time between two beats since `take_max_gap_s`
         self._stopped = threading.Event()
         self._task: asyncio.Task | None = None
 
@@ -39,9 +40,17 @@ class LoopWatchdog:
         if self._task is not None:
             self._task.cancel()
 
+    def take_max_gap_s(self) -> float:
+        """The longest the loop went between two beats (`BEAT_S` apart when it runs freely)
+        since the last call, and start over: a stall of S seconds shows as about S + `BEAT_S`."""
+        gap, self.max_gap_s = self.max_gap_s, 0.0
+        return gap
+
     async def _beat(self) -> None:
         while not self._stopped.is_set():
-            self.last_beat = time.monotonic()
+            now = time.monotonic()
+            self.max_gap_s = max(self.max_gap_s, now - self.last_beat)
+            self.last_beat = now
             await asyncio.sleep(BEAT_S)
 
     def _watch(self, loop_thread: int) -> None:

@@ -24,14 +24,15 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
 
 
 def _add_bias(logits: torch.Tensor, seqs: list[Sequence]) -> None:
-    entries = [
-        (row, token_id, value)
-        for row, seq in enumerate(seqs)
-        for token_id, value in seq.params.logit_bias.items()
-    ]
-    if not entries:
+    """Every row's biases in one `index_put_`, from the arrays each request made once (at most
+    `MAX_LOGIT_BIAS` entries a row)."""
+    arrays = [(row, *seq.params.bias_arrays()) for row, seq in enumerate(seqs)]
+    arrays = [entry for entry in arrays if len(entry[1])]
+    if not arrays:
         return
-    rows, token_ids, values = (list(column) for column in zip(*entries, strict=True))
+    rows = np.concatenate([np.full(len(ids), row, np.int64) for row, ids, _ in arrays])
+    token_ids = np.concatenate([ids for _, ids, _ in arrays])
+    values = np.concatenate([biases for _, _, biases in arrays])
     device = logits.device
     index = (device_tensor(rows, device), device_tensor(token_ids, device))
     logits.index_put_(index, device_tensor(values, device, logits.dtype), accumulate=True)

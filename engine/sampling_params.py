@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from halfmoon.engine.errors import InvalidRequestError
 from halfmoon.engine.structured_output import StructuredOutput
 
@@ -13,6 +15,8 @@ SEED_LIMIT = 2**63
 # OpenAI's ranges for the penalties and the biases.
 PENALTY_LIMIT = 2.0
 BIAS_LIMIT = 100.0
+# Entries of one request's logit_bias (OpenAI's cap): the work it adds to every step is bounded.
+MAX_LOGIT_BIAS = 300
 
 
 @dataclass(slots=True)
@@ -37,9 +41,21 @@ class SamplingParams:
     n: int = 1
     # The grammar the output must match (JSON schema, regex, choice...; engine/grammar.py).
     structured_output: StructuredOutput | None = None
+    # logit_bias as arrays (token ids, biases), made once by `bias_arrays`.
+    _bias: tuple[np.ndarray, np.ndarray] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         self.validate()
+
+    def bias_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """`logit_bias` as (token ids int64, biases float32), made on first use."""
+        if self._bias is None:
+            ids = np.fromiter(self.logit_bias.keys(), np.int64, len(self.logit_bias))
+            values = np.fromiter(self.logit_bias.values(), np.float32, len(self.logit_bias))
+            self._bias = ids, values
+        return self._bias
 
     @property
     def greedy(self) -> bool:
@@ -104,6 +120,10 @@ class SamplingParams:
 def _validate_logit_bias(bias: object, vocab_size: int | None) -> None:
     if not isinstance(bias, dict):
         raise InvalidRequestError("logit_bias", bias, "must be a dict of token id to bias")
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise InvalidRequestError(
+            "logit_bias", f"<{len(bias)} entries>", f"at most {MAX_LOGIT_BIAS} entries"
+        )
     limit = math.inf if vocab_size is None else vocab_size
     for token_id, value in bias.items():
         if not _is_int_in(token_id, 0, limit):

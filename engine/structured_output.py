@@ -10,11 +10,13 @@ import json
 from dataclasses import dataclass
 
 from halfmoon.engine.errors import InvalidRequestError
+from halfmoon.engine.grammar_limits import check_limits
 
 # json: a JSON schema; json_object: any JSON object (no spec); regex: a regular expression;
 # choice: a JSON list of the strings allowed; grammar: an EBNF grammar (xgrammar's dialect).
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
-# A frontend builds the grammar once to check it, on its event loop (~1 ms per KB of schema).
+# A frontend builds the grammar once to check it, in a process of its own under a deadline
+# (~1 ms per KB of schema); what makes one large is limited in `grammar_limits`.
 MAX_SPEC_CHARS = 64 * 1024
 FIELD = "structured_output"
 
@@ -44,6 +46,7 @@ class StructuredOutput:
             )
         if self.kind == "json_object" and self.spec:
             raise InvalidRequestError(FIELD, shown(self.spec), "json_object takes no spec")
+        check_limits(self.kind, self.spec, FIELD, shown(self.spec))
         if self.kind == "json":
             _check_schema(self.spec)
         if self.kind == "choice":

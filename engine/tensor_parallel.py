@@ -14,6 +14,8 @@ At T = 1 every layer is a plain `nn.Linear` / `nn.Embedding` and no collective r
 from __future__ import annotations
 
 import math
+import os
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -25,6 +27,8 @@ from torch import nn
 from halfmoon.engine.errors import ModelLoadError
 from halfmoon.engine.model_config import ModelConfig
 
+# The ranks of a worker share one node: their rendezvous (the TCPStore) and their collectives
+# (gloo's sockets, NCCL's bootstrap) listen on loopback only, never on the node's interfaces.
 HOST = "127.0.0.1"
 # A collective waits this long for a live but stuck rank; a dead rank's closed socket fails it
 # at once.
@@ -91,15 +95,35 @@ def rank_devices(device: torch.device, size: int) -> list[torch.device]:
     return [torch.device("cuda", first + rank) for rank in range(size)]
 
 
+def listening_store(size: int) -> dist.TCPStore:
+    """Rank 0's rendezvous for `size` ranks on a free loopback port (`.port`). TCPStore itself
+    would listen on every interface; it is handed a socket bound to `HOST` instead."""
+    listener = socket.create_server((HOST, 0), backlog=128)
+    port = listener.getsockname()[1]
+    fd = listener.detach()
+    return dist.TCPStore(
+        HOST, port, size, True, timeout=TIMEOUT, wait_for_workers=False, master_listen_fd=fd
+    )
+
+
+def joined_store(port: int, size: int) -> dist.TCPStore:
+    """A rank's client of rank 0's `listening_store`."""
+    return dist.TCPStore(HOST, port, size, False, timeout=TIMEOUT)
+
+
 def connect(rank: int, size: int, store: dist.Store, device: torch.device) -> TPGroup:
     """Join the worker's process group through `store` (`process_group_backend`); on CUDA
     `device` becomes this process's current GPU first, the one NCCL's communicator binds to."""
     if process_group_backend(device) == "nccl":
         torch.cuda.set_device(device)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")  # the bootstrap's sockets
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = TIMEOUT
         return TPGroup(rank, size, dist.ProcessGroupNCCL(store, rank, size, options))
-    return TPGroup(rank, size, dist.ProcessGroupGloo(store, rank, size, TIMEOUT))
+    options = dist.ProcessGroupGloo._Options()
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=HOST)]
+    options._timeout = TIMEOUT
+    return TPGroup(rank, size, dist.ProcessGroupGloo(store, rank, size, options))
 
 
 def check_divisible(cfg: ModelConfig, size: int) -> None:

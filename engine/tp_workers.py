@@ -22,11 +22,10 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from halfmoon.engine.errors import RankFailedError
 from halfmoon.engine.model_config import load_model_config
-from halfmoon.engine.tensor_parallel import HOST, TIMEOUT, connect, rank_devices
+from halfmoon.engine.tensor_parallel import connect, joined_store, listening_store, rank_devices
 
 log = logging.getLogger(__name__)
 STEP, STOP, STARTED, READY = "step", "stop", "started", "ready"
@@ -42,7 +41,7 @@ class RankWorkers:
         self, model_dir: Path, block_size: int, dtype: torch.dtype, device: torch.device, size: int
     ) -> None:
         devices = rank_devices(device, size)
-        self.store = dist.TCPStore(HOST, 0, size, True, timeout=TIMEOUT, wait_for_workers=False)
+        self.store = listening_store(size)
         threads, self.threads_before = max(1, torch.get_num_threads() // size), None
         if device.type == "cpu":  # the ranks share the cores: more threads only contend
             self.threads_before = torch.get_num_threads()
@@ -199,7 +198,7 @@ def rank_main(fd: int) -> None:
     try:
         torch.set_num_threads(threads)
         conn.send(STARTED)
-        store = dist.TCPStore(HOST, port, size, False, timeout=TIMEOUT)
+        store = joined_store(port, size)
         group = connect(rank, size, store, device)
         cfg = load_model_config(model_dir)
         runner = ModelRunner(Path(model_dir), cfg, block_size, dtype, device, group)

@@ -4,6 +4,7 @@ same `authorization` metadata, checked by a server interceptor)."""
 from __future__ import annotations
 
 import hmac
+import ipaddress
 
 import grpc
 
@@ -23,6 +24,16 @@ HANDLER_FACTORIES = {
     (True, False): grpc.stream_unary_rpc_method_handler,
     (True, True): grpc.stream_stream_rpc_method_handler,
 }
+
+
+def loopback(host: str) -> bool:
+    """Whether a server bound to `host` is reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name: whatever it resolves to
 
 
 def bearer_matches(header: str | None, api_key: str) -> bool:

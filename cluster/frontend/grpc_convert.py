@@ -17,7 +17,6 @@ from halfmoon.cluster.frontend.request_limits import (
 )
 from halfmoon.cluster.serving.backend import GenerateInput, ModelInfo, TokenDelta, Usage
 from halfmoon.engine.errors import InvalidRequestError
-from halfmoon.engine.grammar import check
 from halfmoon.engine.sampling_params import SamplingParams
 from halfmoon.engine.sequence import TokenLogprobs
 from halfmoon.engine.structured_output import StructuredOutput
@@ -215,14 +214,23 @@ def _sampling_params(proto: pb.SamplingParams) -> SamplingParams:
     return SamplingParams(**kwargs)
 
 
+STRUCTURED_FIELD = "sampling.structured_output"
+
+
 def _structured_output(proto: pb.StructuredOutput) -> StructuredOutput:
-    """The constraint, its grammar built here: a bad one fails before any worker sees it."""
+    """The constraint, checked against its limits (the servicer then builds its grammar)."""
     structured = StructuredOutput(proto.kind, proto.spec)
     try:
-        check(structured)
+        structured.validate()
     except InvalidRequestError as error:
-        raise error.renamed("sampling.structured_output") from None
+        raise error.renamed(STRUCTURED_FIELD) from None
     return structured
+
+
+def grammar_constraints(generate_input: GenerateInput) -> list[tuple[str, StructuredOutput]]:
+    """The request's constraint whose grammar the servicer builds, under its field's name."""
+    structured = generate_input.params.structured_output
+    return [] if structured is None else [(STRUCTURED_FIELD, structured)]
 
 
 def _slo(request: pb.GenerateRequest, name: str) -> float | None:

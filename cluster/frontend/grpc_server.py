@@ -16,15 +16,17 @@ from halfmoon.cluster.api import halfmoon_pb2 as pb
 from halfmoon.cluster.api import halfmoon_pb2_grpc as pb_grpc
 from halfmoon.cluster.frontend.auth import ApiKeyInterceptor
 from halfmoon.cluster.frontend.drain import Drain
+from halfmoon.cluster.frontend.grammar_checks import GrammarChecks
 from halfmoon.cluster.frontend.grpc_convert import (
     delta_to_proto,
+    grammar_constraints,
     input_from_proto,
     model_info_to_proto,
 )
 from halfmoon.cluster.frontend.grpc_errors import abort_with
 from halfmoon.cluster.frontend.grpc_wire import add_servicer
 from halfmoon.cluster.frontend.request_limits import RequestLimits, check_request_id
-from halfmoon.cluster.serving.backend import Backend
+from halfmoon.cluster.serving.backend import Backend, RejectedError
 from halfmoon.cluster.version import package_version
 from halfmoon.engine.errors import HalfmoonError, InvalidRequestError
 
@@ -55,16 +57,23 @@ def _mapped_errors(method):
 class HalfmoonServicer(pb_grpc.HalfmoonServicer):
     """Validates requests, streams the backend's deltas, maps errors to status codes."""
 
-    def __init__(self, backend: Backend, limits: RequestLimits | None = None) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        limits: RequestLimits | None = None,
+        grammars: GrammarChecks | None = None,
+    ) -> None:
         self.backend = backend
         self.limits = limits or RequestLimits()
+        self.grammars = grammars or GrammarChecks(self.limits)
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         try:
             generate_input = input_from_proto(request, self.limits)
-        except InvalidRequestError as error:
+            await self.grammars.check(grammar_constraints(generate_input))
+        except (InvalidRequestError, RejectedError) as error:
             await abort_with(context, error)
         remaining_s = context.time_remaining()
         deadline = None if remaining_s is None else asyncio.get_running_loop().time() + remaining_s
@@ -124,18 +133,20 @@ async def start_grpc_server(
     drain: Drain | None = None,
     tls: tuple[bytes, bytes] | None = None,
     api_key: str | None = None,
+    grammars: GrammarChecks | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """Serve `backend` with health (following `backend.health()`) and reflection; returns the
     server and bound port.
 
-    `port=0` picks a free port; `tls` is (certificate chain, private key) in PEM. With `api_key`,
+    `port=0` picks a free port; `tls` is (certificate chain, private key) in PEM; `grammars`
+    builds structured-output grammars (one shared with the HTTP API). With `api_key`,
     calls other than health checks need it as `authorization: Bearer` metadata. Stop with
     `await drain.drain(timeout_s)` (health turns NOT_SERVING, new requests are refused, the
     streams in flight finish), then `await server.stop(grace_s)`.
     """
     interceptors = [ApiKeyInterceptor(api_key)] if api_key else []
     server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
-    add_servicer(HalfmoonServicer(backend, limits), server, drain or Drain())
+    add_servicer(HalfmoonServicer(backend, limits, grammars), server, drain or Drain())
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     await _report_health(backend, health_servicer)

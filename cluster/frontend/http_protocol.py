@@ -188,9 +188,11 @@ class GuardedProtocol(H11Protocol):
             self.deadline = None
 
 
-def uvicorn_config(app, limits: HttpLimits) -> uvicorn.Config:
+def uvicorn_config(app, limits: HttpLimits, tls: tuple[str, str] | None = None) -> uvicorn.Config:
     """uvicorn's settings for `app` under `limits`: the guarded protocol, logging left to the
-    hosting process (with its floods rate-limited), no lifespan."""
+    hosting process (with its floods rate-limited), no lifespan; with `tls` (PEM certificate
+    chain and key files), HTTPS."""
+    cert, key = tls or (None, None)
     install(QUIET, [__name__, "asyncio", "uvicorn.error"])
     protocol = functools.partial(GuardedProtocol, gate=ConnectionGate(limits))
     return uvicorn.Config(
@@ -201,4 +203,6 @@ def uvicorn_config(app, limits: HttpLimits) -> uvicorn.Config:
         lifespan="off",
         timeout_keep_alive=limits.keep_alive_timeout_s,  # type: ignore[arg-type]  # a float works
         h11_max_incomplete_event_size=limits.max_header_bytes,
+        ssl_certfile=cert,
+        ssl_keyfile=key,
     )

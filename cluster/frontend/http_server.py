@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException
 
 from halfmoon.cluster.frontend.auth import UNAUTHENTICATED_MESSAGE, bearer_matches
 from halfmoon.cluster.frontend.drain import Drain
+from halfmoon.cluster.frontend.grammar_checks import GrammarChecks
 from halfmoon.cluster.frontend.http_errors import (
     NO_WORKER_RETRY_AFTER_S,
     error_body,
@@ -103,6 +104,7 @@ class OpenAIServer:
         api_key: str | None = None,
         limits: RequestLimits | None = None,
         drain: Drain | None = None,
+        grammars: GrammarChecks | None = None,
     ) -> None:
         self.backend = backend
         self.limits = limits or RequestLimits()
@@ -113,6 +115,7 @@ class OpenAIServer:
         self.registry = registry
         self.api_key = api_key
         self.created = int(time.time())
+        self.grammars = grammars or GrammarChecks(self.limits)
         self.app = self._build_app()
 
     def _build_app(self) -> FastAPI:
@@ -230,6 +233,7 @@ class OpenAIServer:
         generate_input = body.to_input(request_id, prompt, self.model)
         params = generate_input.params
         check_stops(params.stop, len(params.stop_token_ids), self.limits)
+        await self.grammars.check(body.grammar_constraints())
         shape = ResponseShape(kind, request_id, self.model.model, self.tokenizer, n=params.n)
         if isinstance(body, CompletionRequest):
             shape.echo = body.echo_text(prompt, self.tokenizer)
@@ -285,10 +289,15 @@ class HttpServer:
 
 
 async def start_http_server(
-    app, host: str = "127.0.0.1", port: int = 8000, limits: HttpLimits | None = None
+    app,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    limits: HttpLimits | None = None,
+    tls: tuple[str, str] | None = None,
 ) -> tuple[HttpServer, int]:
-    """Serve the ASGI `app` on host:port (0: a free port) in this event loop, under `limits`;
-    returns the server and the bound port."""
+    """Serve the ASGI `app` on host:port (0: a free port) in this event loop, under `limits`,
+    over HTTPS with `tls` (PEM certificate chain and key files); returns the server and the
+    bound port."""
     try:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.create_server((host, port), family=family)
@@ -297,7 +306,7 @@ async def start_http_server(
             f"cannot serve the HTTP API on {host}:{port} ({error}): the port is taken or the "
             "host is not local; pass another --http-port"
         ) from error
-    server = _Server(uvicorn_config(app, limits or HttpLimits()))
+    server = _Server(uvicorn_config(app, limits or HttpLimits(), tls))
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started:  # uvicorn has no event to await for this
         if task.done():
@@ -305,5 +314,6 @@ async def start_http_server(
             raise HalfmoonError(f"the HTTP API on {host}:{port} stopped while starting")
         await asyncio.sleep(0.01)
     bound_port = sock.getsockname()[1]
-    log.info("halfmoon OpenAI HTTP API on http://%s:%d/v1", host, bound_port)
+    scheme = "https" if tls else "http"
+    log.info("halfmoon OpenAI HTTP API on %s://%s:%d/v1", scheme, host, bound_port)
     return HttpServer(server, task), bound_port

@@ -309,6 +309,9 @@ class ChatCompletionRequest(OpenAIRequest, ToolFields):
         history = any(m.tool_calls or m.role == "tool" for m in self.messages)
         return bool(self.tools) or history
 
+    def grammar_constraints(self) -> list[tuple[str, StructuredOutput]]:
+        return super().grammar_constraints() + self.tool_grammars()
+
     def structured_output(self) -> StructuredOutput | None:
         """The output's one constraint: a call's, for `tool_choice` `required` or a function,
         else what the structured-output fields ask for."""

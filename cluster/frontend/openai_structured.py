@@ -11,7 +11,6 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from halfmoon.engine.errors import InvalidRequestError
-from halfmoon.engine.grammar import check
 from halfmoon.engine.structured_output import StructuredOutput
 
 STRICT = ConfigDict(extra="forbid", strict=True)
@@ -96,8 +95,9 @@ class StructuredOutputFields(BaseModel):
     guided_decoding_backend: Literal["auto", "xgrammar"] | None = None  # the one there is
 
     def structured_output(self) -> StructuredOutput | None:
-        """The one constraint the request sets (None for none), its grammar checked; an
-        `InvalidRequestError` names the field at fault."""
+        """The one constraint the request sets (None for none), checked against its limits
+        (its grammar is built by `grammar_constraints`' caller); an `InvalidRequestError`
+        names the field at fault."""
         found = self._constraints()
         if len(found) > 1:
             raise InvalidRequestError(found[1][0], "<set>", ONE_ONLY.format(other=found[0][0]))
@@ -105,10 +105,15 @@ class StructuredOutputFields(BaseModel):
             return None
         field, structured = found[0]
         try:
-            check(structured)
+            structured.validate()
         except InvalidRequestError as error:
             raise error.renamed(field) from None
         return structured
+
+    def grammar_constraints(self) -> list[tuple[str, StructuredOutput]]:
+        """Each constraint whose grammar the frontend builds before serving the request, with
+        the field a client named it by."""
+        return self._constraints()[:1]
 
     def _constraints(self) -> list[tuple[str, StructuredOutput]]:
         found = []

@@ -21,7 +21,6 @@ from pydantic_core import PydanticCustomError
 
 from halfmoon.cluster.frontend.openai_tool_calls import ToolCalling
 from halfmoon.engine.errors import InvalidRequestError
-from halfmoon.engine.grammar import check
 from halfmoon.engine.structured_output import StructuredOutput, shown
 
 STRICT = ConfigDict(extra="forbid", strict=True)
@@ -149,6 +148,14 @@ class ToolFields(BaseModel):
         calls = [_call_schema(name, functions[name]) for name in calling.names]
         return _json(calls[0] if len(calls) == 1 else {"anyOf": calls})
 
+    def tool_grammars(self) -> list[tuple[str, StructuredOutput]]:
+        """Each function's arguments schema, whose grammar the frontend builds (`auto` holds
+        a call's arguments to it too)."""
+        return [
+            (f"tools.{i}.function.parameters", _json(tool.function.arguments_schema()))
+            for i, tool in enumerate(self.tools or [])
+        ]
+
     def tools_for_template(self) -> list[dict]:
         return [tool.model_dump(exclude_none=True) for tool in self.tools or []]
 
@@ -160,7 +167,7 @@ def _check_parameters(field: str, function: FunctionDefinition) -> None:
             field, shown(json.dumps(parameters)), 'must describe an object ("type": "object")'
         )
     try:
-        check(_json(function.arguments_schema()))
+        _json(function.arguments_schema()).validate()
     except InvalidRequestError as error:
         raise error.renamed(field) from None
 

@@ -13,6 +13,7 @@ import ray
 
 from halfmoon.cluster.config import ClusterConfig, router_config, served_name
 from halfmoon.cluster.control.metrics_targets import MetricsTargets
+from halfmoon.cluster.frontend.auth import loopback
 from halfmoon.cluster.serving.cluster_backend import ClusterBackend
 from halfmoon.cluster.serving.trace import RequestTrace
 from halfmoon.cluster.serving.workers import PollReport, Worker
@@ -52,6 +53,7 @@ class RouterActor:
         self.grpc_server = None
         self.http_server = None
         self.drain = None
+        self.grammars = None
         self.metrics_server = None
         self.targets = MetricsTargets(config.server.metrics_targets_file)
         self._poller: asyncio.Task | None = None
@@ -73,11 +75,22 @@ class RouterActor:
         (`http_port` None when the HTTP API is off)."""
         from halfmoon.cluster.control.metrics import start_metrics_server
         from halfmoon.cluster.frontend.drain import Drain
+        from halfmoon.cluster.frontend.grammar_checks import GrammarChecks
         from halfmoon.cluster.frontend.grpc_server import start_grpc_server
 
         server = self.config.server
         api_key = server.api_key.get_secret_value() if server.api_key else None
+        if api_key is None and not loopback(server.host):
+            log.warning(
+                "serving on %s with no API key (server.allow_unauthenticated): anyone who can "
+                "reach its ports may use the model and cancel requests",
+                server.host,
+            )
         self.drain = Drain()
+        # One grammar builder for both APIs, loading while the servers start.
+        self.grammars = GrammarChecks(self.config.limits)
+        if self.config.limits.grammar_builder_at_start:
+            self.grammars.warm()
         tls = None
         if server.tls_cert is not None:
             tls = (Path(server.tls_cert).read_bytes(), Path(server.tls_key).read_bytes())
@@ -89,6 +102,7 @@ class RouterActor:
             self.drain,
             tls,
             api_key,
+            self.grammars,
         )
         self.metrics_server, metrics_port = start_metrics_server(
             self.metrics, server.host, server.metrics_port
@@ -113,9 +127,13 @@ class RouterActor:
             api_key,
             self.config.limits,
             self.drain,
+            self.grammars,
         )
-        limits = self.config.server.http_limits
-        self.http_server, bound_port = await start_http_server(api.app, host, port, limits)
+        server = self.config.server
+        tls = None if server.tls_cert is None else (server.tls_cert, server.tls_key)
+        self.http_server, bound_port = await start_http_server(
+            api.app, host, port, server.http_limits, tls
+        )
         return bound_port
 
     async def add_worker(
@@ -131,6 +149,11 @@ class RouterActor:
         self.targets.remove(name)
         if worker is not None:
             self.metrics.remove_worker(name, worker.kind)
+
+    async def loop_gap_s(self) -> float:
+        """The longest its event loop went between two watchdog beats since the last call
+        (`LoopWatchdog.take_max_gap_s`): what any one request's work stalled every other."""
+        return self.watchdog.take_max_gap_s()
 
     async def set_draining(self, name: str, draining: bool) -> None:
         self.backend.set_draining(name, draining)
@@ -179,6 +202,8 @@ class RouterActor:
             await self.http_server.stop()
         if self.grpc_server is not None:
             await self.grpc_server.stop(grace=2)
+        if self.grammars is not None:
+            await self.grammars.close()
         await self.backend.wait_released(RELEASE_AT_STOP_S)  # cut streams give back their pages
         if self.metrics_server is not None:
             self.metrics_server.shutdown()

@@ -2,12 +2,15 @@
 answer it must get (status, the field it names, a fragment of the message that says what is
 wrong). `bug` marks a case the server answers wrongly today (test_bad_input_matrix xfails it).
 
-The fields whose acceptance rules are being changed elsewhere (penalties, logit_bias, n,
-best_of, echo, response_format, tools, tool_choice, unknown fields) are left out on purpose.
+`SAMPLING_AND_GRAMMARS` and `GRPC_SAMPLING_AND_GRAMMARS` cover logit_bias, n,
+response_format, the guided_* constraints, tools and tool_choice, hostile grammars among them
+(the whole set of 50 is tests/cluster/test_cluster_http_families.py's). Penalties, best_of, echo
+and unknown fields are tests/cluster/test_openai_dialect.py's.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from halfmoon.cluster.api import halfmoon_pb2 as pb
@@ -370,7 +373,108 @@ MALFORMED_HTTP = {
     "header-without-colon": b"GET /health HTTP/1.1\r\nHost: x\r\nNoColonHere\r\n\r\n",
 }
 
-HTTP_CASES: list[HttpCase] = COMPLETION_FIELDS + CHAT_FIELDS + RAW_BODIES + HEADERS + MODELS
+
+def _string_pattern(pattern: str) -> dict:
+    return {"type": "object", "properties": {"a": {"type": "string", "pattern": pattern}}}
+
+
+def _schema_format(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+
+
+def _tool(parameters: dict | None = None, name: str = "f") -> dict:
+    function = {"name": name} if parameters is None else {"name": name, "parameters": parameters}
+    return {"type": "function", "function": function}
+
+
+BIAS_301 = {str(i): 1 for i in range(301)}
+NESTED = "(b{1,50000}){1,50000}"  # the issue's own
+TOO_LARGE = "too large a grammar"
+SCHEMA = "response_format.json_schema.schema"
+SAMPLING_AND_GRAMMARS = [
+    completion("logit-bias-301", "logit_bias", "at most 300 entries", logit_bias=BIAS_301),
+    completion("logit-bias-101", "logit_bias", "[-100, 100]", logit_bias={"5": 101}),
+    completion("logit-bias-word-key", "logit_bias", "decimal strings", logit_bias={"x": 1}),
+    completion("logit-bias-id-at-vocab", "logit_bias", "[0, 262)", logit_bias={"262": 1}),
+    completion("n-0", "n", "[1, 16]", n=0),
+    completion("n-17", "n", "[1, 16]", n=17),
+    completion("n-digit-string", "n", "valid integer", n="2"),
+    chat(
+        "response-format-xml",
+        "response_format.type",
+        "'json_schema'",
+        response_format={"type": "xml"},
+    ),
+    chat("response-format-string", "response_format", "an object", response_format="json"),
+    chat(
+        "response-format-no-schema",
+        SCHEMA,
+        "needs json_schema.schema",
+        response_format={"type": "json_schema"},
+    ),
+    chat(
+        "response-format-bad-type",
+        SCHEMA,
+        'Unsupported type "nope"',
+        response_format=_schema_format({"type": "nope"}),
+    ),
+    chat(
+        "response-format-nested-repetition",
+        SCHEMA,
+        TOO_LARGE,
+        response_format=_schema_format(_string_pattern(NESTED)),
+    ),
+    chat(
+        "response-format-max-length-10**8",
+        SCHEMA,
+        "maxLength 100000000 is over",
+        response_format=_schema_format({"type": "string", "maxLength": 10**8}),
+    ),
+    chat(
+        "response-format-past-deadline",
+        SCHEMA,
+        "did not build within",
+        response_format=_schema_format(_string_pattern("(.*){1,4096}")),
+    ),
+    chat(
+        "guided-json-deep",
+        "guided_json",
+        "nests deeper than 32",
+        guided_json={"a": json.loads("[" * 40 + "1" + "]" * 40)},
+    ),
+    chat("guided-regex-nested", "guided_regex", TOO_LARGE, guided_regex=NESTED),
+    chat(
+        "guided-choice-5000",
+        "guided_choice",
+        "5,000 choices are over",
+        guided_choice=[str(i) for i in range(5000)],
+    ),
+    chat("tools-string", "tools", "valid array", tools="f"),
+    chat(
+        "tools-without-function", "tools.0.function", "Field required", tools=[{"type": "function"}]
+    ),
+    chat(
+        "tool-choice-required-without-tools", "tool_choice", "needs tools", tool_choice="required"
+    ),
+    chat(
+        "tool-choice-unknown-function",
+        "tool_choice",
+        "names no function",
+        tools=[_tool()],
+        tool_choice={"type": "function", "function": {"name": "g"}},
+    ),
+    chat(
+        "tools-hostile-parameters",
+        "tools.0.function.parameters",
+        "{1,100000} is over",
+        tools=[_tool(_string_pattern("a{1,100000}"))],
+        tool_choice="required",
+    ),
+]
+
+HTTP_CASES: list[HttpCase] = (
+    COMPLETION_FIELDS + CHAT_FIELDS + RAW_BODIES + HEADERS + MODELS + SAMPLING_AND_GRAMMARS
+)
 
 
 @dataclass(frozen=True)
@@ -538,4 +642,46 @@ GRPC_OTHERS = [
 ]
 # fmt: on
 
-GRPC_CASES: list[GrpcCase] = GRPC_GENERATE + GRPC_OTHERS
+HELD = "sampling.structured_output"
+
+
+def _held(kind: str, spec: str) -> pb.StructuredOutput:
+    return pb.StructuredOutput(kind=kind, spec=spec)
+
+
+GRPC_SAMPLING_AND_GRAMMARS = [
+    sampling(
+        "logit-bias-301",
+        "logit_bias",
+        "at most 300 entries",
+        logit_bias={i: 1.0 for i in range(301)},
+    ),
+    sampling("logit-bias-101", "logit_bias", "[-100, 100]", logit_bias={5: 101.0}),
+    sampling("logit-bias-id-at-vocab", "logit_bias", "[0, 262)", logit_bias={262: 1.0}),
+    sampling("n-0", "n", "[1, 16]", n=0),
+    sampling("n-17", "n", "[1, 16]", n=17),
+    sampling("structured-kind-xml", HELD, "xml", structured_output=_held("xml", "<a/>")),
+    sampling(
+        "structured-nested-repetition", HELD, TOO_LARGE, structured_output=_held("regex", NESTED)
+    ),
+    sampling(
+        "structured-deep-json",
+        HELD,
+        "nests deeper than 32",
+        structured_output=_held("json", "[" * 5000 + "]" * 5000),
+    ),
+    sampling(
+        "structured-past-deadline",
+        HELD,
+        "did not build within",
+        structured_output=_held("json", json.dumps(_string_pattern("(.*){1,4096}"))),
+    ),
+    sampling(
+        "structured-choice-5000",
+        HELD,
+        "5,000 choices are over",
+        structured_output=_held("choice", json.dumps([str(i) for i in range(5000)])),
+    ),
+]
+
+GRPC_CASES: list[GrpcCase] = GRPC_GENERATE + GRPC_OTHERS + GRPC_SAMPLING_AND_GRAMMARS

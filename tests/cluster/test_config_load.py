@@ -36,8 +36,13 @@ def test_local_example_equals_the_defaults():
     assert load_config(CONFIGS / "local.yaml") == load_config()
 
 
+# gpu-cluster.yaml serves beyond loopback: it loads only with an API key (or an explicit
+# allow_unauthenticated), as `serve` gives it from $HALFMOON_API_KEY.
+KEYED = {"server.api_key": "k"}
+
+
 def test_gpu_cluster_example_pins_pools_to_their_node_types():
-    config = load_config(CONFIGS / "gpu-cluster.yaml")
+    config = load_config(CONFIGS / "gpu-cluster.yaml", KEYED)
     assert config.prefill.resources == {"prefill": 1.0}
     assert config.decode.resources == {"decode": 1.0}
     assert config.prefill.num_gpus == config.decode.num_gpus == 1
@@ -107,6 +112,17 @@ def test_router_section_gives_the_conductor_its_defaults():
     assert router.policy == "conductor"
 
 
+def test_a_bind_beyond_loopback_without_a_key_is_refused_unless_allowed():
+    with pytest.raises(ConfigError, match=r"server\.host.*0\.0\.0\.0 serves beyond this machine"):
+        load_config(CONFIGS / "gpu-cluster.yaml")
+    with pytest.raises(ConfigError, match="allow-unauthenticated"):
+        load_config(None, {"server.host": "10.0.0.5"})
+    for host in ("127.0.0.1", "localhost", "::1", "127.0.0.2"):
+        assert load_config(None, {"server.host": host}).server.host == host
+    allowed = load_config(None, {"server.host": "0.0.0.0", "server.allow_unauthenticated": True})
+    assert allowed.server.api_key is None
+
+
 def test_the_host_tier_default_is_one_value():
     assert ClusterConfig().store.host_capacity_bytes == StoreConfig().host_capacity_bytes
     assert StoreConfig().host_capacity_bytes == 256 << 20
@@ -118,7 +134,9 @@ def test_block_size_default_is_shared_by_engine_router_and_cluster():
 
 
 def test_section_values_reach_the_part_configs():
-    config = load_config(CONFIGS / "gpu-cluster.yaml", {"store.redis_url": "redis://h:6380/0"})
+    config = load_config(
+        CONFIGS / "gpu-cluster.yaml", {"store.redis_url": "redis://h:6380/0", **KEYED}
+    )
     engine = config.engine.engine_config("/models/qwen")
     assert (engine.max_num_seqs, engine.prefill_chunk_size, engine.dtype) == (256, 2048, "bfloat16")
     assert config.store.store_config().redis_ttl_s == 86400

@@ -16,6 +16,7 @@ from cluster_kit import counters, running_cluster
 from pydantic import BaseModel, Field
 
 from halfmoon.cluster.bench.structured import validation_errors
+from halfmoon.cluster.frontend.grammar_checks import build_here
 from halfmoon.cluster.frontend.http_request import parse
 from halfmoon.cluster.frontend.openai_schema import CompletionRequest
 from halfmoon.engine import SamplingParams
@@ -45,10 +46,12 @@ class Shirt(BaseModel):
 
 
 def _constraint(body: dict) -> StructuredOutput | None:
-    """The constraint a completion request with `body`'s fields sets (chat shares the fields)."""
-    return parse(
-        CompletionRequest, json.dumps({"prompt": "x", **body}).encode()
-    ).structured_output()
+    """The constraint a completion request with `body`'s fields sets (chat shares the fields),
+    its grammar built as the frontend's builders build it."""
+    request = parse(CompletionRequest, json.dumps({"prompt": "x", **body}).encode())
+    structured = request.structured_output()
+    build_here(request.grammar_constraints())
+    return structured
 
 
 @pytest.mark.parametrize(

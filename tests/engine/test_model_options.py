@@ -7,7 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from halfmoon.cluster.cli import main, parse_bytes
+from halfmoon.cluster.cli import build_parser, main
+from halfmoon.cluster.serve_cli import parse_bytes
 from halfmoon.engine import LLM, SamplingParams
 from halfmoon.engine.errors import ModelLoadError
 from halfmoon.engine.kv_sizing import (
@@ -133,3 +134,14 @@ def test_serve_rejects_a_missing_model_and_a_bad_tensor_parallel_size_early(tmp_
     assert not (tmp_path / "missing").exists()
     assert main(["serve", "--tensor-parallel-size", "0"]) == 2
     assert "prefill.tensor_parallel_size" in capsys.readouterr().err
+
+
+def test_serve_refuses_a_bind_beyond_loopback_without_a_key_and_says_how(monkeypatch, capsys):
+    monkeypatch.delenv("HALFMOON_API_KEY", raising=False)
+    assert main(["serve", "--host", "0.0.0.0"]) == 2
+    error = capsys.readouterr().err
+    assert "0.0.0.0 serves beyond this machine with no API key" in error
+    assert "--api-key-file" in error and "--allow-unauthenticated" in error
+    parsed = build_parser().parse_args(["serve", "--host", "0.0.0.0", "--allow-unauthenticated"])
+    assert parsed.allow_unauthenticated is True
+    assert build_parser().parse_args(["serve"]).allow_unauthenticated is None  # the config's

@@ -99,6 +99,27 @@ def test_bias_alone_builds_no_token_counts(monkeypatch):
     assert out[1, 4] == 2.5 and out.sum() == 2.5
 
 
+def test_a_request_s_biases_become_arrays_once_and_a_step_adds_them_in_one_call(monkeypatch):
+    seqs = [_seq([1], 1, logit_bias={i: 1.0 for i in range(300)}) for _ in range(4)]
+    made = [seq.params.bias_arrays() for seq in seqs]
+    calls = []
+    original = torch.Tensor.index_put_
+    monkeypatch.setattr(
+        torch.Tensor, "index_put_", lambda t, *a, **k: calls.append(1) or original(t, *a, **k)
+    )
+    for _ in range(3):
+        out = apply_penalties(torch.zeros(4, 512), seqs)
+    assert [seq.params.bias_arrays() for seq in seqs] == made  # the same arrays, not rebuilt
+    assert len(calls) == 3 and out.sum() == 4 * 300
+
+
+def test_more_than_300_biases_are_refused_as_openai_refuses_them():
+    SamplingParams(logit_bias={i: 1.0 for i in range(300)})
+    with pytest.raises(InvalidRequestError, match="at most 300 entries") as raised:
+        SamplingParams(logit_bias={i: 1.0 for i in range(301)})
+    assert raised.value.field == "logit_bias"
+
+
 def test_greedy_honours_biases_and_penalties_and_logprobs_stay_raw():
     logits = torch.tensor([[0.0, 3.0, 2.0, 1.0], [0.0, 3.0, 2.0, 1.0], [0.0, 3.0, 2.0, 1.0]])
     seqs = [

@@ -207,6 +207,27 @@ def test_a_killed_rank_fails_the_next_step_with_an_error_naming_it(checkpoints):
         llm.close()
 
 
+def _listening(pids: set[int]) -> set[str]:
+    """The local addresses of the TCP sockets the processes `pids` listen on (from `ss`)."""
+    table = subprocess.run(["ss", "-Hltnp"], capture_output=True, text=True, check=True).stdout
+    return {
+        line.split()[3] for line in table.splitlines() if any(f"pid={pid}," in line for pid in pids)
+    }
+
+
+@pytest.mark.timeout(60)
+def test_the_ranks_rendezvous_and_collectives_listen_on_loopback_only(checkpoints):
+    before = _listening({os.getpid()})
+    llm = LLM(str(checkpoints["llama"]), tensor_parallel_size=2, **ENGINE_ARGS)
+    try:
+        llm.generate([[7, 8, 9]], GREEDY)  # the collectives have connected
+        ours = _listening({os.getpid(), *llm.engine.runner.workers.pids}) - before
+    finally:
+        llm.close()
+    assert ours, "the store and gloo listen somewhere"
+    assert all(address.startswith("127.0.0.1:") for address in ours), ours
+
+
 @pytest.mark.timeout(60)
 def test_closing_dropping_or_exiting_stops_the_other_ranks(checkpoints):
     llm = LLM(str(checkpoints["llama"]), tensor_parallel_size=2, **ENGINE_ARGS)

@@ -40,7 +40,9 @@ def test_copied_sources_exist_and_the_image_serves():
     copies = [args.split() for op, args in instructions() if op == "COPY"]
     assert copies and all((ROOT / source).exists() for *sources, _ in copies for source in sources)
     command = json.loads(steps["ENTRYPOINT"]) + json.loads(steps["CMD"])
+    # Bound beyond loopback, so it serves only with $HALFMOON_API_KEY (never unauthenticated).
     assert command == ["halfmoon", "serve", "--host", "0.0.0.0"]
+    assert "-e HALFMOON_API_KEY" in (ROOT / "Dockerfile").read_text()
     assert steps["EXPOSE"].split() == ["50051", "9400"]
     assert steps["USER"] == "halfmoon"
 
