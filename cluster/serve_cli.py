@@ -39,8 +39,9 @@ def add_serve(commands) -> None:
     cmd.add_argument("--config", help="YAML config (default: built-in defaults)")
     cmd.add_argument(
         "--model",
-        help="checkpoint directory, or a transformers model id already in the local Hugging Face "
-        "cache (nothing is downloaded); default: the tiny generated model",
+        help="checkpoint directory, a GGUF file (or a directory holding one; dequantized once "
+        "into $HALFMOON_CACHE/gguf), or a transformers model id already in the local Hugging "
+        "Face cache (nothing is downloaded); default: the tiny generated model",
     )
     cmd.add_argument(
         "--served-model-name", help="the model name clients use (default: --model as given)"

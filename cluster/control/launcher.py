@@ -10,6 +10,7 @@ import os
 import secrets
 import shutil
 import subprocess
+import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -72,6 +73,7 @@ class Cluster:
     def start(self) -> dict:
         """Start everything; returns the bound ports (`grpc_port`, `metrics_port`, and
         `http_port`, None when the HTTP API is off)."""
+        began = time.monotonic()
         model = str(resolve_model(self.config.model))  # a missing model fails before Ray starts
         self._init_ray()
         replicas = sum(pool.replicas for pool in self.pools.values())
@@ -96,9 +98,11 @@ class Cluster:
         try:
             first = next(iter(self.workers.values()))
             self.info = ray.get(first.actor.info.remote())
+            log.info("a worker has loaded the model (%.1f s)", time.monotonic() - began)
             self.store_config = self._store_config()
             self.ensure_stores()
             self.profile = self._profile()
+            log.info("router profile ready (%.1f s)", time.monotonic() - began)
             ray.get(router.setup.remote(self.info, self.profile))
         except BaseException:
             ray.kill(router, no_restart=True)
@@ -111,6 +115,7 @@ class Cluster:
             self._register(worker)
         if self.config.router.profile is None and self.config.mode == "disaggregated":
             ray.get(self.router.calibrate.remote())
+        log.info("serving (%.1f s after start)", time.monotonic() - began)
         return self.ports
 
     def _profile(self) -> Profile | None:
@@ -120,8 +125,13 @@ class Cluster:
             return file_profile(self.config.router.profile, self.config)
         by_kind = {w.kind: w for w in self.workers.values()}
         # Every worker at once, as they will serve: workers sharing a node's cores are timed
-        # sharing them (one at a time, each would look faster than it serves).
-        samples = {name: w.actor.profile.remote() for name, w in self.workers.items()}
+        # sharing them (one at a time, each would look faster than it serves). Each times only
+        # its own side (a decode worker both where there is no prefill pool).
+        colocated = "prefill" not in by_kind
+        samples = {
+            name: w.actor.profile.remote(w.kind == "prefill" or colocated, w.kind == "decode")
+            for name, w in self.workers.items()
+        }
         infos = {kind: w.actor.info.remote() for kind, w in by_kind.items()}
         decode = ray.get(samples[by_kind["decode"].name])
         prefill = ray.get(samples[by_kind["prefill"].name]) if "prefill" in by_kind else decode

@@ -62,7 +62,12 @@ class Served:
 def served(tiny_model_dir):
     """One colocated cluster for the module: every field is checked at the router, before a
     worker sees the request, so a prefill pool would add start-up time and nothing checked."""
-    settings = {"mode": "colocated", "served_model_name": MODEL}
+    settings = {
+        "mode": "colocated",
+        "served_model_name": MODEL,
+        # as served by default: a bad grammar is not also waiting for the builder to load
+        "limits.grammar_builder_at_start": True,
+    }
     with running_cluster(tiny_model_dir, **settings) as (cluster, client):
         info = client.model_info()
         assert (info.max_model_len, info.vocab_size) == (MAX_MODEL_LEN, VOCAB_SIZE)

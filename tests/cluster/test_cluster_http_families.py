@@ -14,10 +14,7 @@ from http_testkit import RunningApi
 from test_http_limits import (  # noqa: F401 - collected here, through the cluster
     test_a_body_short_of_its_content_length_gets_408_at_the_body_timeout,
     test_a_head_still_incomplete_past_max_header_bytes_gets_400_at_once,
-    test_a_kept_alive_connection_has_a_header_deadline_after_each_response,
     test_a_partial_head_gets_408_and_is_closed_at_the_header_timeout,
-    test_a_silent_connection_is_closed_without_an_answer_at_the_header_timeout,
-    test_thousands_of_partial_heads_are_closed_at_the_timeout_and_both_apis_answer,
 )
 from test_openai_dialect import (  # noqa: F401 - collected here, through the cluster
     test_a_logit_bias_of_100_forces_the_token_and_minus_100_bans_it,

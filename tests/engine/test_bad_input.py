@@ -58,7 +58,7 @@ def test_missing_model_directory_names_the_fix(tmp_path):
     with pytest.raises(ModelLoadError, match="does not exist"):
         LLM(str(tmp_path / "nope"))
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ModelLoadError, match="no config.json"):
+    with pytest.raises(ModelLoadError, match="neither config.json nor a .gguf"):
         LLM(str(tmp_path / "empty"))
 
 
