@@ -12,6 +12,7 @@ from halfmoon.cluster.serve_cli import add_serve
 from halfmoon.cluster.version import package_version
 
 BENCHMARKS = {
+    "agreement": "halfmoon.cluster.bench.agreement",
     "engine": "halfmoon.cluster.bench.engine",
     "step": "halfmoon.cluster.bench.step",
     "kernels": "halfmoon.cluster.bench.kernels",
