@@ -9,6 +9,7 @@ import json
 import math
 import sys
 import time
+from pathlib import Path
 
 from tqdm import tqdm
 
@@ -112,8 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     work.add_argument(
         "--tokenizer",
-        help="tokenizer (directory or cached transformers id) whose ids prompts use and that "
-        "decodes text prompts (default: the tiny default model's byte tokenizer)",
+        help="tokenizer (directory, GGUF file or cached transformers id) whose ids prompts use "
+        "and that decodes text prompts (default: the tiny default model's byte tokenizer)",
     )
     work.add_argument(
         "--prompt-format",
@@ -181,9 +182,13 @@ def load_vocabulary(name: str | None) -> tuple[object, list[int]]:
     else:
         from transformers import AutoTokenizer
 
+        from halfmoon.engine.errors import ModelLoadError
+        from halfmoon.engine.gguf_source import converted_checkpoint, gguf_file
+
         try:
-            tokenizer = AutoTokenizer.from_pretrained(name)
-        except (OSError, ValueError) as error:
+            gguf = gguf_file(Path(name))
+            tokenizer = AutoTokenizer.from_pretrained(converted_checkpoint(gguf) if gguf else name)
+        except (OSError, ValueError, ModelLoadError) as error:
             raise WorkloadError(f"cannot load --tokenizer {name!r}: {error}") from None
     return tokenizer, prompt_vocabulary(tokenizer)
 
