@@ -122,3 +122,10 @@ def test_bench_engine_times_the_gguf_model(smollm2_gguf, capsys):
     figures = json.loads(out)
     assert figures["requests"] == 1 and figures["dtype"] == "float32"
     assert figures["ours_tok_s"] > 0 and figures["ratio_vs_hf_static"] > 0 and "SmolLM2" in err
+
+
+def test_bench_serve_takes_the_gguf_file_as_its_tokenizer(smollm2_gguf):
+    from halfmoon.cluster.bench.serve import load_vocabulary
+
+    tokenizer, vocabulary = load_vocabulary(str(smollm2_gguf))
+    assert len(tokenizer) == 49152 and len(vocabulary) > 40000
