@@ -6,7 +6,9 @@ and never rejoins, so its agreement says little; this one counts each position o
 The prompts are chat turns (the model's chat template); the reference continuation is
 transformers' fp32 greedy one. At each of its positions our engine generates one token from the
 prompt plus the reference's tokens so far (prefix caching keeps that cheap), and transformers
-in the lower dtype scores the whole sequence in one pass.
+in the lower dtype scores the whole sequence in one pass. Beside the share, the mean absolute
+difference between each side's log-probability of the reference token and fp32's (ours where
+the token is among its top 20).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+from dataclasses import dataclass, field
 
 import torch
 from tqdm import tqdm
@@ -60,18 +63,35 @@ def reference_continuations(model, prompts: list[list[int]], tokens: int) -> lis
     return out
 
 
-def transformers_picks(model, prompt: list[int], continuation: list[int]) -> list[int]:
+TOP_LOGPROBS = 20  # of ours, where the reference token is looked for
+
+
+@dataclass(slots=True)
+class Picks:
+    """A side's greedy token at each position, and its log-probability of the reference's
+    token there (None where ours did not list it in its top TOP_LOGPROBS)."""
+
+    tokens: list[int]
+    reference_logprobs: list[float | None]
+
+
+def transformers_picks(model, prompt: list[int], continuation: list[int]) -> Picks:
     """The greedy token at each position of `continuation`, the sequence scored in one pass."""
     with torch.no_grad():
-        logits = model(torch.tensor([prompt + continuation])).logits[0]
-    return logits[len(prompt) - 1 : len(prompt) - 1 + len(continuation)].argmax(-1).tolist()
+        logits = model(torch.tensor([prompt + continuation])).logits[0].float()
+    at = logits[len(prompt) - 1 : len(prompt) - 1 + len(continuation)]
+    logprobs = torch.log_softmax(at, -1)[torch.arange(len(continuation)), continuation]
+    return Picks(at.argmax(-1).tolist(), logprobs.tolist())
 
 
-def our_picks(llm: LLM, prompt: list[int], continuation: list[int]) -> list[int]:
+def our_picks(llm: LLM, prompt: list[int], continuation: list[int]) -> Picks:
     """Our engine's greedy next token after the prompt and each prefix of `continuation`."""
-    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=TOP_LOGPROBS)
     prefixes = [prompt + continuation[:k] for k in range(len(continuation))]
-    return [out.token_ids[0] for out in llm.generate(prefixes, one)]
+    outs = llm.generate(prefixes, one)
+    pairs = zip(outs, continuation, strict=True)
+    found = [dict(out.logprobs[0].top).get(want) for out, want in pairs]
+    return Picks([out.token_ids[0] for out in outs], found)
 
 
 def measure(model_dir: str, dtype: str, prompts: int, tokens: int, progress: bool) -> dict:
@@ -82,29 +102,44 @@ def measure(model_dir: str, dtype: str, prompts: int, tokens: int, progress: boo
 
     llm = LLM(model_dir, dtype=dtype, num_pages=2048)
     ids = chat_prompts(llm.tokenizer, prompts)
-    reference = reference_continuations(load(torch.float32), ids, tokens)
+    reference_model = load(torch.float32)
+    reference = reference_continuations(reference_model, ids, tokens)
     theirs_model = load(getattr(torch, dtype))
-    ours_share, theirs_share = [], []
+    tally = {"ours": Tally(), "transformers": Tally()}
     for prompt, continuation in tqdm(
         list(zip(ids, reference, strict=True)), desc="agreement", disable=not progress
     ):
-        ours = our_picks(llm, prompt, continuation)
+        exact = transformers_picks(reference_model, prompt, continuation).reference_logprobs
+        tally["ours"].add(our_picks(llm, prompt, continuation), continuation, exact)
         theirs = transformers_picks(theirs_model, prompt, continuation)
-        ours_share.append(_share_equal(ours, continuation))
-        theirs_share.append(_share_equal(theirs, continuation))
+        tally["transformers"].add(theirs, continuation, exact)
     llm.close()
-    return {
-        "model": model_dir,
-        "dtype": dtype,
-        "prompts": len(ids),
-        "tokens": tokens,
-        "ours": statistics.fmean(ours_share),
-        "transformers": statistics.fmean(theirs_share),
-    }
+    figures = {"model": model_dir, "dtype": dtype, "prompts": len(ids), "tokens": tokens}
+    for side, counts in tally.items():
+        figures |= {side: counts.share(), f"{side}_logprob_mad": counts.mad()}
+    figures["ours_logprob_positions"] = len(tally["ours"].differences)
+    return figures
 
 
-def _share_equal(picks: list[int], reference: list[int]) -> float:
-    return sum(a == b for a, b in zip(picks, reference, strict=True)) / len(reference)
+@dataclass(slots=True)
+class Tally:
+    """Positions agreeing with the reference, and |logprob - reference logprob| of its token."""
+
+    equal: int = 0
+    positions: int = 0
+    differences: list[float] = field(default_factory=list)
+
+    def add(self, picks: Picks, reference: list[int], exact: list[float]) -> None:
+        self.equal += sum(a == b for a, b in zip(picks.tokens, reference, strict=True))
+        self.positions += len(reference)
+        pairs = zip(picks.reference_logprobs, exact, strict=True)
+        self.differences += [abs(ours - want) for ours, want in pairs if ours is not None]
+
+    def share(self) -> float:
+        return self.equal / self.positions
+
+    def mad(self) -> float | None:
+        return statistics.fmean(self.differences) if self.differences else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,12 +165,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(figures))
         return 0
+    mads = (_number(figures["ours_logprob_mad"]), _number(figures["transformers_logprob_mad"]))
     print(
         f"{figures['prompts']} prompts x {figures['tokens']} positions, the next greedy token "
         f"equal to transformers fp32's: ours {args.dtype} {figures['ours']:.3f}, transformers "
-        f"{args.dtype} {figures['transformers']:.3f}"
+        f"{args.dtype} {figures['transformers']:.3f}; mean |logprob - fp32's| of its token: "
+        f"ours {mads[0]} (at the {figures['ours_logprob_positions']} positions where ours listed "
+        f"it), transformers {mads[1]}"
     )
     return 0
+
+
+def _number(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"
 
 
 if __name__ == "__main__":

@@ -52,10 +52,12 @@ def _connect(api: RunningApi, data: bytes = b"") -> socket.socket:
 
 
 def _answer_at_timeout(sock: socket.socket) -> bytes:
-    """`_answer`, checking it came when the server's deadline (TIMEOUT_S) passed."""
+    """`_answer`, checking it came when the server's deadline (TIMEOUT_S) passed. The server
+    counts from its accept, which may come a moment before this reads the clock (a close at
+    0.4998 s was seen), hence the 20 ms of slack below the deadline."""
     start = time.monotonic()
     answer = _answer(sock)
-    assert TIMEOUT_S <= time.monotonic() - start < TIMEOUT_S + 2.0
+    assert TIMEOUT_S - 0.02 <= time.monotonic() - start < TIMEOUT_S + 2.0
     return answer
 
 
