@@ -5,8 +5,9 @@ which every engine then loads like any other checkpoint directory.
 The conversion keeps the file's tokenizer, chat template and special tokens, writes the weights
 in fp32 (what the quantized blocks dequantize to; `--dtype` casts them at load, as for any
 checkpoint) and leaves the output head out when the file ties it to the embeddings. The cached
-directory is named by the file's stem and a key over the file's path, size and modification time
-and the converter's version, so a changed file is converted again.
+directory is named by the file's stem and a key over its size and bytes at both ends (not its
+path or time: the same file gets the same directory on every node), so a changed file is
+converted again.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from halfmoon.engine.model_config import SUPPORTED_ARCHITECTURES
 
 log = logging.getLogger(__name__)
 VERSION = 1  # of the conversion's recipe: a change converts every cached file again
+SAMPLE_BYTES = 8 << 20  # read from each end of the file for its cache key
 
 # GGUF's `general.architecture` names of the architectures halfmoon serves.
 GGUF_ARCHITECTURES = {
@@ -57,7 +59,7 @@ def converted_checkpoint(gguf: Path) -> Path:
     """The safetensors checkpoint of `gguf`, converting it on first use (one process at a
     time; the others wait and take its result)."""
     gguf = gguf.resolve()
-    target = cache_root() / "gguf" / f"{gguf.stem}-{_key(gguf)}"
+    target = cache_root() / "gguf" / f"{gguf.stem}-{cache_key(gguf)}"
     if (target / "config.json").is_file():
         return target
     architecture = gguf_architecture(gguf)
@@ -87,10 +89,16 @@ def gguf_architecture(gguf: Path) -> str:
     return field.contents()
 
 
-def _key(gguf: Path) -> str:
-    stat = gguf.stat()
-    stamp = json.dumps([VERSION, str(gguf), stat.st_size, stat.st_mtime_ns])
-    return hashlib.sha256(stamp.encode()).hexdigest()[:12]
+def cache_key(gguf: Path) -> str:
+    """12 hex digits over the recipe's version, the file's size and its first and last
+    SAMPLE_BYTES (its metadata, tokenizer and first tensors; its last ones): the same on every
+    node that holds the same file, wherever it is and whenever it was copied."""
+    digest = hashlib.sha256(json.dumps([VERSION, gguf.stat().st_size]).encode())
+    with open(gguf, "rb") as file:
+        digest.update(file.read(SAMPLE_BYTES))
+        file.seek(max(0, gguf.stat().st_size - SAMPLE_BYTES))
+        digest.update(file.read(SAMPLE_BYTES))
+    return digest.hexdigest()[:12]
 
 
 def _convert(gguf: Path, architecture: str, target: Path) -> None:

@@ -5,6 +5,7 @@ with its 49,152-token vocabulary, its chat template and its tied output head."""
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
@@ -129,3 +130,19 @@ def test_bench_serve_takes_the_gguf_file_as_its_tokenizer(smollm2_gguf):
 
     tokenizer, vocabulary = load_vocabulary(str(smollm2_gguf))
     assert len(tokenizer) == 49152 and len(vocabulary) > 40000
+
+
+def test_the_cache_key_follows_the_bytes_not_the_path_or_time(tmp_path):
+    from halfmoon.engine.gguf_source import SAMPLE_BYTES, cache_key
+
+    data = bytes(range(256)) * (3 * SAMPLE_BYTES // 256)
+    first, second = tmp_path / "a" / "m.gguf", tmp_path / "b" / "m.gguf"
+    for path in (first, second):
+        path.parent.mkdir()
+        path.write_bytes(data)
+    os.utime(second, (0, 0))
+    assert cache_key(first) == cache_key(second)
+    second.write_bytes(data[:-1] + b"x")  # the last byte
+    assert cache_key(first) != cache_key(second)
+    (tmp_path / "small.gguf").write_bytes(b"GGUF")
+    assert len(cache_key(tmp_path / "small.gguf")) == 12
