@@ -43,7 +43,9 @@ def parts(tiny_model_dir, ray_session):
     decode = (
         ray.remote(DecodeWorker)
         .options(max_concurrency=100)
-        .remote("decode-0", config, store, 5.0, 60.0, EARLY_NOTICE_S)
+        # KV gets wait up to 30 s (serving's default): the lending tests open a cache under a
+        # loaded make test, where 5 s once ran out (a WorkerError instead of tokens)
+        .remote("decode-0", config, store, 30.0, 60.0, EARLY_NOTICE_S)
     )
     peer = ray.get(decode.kv_peer.remote())
     arena = map_arena(ray.get(store.arena_info.remote()), ray.get_runtime_context().get_node_id())
@@ -304,7 +306,10 @@ def decoded(parts, key: str, arena_seed: int, lending=None, seed: int = 0) -> li
     prefill.publish(0)
     prefill.publish(1)
     prefill.first_token(9)
-    return [t for out in outputs(decode, key, 9) for t in out.new_token_ids]
+    answers = outputs(decode, key, 9)
+    errors = [out for out in answers if isinstance(out, WorkerError)]
+    assert not errors, errors
+    return [t for out in answers for t in out.new_token_ids]
 
 
 @pytest.mark.timeout(180)
