@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 import time
@@ -85,3 +86,13 @@ def test_a_timed_run_waits_for_the_cpus_to_go_idle():
     finally:
         busy.wait()
     assert 0.0 <= engine_turns._busy_fraction(0.05) <= 1.0
+
+
+@pytest.mark.timeout(120)
+def test_a_given_model_is_timed_in_place_of_the_generated_one(tiny_model_dir, capsys):
+    argv = ["--model", str(tiny_model_dir), "--requests", "1", "--scale", "0.02", "--skip-hf-cb"]
+    assert bench_engine.main([*argv, "--json"]) == 0
+    out, err = capsys.readouterr()
+    figures = json.loads(out)
+    assert figures["requests"] == 1 and figures["ours_tok_s"] > 0
+    assert f"model {tiny_model_dir} " in err

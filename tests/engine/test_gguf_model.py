@@ -114,17 +114,6 @@ def test_a_directory_of_two_gguf_files_and_a_foreign_architecture_are_refused(tm
         resolve_model(str(tmp_path / "c.gguf"))
 
 
-def test_bench_engine_times_the_gguf_model(smollm2_gguf, capsys):
-    from halfmoon.cluster.bench import engine as bench_engine
-
-    argv = ["--model", str(smollm2_gguf), "--requests", "1", "--scale", "0.02"]
-    assert bench_engine.main([*argv, "--skip-hf-cb", "--json"]) == 0
-    out, err = capsys.readouterr()
-    figures = json.loads(out)
-    assert figures["requests"] == 1 and figures["dtype"] == "float32"
-    assert figures["ours_tok_s"] > 0 and figures["ratio_vs_hf_static"] > 0 and "SmolLM2" in err
-
-
 def test_bench_serve_takes_the_gguf_file_as_its_tokenizer(smollm2_gguf):
     from halfmoon.cluster.bench.serve import load_vocabulary
 
