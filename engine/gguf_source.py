@@ -93,10 +93,11 @@ def cache_key(gguf: Path) -> str:
     """12 hex digits over the recipe's version, the file's size and its first and last
     SAMPLE_BYTES (its metadata, tokenizer and first tensors; its last ones): the same on every
     node that holds the same file, wherever it is and whenever it was copied."""
-    digest = hashlib.sha256(json.dumps([VERSION, gguf.stat().st_size]).encode())
+    size = gguf.stat().st_size
+    digest = hashlib.sha256(json.dumps([VERSION, size]).encode())
     with open(gguf, "rb") as file:
         digest.update(file.read(SAMPLE_BYTES))
-        file.seek(max(0, gguf.stat().st_size - SAMPLE_BYTES))
+        file.seek(max(0, size - SAMPLE_BYTES))
         digest.update(file.read(SAMPLE_BYTES))
     return digest.hexdigest()[:12]
 

@@ -35,22 +35,36 @@ def profile_engine(
     needs only the first, a decode worker only the second). Leaves the engine idle; its prefix
     cache keeps them."""
     rng = random.Random(seed)
-    vocab = engine.model_config.vocab_size
     limit = engine.max_model_len - 2
     samples = ProfileSamples(chunk_tokens=engine.config.prefill_chunk_size or 0)
-    for length in (n for n in PREFILL_LENGTHS if prefill and n <= limit):
-        prompt = [rng.randrange(vocab) for _ in range(length)]
-        samples.prefill += _time_prefill(engine, prompt)
-        extended = prompt + [rng.randrange(vocab) for _ in range(min(length, limit - length))]
-        if len(extended) > len(prompt):
-            samples.prefill += _time_prefill(engine, extended)
-    for context in _decode_contexts(limit - 8) if decode else ():
-        for batch in DECODE_BATCHES:
-            samples.decode.append(
-                (batch, batch * context, _time_decode(engine, rng, batch, context))
-            )
+    if prefill:
+        samples.prefill = _prefill_samples(engine, rng, limit)
+    if decode:
+        samples.decode = _decode_samples(engine, rng, limit)
     engine.step_log.clear()  # these steps ran alone; the router's live refit should not see them
     return samples
+
+
+def _prefill_samples(engine: LLMEngine, rng: random.Random, limit: int) -> list:
+    """Each of PREFILL_LENGTHS cold, then extended on its own cached prefix."""
+    vocab = engine.model_config.vocab_size
+    samples = []
+    for length in (n for n in PREFILL_LENGTHS if n <= limit):
+        prompt = [rng.randrange(vocab) for _ in range(length)]
+        samples += _time_prefill(engine, prompt)
+        extended = prompt + [rng.randrange(vocab) for _ in range(min(length, limit - length))]
+        if len(extended) > len(prompt):
+            samples += _time_prefill(engine, extended)
+    return samples
+
+
+def _decode_samples(engine: LLMEngine, rng: random.Random, limit: int) -> list:
+    """(batch, KV tokens, seconds a step) for each of DECODE_BATCHES at each context."""
+    return [
+        (batch, batch * context, _time_decode(engine, rng, batch, context))
+        for context in _decode_contexts(limit - 8)
+        for batch in DECODE_BATCHES
+    ]
 
 
 def _decode_contexts(limit: int) -> list[int]:

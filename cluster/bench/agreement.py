@@ -56,9 +56,12 @@ def reference_continuations(model, prompts: list[list[int]], tokens: int) -> lis
         ids = torch.tensor([prompt])
         with torch.no_grad():
             full = model.generate(
-                ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                max_new_tokens=tokens, pad_token_id=0,
-            )  # fmt: skip
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=tokens,
+                pad_token_id=0,
+            )
         out.append(full[0, len(prompt) :].tolist())
     return out
 

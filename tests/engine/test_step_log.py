@@ -40,3 +40,13 @@ def test_start_up_profile_of_a_small_chunk_engine_fits(tiny_model_dir):
     assert max(new for new, _, _ in samples.prefill) == 16
     CostModel.fit(samples.prefill, samples.decode)  # every term is spanned
     assert not llm.engine.step_log  # the profile's own steps are not left for the router
+
+
+def test_a_worker_profiles_only_the_side_it_serves(tiny_model_dir):
+    from halfmoon.engine.profiling import profile_engine
+
+    llm = LLM(str(tiny_model_dir), num_pages=128, block_size=16, prefill_chunk_size=16)
+    prefill_only = profile_engine(llm.engine, decode=False)
+    assert prefill_only.prefill and not prefill_only.decode
+    decode_only = profile_engine(llm.engine, prefill=False)
+    assert decode_only.decode and not decode_only.prefill
