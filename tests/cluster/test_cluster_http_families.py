@@ -81,7 +81,9 @@ def test_fifty_hostile_grammars_are_answered_fast_and_stall_nothing(cluster):
         ("grpc", "INVALID_ARGUMENT"),
     }
     # The goals (1 s, a 100 ms stall) are bench hostile-grammars' figures on a quiet machine;
-    # here, beside another test process on two cores, with room for its load.
-    assert summary["worst_s"] < 2.0, summary
+    # here, beside another test process on two cores, with room for its load (at a load
+    # average of 5 the 0.8 s build deadline's refusal once took 2.5 s end to end; what this
+    # guards against is the tens of seconds one spec froze serve for before issue 53).
+    assert summary["worst_s"] < 4.0, summary
     assert summary["stall_flood_ms"] < 250, summary
     assert summary["small_alongside_ms"]["p50"] < 5 * summary["small_alone_ms"]["p50"] + 200
