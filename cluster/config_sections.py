@@ -114,7 +114,7 @@ class StoreSection(StoreSettings):
     use_local_redis: bool = True
     # A prefill worker tells a decode worker on its node of each layer and of the first token
     # over a Unix socket, and the decode worker joins its batch as soon as both are in
-    # (kvstore/kv_notices.py); off: through the store node and the router's hand-off.
+    # (kvstore/transfer/channel.py); off: through the store node and the router's hand-off.
     direct_notices: bool = True
     # With direct notices, the prefill worker also lends its own KV pages (the device tier): the
     # decode worker copies each layer straight out of them (on a GPU, device to device through

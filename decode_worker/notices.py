@@ -1,5 +1,5 @@
 """Notices handling: what prefill workers on this node tell the decode worker directly (each
-layer's arena slots, each layer's lent pages, the first token; kvstore/kv_notices.py), kept
+layer's arena slots, each layer's lent pages, the first token; kvstore/transfer/channel.py), kept
 per reservation until the receive takes it, and the claims and lent pages given back."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import ray
 
 from halfmoon.engine.errors import HalfmoonError
 from halfmoon.engine.llm_engine import LLMEngine
-from halfmoon.kvstore.kv_notices import KvPeer, NoticeConn, NoticeListener
 from halfmoon.kvstore.locate import local_store
-from halfmoon.kvstore.notice_format import (
+from halfmoon.kvstore.transfer.channel import KvPeer, NoticeConn, NoticeListener
+from halfmoon.kvstore.transfer.notice_format import (
     Hello,
     LayerNotice,
     Notice,

@@ -14,11 +14,11 @@ import ray
 
 from halfmoon.decode_worker.notices import Notices, Reservation
 from halfmoon.engine.llm_engine import LLMEngine
-from halfmoon.kvstore.kv_notices import NoticeConn
 from halfmoon.kvstore.locate import local_store
-from halfmoon.kvstore.notice_format import LayerNotice, PagesNotice
 from halfmoon.kvstore.shared_arena import MappedArena, map_arena
-from halfmoon.kvstore.transfer import TransferUnit
+from halfmoon.kvstore.transfer.channel import NoticeConn
+from halfmoon.kvstore.transfer.notice_format import LayerNotice, PagesNotice
+from halfmoon.kvstore.transfer.plan import TransferUnit
 
 RECENT_TIMINGS = 1024
 # Until the router hands the request over (its prefill returned), the reads wait for the

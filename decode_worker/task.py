@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from halfmoon.engine.task import RequestTask
+from halfmoon.cluster.worker.task import RequestTask
 
 
 @dataclass(slots=True)

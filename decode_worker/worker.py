@@ -16,15 +16,15 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 
+from halfmoon.cluster.worker.actor import EngineWorker
+from halfmoon.cluster.worker.errors import WorkerError, aborted
 from halfmoon.decode_worker.notices import EARLY_NOTICE_S, Notices, Reservation
 from halfmoon.decode_worker.receive import Receiver, ReceiveTimings
 from halfmoon.decode_worker.task import DecodeTask
 from halfmoon.engine.config import EngineConfig
 from halfmoon.engine.errors import HalfmoonError
 from halfmoon.engine.llm_engine import LLMEngine, RequestOutput
-from halfmoon.engine.worker_base import EngineWorker
-from halfmoon.engine.worker_errors import WorkerError, aborted
-from halfmoon.kvstore.kv_notices import KvPeer
+from halfmoon.kvstore.transfer.channel import KvPeer
 
 log = logging.getLogger(__name__)
 # A reservation whose KV has landed (or whose receive failed) and that no `generate` claims
@@ -73,7 +73,7 @@ class DecodeWorker(EngineWorker):
         }
 
     async def kv_peer(self) -> KvPeer:
-        """Where prefill workers on this node send their notices (kvstore/kv_notices.py)."""
+        """Where prefill workers on this node send their notices (kvstore/transfer/channel.py)."""
         return self.notices.peer()
 
     async def reserve(self, task: DecodeTask) -> int | WorkerError:

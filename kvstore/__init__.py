@@ -1,9 +1,10 @@
-"""Distributed tiered KV store: block keys, tiers, store node, prefix index, wire codec.
+"""Distributed tiered KV store: block keys, tiers, store node, block events, wire codec.
 
 Only light modules are re-exported here so the router and simulator import no torch;
 workers import `halfmoon.kvstore.store` (KvStore) and `halfmoon.kvstore.store_node`.
 """
 
+from halfmoon.kvstore.block_events import BlockEvent
 from halfmoon.kvstore.errors import (
     CorruptRecord,
     KvStoreError,
@@ -12,7 +13,6 @@ from halfmoon.kvstore.errors import (
     StoreFull,
 )
 from halfmoon.kvstore.eviction import LruEviction
-from halfmoon.kvstore.index import BlockEvent, PrefixIndex
 from halfmoon.kvstore.keys import block_key, block_keys, model_root_key
 
 __all__ = [
@@ -22,7 +22,6 @@ __all__ = [
     "LayerTimeout",
     "LayoutMismatch",
     "LruEviction",
-    "PrefixIndex",
     "StoreFull",
     "block_key",
     "block_keys",

@@ -11,10 +11,10 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 
+from halfmoon.kvstore.block_events import BlockEvent, EventKind
 from halfmoon.kvstore.config import StoreConfig
 from halfmoon.kvstore.errors import LayerTimeout, StoreFull
 from halfmoon.kvstore.host_tier import EvictedBlock, HostTier, WriteResult
-from halfmoon.kvstore.index import BlockEvent, EventKind
 from halfmoon.kvstore.layout import KvLayout, LayerKV
 from halfmoon.kvstore.redis_tier import RedisTier
 from halfmoon.kvstore.stats import StoreStats

@@ -7,8 +7,8 @@ import concurrent.futures
 import threading
 from dataclasses import dataclass, field
 
-from halfmoon.kvstore.kv_notices import KvPeer
-from halfmoon.kvstore.transfer import TransferUnit
+from halfmoon.kvstore.transfer.channel import KvPeer
+from halfmoon.kvstore.transfer.plan import TransferUnit
 
 
 @dataclass(slots=True)

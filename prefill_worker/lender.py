@@ -1,5 +1,5 @@
 """The lender: tells a decode worker on this node of a job's layers and first token directly
-(kvstore/kv_notices.py), and, with `EngineConfig.share_kv`, lends it this worker's own pages
+(kvstore/transfer/channel.py), and, with `EngineConfig.share_kv`, lends it this worker's own pages
 (the device tier): where each layer is in them, before the store has a copy. The pages are
 held until the decode worker answers that it has copied them and the publisher is done."""
 
@@ -11,8 +11,8 @@ import queue
 import threading
 
 from halfmoon.engine.llm_engine import LLMEngine
-from halfmoon.kvstore.kv_notices import KvPeer, NoticeSender
-from halfmoon.kvstore.notice_format import PagesNotice, ReleaseNotice, TokenNotice
+from halfmoon.kvstore.transfer.channel import KvPeer, NoticeSender
+from halfmoon.kvstore.transfer.notice_format import PagesNotice, ReleaseNotice, TokenNotice
 from halfmoon.prefill_worker.job import Job, LayerOut, Lend, TokenOut
 
 log = logging.getLogger(__name__)

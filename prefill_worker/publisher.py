@@ -18,8 +18,8 @@ import ray
 from halfmoon.engine.llm_engine import LLMEngine
 from halfmoon.engine.scheduler import ScheduledSeq
 from halfmoon.kvstore.layout import LayerKV
-from halfmoon.kvstore.notice_format import LayerNotice, TokenNotice
 from halfmoon.kvstore.shared_arena import MappedArena
+from halfmoon.kvstore.transfer.notice_format import LayerNotice, TokenNotice
 from halfmoon.prefill_worker.job import EndOut, FlushOut, Job, LayerOut, TokenOut
 from halfmoon.prefill_worker.lender import Lender
 from halfmoon.prefill_worker.node_store import NodeStore

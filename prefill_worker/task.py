@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from halfmoon.cluster.worker.task import RequestTask
 from halfmoon.engine.sequence import TokenLogprobs
-from halfmoon.engine.task import RequestTask
-from halfmoon.kvstore.kv_notices import KvPeer
+from halfmoon.kvstore.transfer.channel import KvPeer
 
 
 @dataclass(slots=True)

@@ -12,6 +12,8 @@ import time
 
 import ray
 
+from halfmoon.cluster.worker.actor import EngineWorker
+from halfmoon.cluster.worker.errors import WorkerError, aborted
 from halfmoon.engine.config import EngineConfig
 from halfmoon.engine.errors import HalfmoonError
 from halfmoon.engine.hooks import KVHooks
@@ -19,10 +21,8 @@ from halfmoon.engine.llm_engine import LLMEngine
 from halfmoon.engine.outputs import RequestOutput
 from halfmoon.engine.scheduler import ScheduledSeq
 from halfmoon.engine.sequence import Sequence
-from halfmoon.engine.worker_base import EngineWorker
-from halfmoon.engine.worker_errors import WorkerError, aborted
 from halfmoon.kvstore.locate import local_store_name
-from halfmoon.kvstore.notice_format import TokenNotice
+from halfmoon.kvstore.transfer.notice_format import TokenNotice
 from halfmoon.prefill_worker.job import Job, LayerOut
 from halfmoon.prefill_worker.lender import Lender
 from halfmoon.prefill_worker.node_store import NodeStore

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Hashable, Iterable, Sequence
 
-from halfmoon.kvstore.index import BlockEvent, PrefixIndex
+from halfmoon.kvstore.block_events import BlockEvent
 from halfmoon.router.config import RouterConfig
 from halfmoon.router.cost_model import step_sample
 from halfmoon.router.decision import Decision
@@ -16,6 +16,7 @@ from halfmoon.router.placement import Placement, PlacementContext
 from halfmoon.router.policies import make_policy
 from halfmoon.router.prediction_error import PredictionErrorLog, PredictionErrorStats
 from halfmoon.router.predictor import Predictor, PrefixHits, summarize_hits
+from halfmoon.router.prefix_index import PrefixIndex
 from halfmoon.router.profile import Profile, profile_to_dict
 from halfmoon.router.replication import Replication
 from halfmoon.router.request import RouteRequest

@@ -23,10 +23,10 @@ from halfmoon.cluster.config import ClusterConfig, PoolConfig
 from halfmoon.cluster.control.measured_profile import measured_profile
 from halfmoon.cluster.control.ray_token import make_token_private
 from halfmoon.cluster.serving.router_actor import RouterActor
+from halfmoon.cluster.worker.info import WorkerInfo
 from halfmoon.decode_worker.worker import DecodeWorker
 from halfmoon.engine.config import EngineConfig
 from halfmoon.engine.model_source import resolve_model
-from halfmoon.engine.worker_info import WorkerInfo
 from halfmoon.kvstore.config import StoreConfig
 from halfmoon.kvstore.layout import KvLayout
 from halfmoon.kvstore.redis_server import start_redis_server

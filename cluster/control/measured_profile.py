@@ -10,8 +10,8 @@ import dataclasses
 import datetime
 from pathlib import Path
 
+from halfmoon.cluster.worker.info import WorkerInfo
 from halfmoon.engine.profiling import ProfileSamples
-from halfmoon.engine.worker_info import WorkerInfo
 from halfmoon.router.cost_model import CostModel
 from halfmoon.router.profile import PROFILE_DIR, Profile, save_profile
 
@@ -74,9 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import torch
 
+    from halfmoon.cluster.worker.info import worker_info
     from halfmoon.engine import LLM
     from halfmoon.engine.profiling import profile_engine
-    from halfmoon.engine.worker_info import worker_info
 
     torch.set_num_threads(1)
     llm = LLM(args.model, num_pages=512)

@@ -15,13 +15,13 @@ from halfmoon.cluster.serving.backend import (
     RejectedError,
     UnauthenticatedError,
 )
+from halfmoon.cluster.worker.errors import WorkerCallError
 from halfmoon.engine.errors import (
     HalfmoonError,
     InvalidRequestError,
     OutOfPagesError,
     RequestNotFoundError,
 )
-from halfmoon.engine.worker_errors import WorkerCallError
 
 log = logging.getLogger(__name__)
 # Trailing metadata that marks a status as sent by a halfmoon server (not by the transport).

@@ -15,9 +15,9 @@ from halfmoon.cluster.serving.backend import NoWorkerError, RejectedError, Worke
 from halfmoon.cluster.serving.registry import RequestRegistry
 from halfmoon.cluster.serving.request import Attempt, Request
 from halfmoon.cluster.serving.workers import Worker, WorkerPool
+from halfmoon.cluster.worker.errors import WorkerCallError, aborted, unwrap
 from halfmoon.decode_worker.task import DecodeTask
 from halfmoon.engine.llm_engine import RequestOutput
-from halfmoon.engine.worker_errors import WorkerCallError, aborted, unwrap
 from halfmoon.prefill_worker.task import PrefillResult, PrefillTask
 from halfmoon.router.conductor import Conductor
 from halfmoon.router.decision import Decision

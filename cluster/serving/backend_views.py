@@ -9,8 +9,8 @@ import contextlib
 from halfmoon.cluster.serving.backend import ModelInfo
 from halfmoon.cluster.serving.registry import RequestRegistry
 from halfmoon.cluster.serving.workers import WorkerPool
+from halfmoon.cluster.worker.info import WorkerInfo
 from halfmoon.engine.errors import RequestNotFoundError
-from halfmoon.engine.worker_info import WorkerInfo
 from halfmoon.router.conductor import Conductor
 from halfmoon.router.profile import Profile
 

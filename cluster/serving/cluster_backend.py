@@ -28,11 +28,11 @@ from halfmoon.cluster.serving.registry import RequestRegistry
 from halfmoon.cluster.serving.request import Request
 from halfmoon.cluster.serving.trace import RequestTrace
 from halfmoon.cluster.serving.workers import PollReport, Worker, WorkerPool
+from halfmoon.cluster.worker.errors import WorkerCallError
+from halfmoon.cluster.worker.info import WorkerInfo
 from halfmoon.engine.errors import InvalidRequestError
 from halfmoon.engine.llm_engine import RequestOutput
 from halfmoon.engine.sampling_params import SamplingParams
-from halfmoon.engine.worker_errors import WorkerCallError
-from halfmoon.engine.worker_info import WorkerInfo
 from halfmoon.kvstore.keys import block_keys
 from halfmoon.router.conductor import Conductor
 from halfmoon.router.config import RouterConfig

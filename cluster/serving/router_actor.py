@@ -17,12 +17,12 @@ from halfmoon.cluster.frontend.auth import loopback
 from halfmoon.cluster.serving.cluster_backend import ClusterBackend
 from halfmoon.cluster.serving.trace import RequestTrace
 from halfmoon.cluster.serving.workers import PollReport, Worker
+from halfmoon.cluster.worker.info import WorkerInfo
 from halfmoon.engine.llm_engine import StepTiming
 from halfmoon.engine.loop_watchdog import LoopWatchdog, watch_loop
 from halfmoon.engine.tokenizer import load_tokenizer
-from halfmoon.engine.worker_info import WorkerInfo
-from halfmoon.kvstore.kv_notices import KvPeer
 from halfmoon.kvstore.process_gc import freeze_startup_heap
+from halfmoon.kvstore.transfer.channel import KvPeer
 from halfmoon.router.profile import Profile
 
 log = logging.getLogger(__name__)

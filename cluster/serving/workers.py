@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
+from halfmoon.cluster.worker.info import WorkerInfo, WorkerLoad
 from halfmoon.engine.llm_engine import StepTiming
-from halfmoon.engine.worker_info import WorkerInfo, WorkerLoad
-from halfmoon.kvstore.kv_notices import KvPeer
+from halfmoon.kvstore.transfer.channel import KvPeer
 from halfmoon.router.conductor import Conductor
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from halfmoon.kvstore.index import PrefixIndex
+from halfmoon.router.prefix_index import PrefixIndex
 from halfmoon.router.profile import Profile
 from halfmoon.router.sim.decode_instance import Finished, SimDecode
 from halfmoon.router.sim.prefill_instance import SimPrefill

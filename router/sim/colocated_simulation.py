@@ -11,10 +11,10 @@ import time
 import numpy as np
 from tqdm import tqdm
 
-from halfmoon.kvstore.index import PrefixIndex
 from halfmoon.router.config import RouterConfig, check_choice
 from halfmoon.router.errors import RouterConfigError
 from halfmoon.router.predictor import Predictor, summarize_hits
+from halfmoon.router.prefix_index import PrefixIndex
 from halfmoon.router.profile import Profile
 from halfmoon.router.sim.cache_bound import cache_bound_ttft_s
 from halfmoon.router.sim.colocated_instance import ColocatedJob, SimColocated

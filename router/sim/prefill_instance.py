@@ -8,7 +8,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 from halfmoon.kvstore.eviction import LruEviction
-from halfmoon.kvstore.index import PrefixIndex
+from halfmoon.router.prefix_index import PrefixIndex
 
 CACHE_TIER = "host"
 

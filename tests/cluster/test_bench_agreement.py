@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from halfmoon.cluster.bench import agreement
+from halfmoon.bench.probes import agreement
 
 
 @pytest.mark.timeout(120)

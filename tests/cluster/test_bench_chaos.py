@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from halfmoon.cluster.bench import chaos
+from halfmoon.bench.chaos import run as chaos
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 NUM_REQUESTS = 40

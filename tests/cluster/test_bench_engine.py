@@ -11,10 +11,10 @@ import time
 import pytest
 import torch
 
-from halfmoon.cluster.bench import engine as bench_engine
-from halfmoon.cluster.bench import engine_turns
-from halfmoon.cluster.bench.engine_degrees import compare_degrees
-from halfmoon.cluster.bench.engine_dtypes import compare_dtypes
+from halfmoon.bench import engine as bench_engine
+from halfmoon.bench.probes import engine_turns
+from halfmoon.bench.probes.engine_degrees import compare_degrees
+from halfmoon.bench.probes.engine_dtypes import compare_dtypes
 
 
 @pytest.mark.timeout(120)

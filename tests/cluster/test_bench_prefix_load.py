@@ -9,7 +9,7 @@ import pytest
 import ray
 from cluster_kit import running_cluster
 
-from halfmoon.cluster.bench import prefix_load as bench_prefix_load
+from halfmoon.bench.probes import prefix_load as bench_prefix_load
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 

@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from halfmoon.cluster.bench import replay as bench_replay
+from halfmoon.bench.studies import replay as bench_replay
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_session")]
 

@@ -9,8 +9,8 @@ import math
 import pytest
 from router_testkit import simple_profile
 
-from halfmoon.cluster.bench import replay, replay_predictions
-from halfmoon.cluster.bench.replay_predictions import PredictionFigures, RequestView
+from halfmoon.bench.studies import replay, replay_predictions
+from halfmoon.bench.studies.replay_predictions import PredictionFigures, RequestView
 from halfmoon.router.config import RouterConfig
 from halfmoon.router.cost_model import CostModel
 from halfmoon.router.decision import Decision

@@ -13,8 +13,8 @@ from cluster_kit import running_cluster
 from grpc_testkit import serve_model
 from http_testkit import serve_openai
 
-from halfmoon.cluster.bench.metrics import RequestResult, parse_goodput, summarize
-from halfmoon.cluster.bench.workload import (
+from halfmoon.bench.metrics import RequestResult, parse_goodput, summarize
+from halfmoon.bench.workload import (
     arrival_times,
     prompt_vocabulary,
     random_requests,

@@ -8,8 +8,8 @@ import json
 import pytest
 from cluster_kit import running_cluster
 
-from halfmoon.cluster.bench import transfer as bench_transfer
-from halfmoon.cluster.bench.transfer import Breakdown
+from halfmoon.bench.probes import transfer as bench_transfer
+from halfmoon.bench.probes.transfer import Breakdown
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from halfmoon.cluster.bench.ttft import (
+from halfmoon.bench.probes.ttft import (
     ModeResult,
     cluster_config,
     engine_prefill_times,

@@ -36,7 +36,7 @@ from test_openai_tools import (  # noqa: F401 - collected here, through the clus
     test_a_streamed_call_accumulates_to_the_whole_responses_call,
 )
 
-from halfmoon.cluster.bench import grammar_flood
+from halfmoon.bench.probes import grammar_flood
 
 pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(600)]
 # test_http_limits' deadlines are 0.5 s and its checks allow for up to 2 s more; 1 s here keeps

@@ -11,7 +11,7 @@ import openai
 import pytest
 from cluster_kit import running_cluster
 
-from halfmoon.cluster.bench.structured import validation_errors
+from halfmoon.bench.probes.structured import validation_errors
 from halfmoon.engine import LLM, SamplingParams
 
 pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(600), pytest.mark.slow]

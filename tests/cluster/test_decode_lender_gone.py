@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from halfmoon.decode_worker.notices import Notices
-from halfmoon.kvstore.kv_notices import NoticeConn
+from halfmoon.kvstore.transfer.channel import NoticeConn
 
 
 class FakeKv:

@@ -1,5 +1,5 @@
 """A decode worker told of each layer and of the first token by the prefill worker itself
-(kvstore/kv_notices.py): it copies the layers out of the store's shared arena, joins its batch
+(kvstore/transfer/channel.py): it copies the layers out of the store's shared arena, joins its batch
 before the router's hand-off, and gives every claim back to the store, also when the receive
 is aborted, fails, or its reserve never comes. Real decode worker and store node actors; this
 test plays the prefill worker with the same calls it makes (claim, arena copy, notices)."""
@@ -15,19 +15,24 @@ import pytest
 import ray
 import torch
 
+from halfmoon.cluster.worker.errors import WorkerError
 from halfmoon.decode_worker.task import DecodeTask
 from halfmoon.decode_worker.worker import DecodeWorker
 from halfmoon.engine.config import EngineConfig
 from halfmoon.engine.llm_engine import LLMEngine
 from halfmoon.engine.sampling_params import SamplingParams
-from halfmoon.engine.worker_errors import WorkerError
 from halfmoon.kvstore.keys import block_keys
-from halfmoon.kvstore.kv_notices import NoticeSender
 from halfmoon.kvstore.layout import KvLayout, LayerKV
-from halfmoon.kvstore.notice_format import LayerNotice, PagesNotice, ReleaseNotice, TokenNotice
 from halfmoon.kvstore.shared_arena import map_arena
 from halfmoon.kvstore.store_node import start_store_node
-from halfmoon.kvstore.transfer import plan_transfer
+from halfmoon.kvstore.transfer.channel import NoticeSender
+from halfmoon.kvstore.transfer.notice_format import (
+    LayerNotice,
+    PagesNotice,
+    ReleaseNotice,
+    TokenNotice,
+)
+from halfmoon.kvstore.transfer.plan import plan_transfer
 
 PROMPT = list(range(3, 60))  # 57 tokens: two units of 32, the last with a partial block
 EARLY_NOTICE_S = 2.0

@@ -11,16 +11,16 @@ import pytest
 import ray
 import torch
 
+from halfmoon.cluster.worker.errors import WorkerError
 from halfmoon.decode_worker.task import DecodeTask
 from halfmoon.decode_worker.worker import DecodeWorker
 from halfmoon.engine.config import EngineConfig
 from halfmoon.engine.llm_engine import LLMEngine
 from halfmoon.engine.sampling_params import SamplingParams
-from halfmoon.engine.worker_errors import WorkerError
 from halfmoon.kvstore.keys import block_keys
 from halfmoon.kvstore.layout import KvLayout, LayerKV
 from halfmoon.kvstore.store_node import start_store_node
-from halfmoon.kvstore.transfer import plan_transfer
+from halfmoon.kvstore.transfer.plan import plan_transfer
 
 GET_TIMEOUT_S = 0.5
 HANDOFF_TIMEOUT_S = 5.0

@@ -12,8 +12,8 @@ from halfmoon.cluster.client.grpc_client import Client, ServerError
 from halfmoon.cluster.frontend.grpc_errors import status_for
 from halfmoon.cluster.frontend.grpc_server import start_grpc_server
 from halfmoon.cluster.serving.backend import DuplicateRequestError, NoWorkerError, RejectedError
+from halfmoon.cluster.worker.errors import WorkerCallError, WorkerError
 from halfmoon.engine.errors import InvalidRequestError, OutOfPagesError, RequestNotFoundError
-from halfmoon.engine.worker_errors import WorkerCallError, WorkerError
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from halfmoon.cluster.bench.live_shape import (
+from halfmoon.bench.studies.live_shape import (
     COLOCATED,
     DISAGGREGATED,
     ClusterShape,
@@ -16,14 +16,14 @@ from halfmoon.cluster.bench.live_shape import (
     default_slos,
     shape_from_server,
 )
-from halfmoon.cluster.bench.live_sim import (
+from halfmoon.bench.studies.live_sim import (
     compare,
     rates_from_capacity,
     simulate,
     simulated_capacity,
     to_records,
 )
-from halfmoon.cluster.bench.workload import BenchRequest, WorkloadError, random_requests
+from halfmoon.bench.workload import BenchRequest, WorkloadError, random_requests
 from halfmoon.router.config import RouterConfig
 from halfmoon.router.errors import ProfileError
 from halfmoon.router.profile import PROFILE_DIR, load_profile, profile_from_dict, profile_to_dict

@@ -15,7 +15,7 @@ import pytest
 from cluster_kit import counters, running_cluster
 from pydantic import BaseModel, Field
 
-from halfmoon.cluster.bench.structured import validation_errors
+from halfmoon.bench.probes.structured import validation_errors
 from halfmoon.cluster.frontend.grammar_checks import build_here
 from halfmoon.cluster.frontend.http_request import parse
 from halfmoon.cluster.frontend.openai_schema import CompletionRequest

@@ -15,7 +15,7 @@ import openai
 import pytest
 from cluster_kit import running_cluster
 
-from halfmoon.cluster.bench.structured import validation_errors
+from halfmoon.bench.probes.structured import validation_errors
 from halfmoon.cluster.frontend.http_request import parse
 from halfmoon.cluster.frontend.openai_schema import ChatCompletionRequest
 from halfmoon.cluster.frontend.openai_tool_calls import ToolCalling, read_auto

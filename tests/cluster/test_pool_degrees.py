@@ -10,8 +10,8 @@ from halfmoon.cluster.config import load_config
 from halfmoon.cluster.control.launcher import file_profile
 from halfmoon.cluster.control.measured_profile import measured_profile
 from halfmoon.cluster.serving.workers import Worker, WorkerPool
+from halfmoon.cluster.worker.info import WorkerInfo
 from halfmoon.engine.profiling import ProfileSamples
-from halfmoon.engine.worker_info import WorkerInfo
 from halfmoon.router.conductor import Conductor
 from halfmoon.router.config import RouterConfig
 from halfmoon.router.degree import profile_for_pools

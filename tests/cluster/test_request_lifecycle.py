@@ -18,9 +18,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from halfmoon.cluster.client.grpc_client import AsyncClient, ServerError
 from halfmoon.cluster.control.controller import Controller
+from halfmoon.cluster.worker.errors import WorkerError
 from halfmoon.decode_worker.task import DecodeTask
 from halfmoon.engine import SamplingParams
-from halfmoon.engine.worker_errors import WorkerError
 from halfmoon.kvstore.keys import block_keys
 from halfmoon.prefill_worker.task import PrefillTask
 

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from halfmoon.cluster.bench import cpu_linear as bench
+from halfmoon.bench.probes import cpu_linear as bench
 from halfmoon.kernels import cpu_gemm
 
 

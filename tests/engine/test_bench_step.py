@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from halfmoon.cluster.bench.step import decode_step_times
+from halfmoon.bench.probes.step import decode_step_times
 from halfmoon.engine import LLM, SamplingParams
 
 PARAMS = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)

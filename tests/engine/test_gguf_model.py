@@ -115,7 +115,7 @@ def test_a_directory_of_two_gguf_files_and_a_foreign_architecture_are_refused(tm
 
 
 def test_bench_serve_takes_the_gguf_file_as_its_tokenizer(smollm2_gguf):
-    from halfmoon.cluster.bench.serve import load_vocabulary
+    from halfmoon.bench.serve import load_vocabulary
 
     tokenizer, vocabulary = load_vocabulary(str(smollm2_gguf))
     assert len(tokenizer) == 49152 and len(vocabulary) > 40000

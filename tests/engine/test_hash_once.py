@@ -4,7 +4,7 @@ cluster): an engine given them never hashes a prompt block again."""
 from halfmoon.engine import LLM, SamplingParams, page_pool
 from halfmoon.kvstore import keys as keys_module
 from halfmoon.kvstore.keys import block_keys
-from halfmoon.kvstore.transfer import plan_transfer
+from halfmoon.kvstore.transfer.plan import plan_transfer
 
 PROMPT = list(range(20, 60))  # two full blocks of 16 and a partial one
 FIRST = SamplingParams(max_tokens=1, temperature=0.0)

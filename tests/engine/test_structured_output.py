@@ -13,7 +13,7 @@ import threading
 import numpy as np
 import pytest
 
-from halfmoon.cluster.bench.structured import random_schema, validation_errors
+from halfmoon.bench.probes.structured import random_schema, validation_errors
 from halfmoon.engine import LLM, SamplingParams
 from halfmoon.engine import grammar as grammar_module
 from halfmoon.engine.errors import InvalidRequestError

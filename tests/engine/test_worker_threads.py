@@ -10,7 +10,7 @@ import pytest
 import ray
 import torch
 
-from halfmoon.engine import worker_base
+from halfmoon.cluster.worker import actor as worker_base
 
 
 def _context(mode: int, cpus: float | None):

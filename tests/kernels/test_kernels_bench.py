@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from halfmoon.cluster.bench import kernels as bench
+from halfmoon.bench.probes import kernels as bench
 from halfmoon.kernels import triton_kernels
 
 # Compiled Triton kernels (on a CUDA host) take CUDA tensors only.

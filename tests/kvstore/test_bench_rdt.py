@@ -8,7 +8,7 @@ import pytest
 import ray
 import torch
 
-from halfmoon.cluster.bench import rdt as bench_rdt
+from halfmoon.bench.probes import rdt as bench_rdt
 from halfmoon.kvstore.config import StoreConfig
 from halfmoon.kvstore.layout import KvLayout
 from halfmoon.kvstore.store_node import start_store_node

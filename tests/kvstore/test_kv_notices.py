@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from halfmoon.kvstore.kv_notices import KvPeer, NoticeListener, NoticeSender
-from halfmoon.kvstore.notice_format import (
+from halfmoon.kvstore.transfer.channel import KvPeer, NoticeListener, NoticeSender
+from halfmoon.kvstore.transfer.notice_format import (
     MAX_KEY_BYTES,
     MAX_SLOTS,
     Hello,

@@ -8,9 +8,9 @@ from kv_helpers import LAYOUT, assert_same, make_keys, random_kv
 
 from halfmoon.kvstore.config import StoreConfig
 from halfmoon.kvstore.errors import LayerTimeout, StoreFull
-from halfmoon.kvstore.index import PrefixIndex
 from halfmoon.kvstore.layout import LayerKV
 from halfmoon.kvstore.store import KvStore
+from halfmoon.router.prefix_index import PrefixIndex
 
 pytestmark = pytest.mark.anyio
 

@@ -6,7 +6,16 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PARTS = ["engine", "kernels", "kvstore", "prefill_worker", "decode_worker", "router", "cluster"]
+PARTS = [
+    "engine",
+    "kernels",
+    "kvstore",
+    "prefill_worker",
+    "decode_worker",
+    "router",
+    "cluster",
+    "bench",
+]
 MAX_FILE_LINES = 400
 MAX_CLASS_LINES = 300
 

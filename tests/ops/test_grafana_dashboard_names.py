@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 from halfmoon.cluster.control.metrics import Metrics
-from halfmoon.engine.worker_metrics import WorkerMetrics
+from halfmoon.cluster.worker.metrics import WorkerMetrics
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "halfmoon.json"
 SUFFIXES = {

@@ -23,7 +23,7 @@ PACKAGE_DATA = [
     "deploy/configs/local.yaml",
     "deploy/configs/gpu-cluster.yaml",
     "deploy/autoscaling/slo-planner.yaml",
-    "cluster/bench/router_report_template.md",
+    "bench/studies/router_report_template.md",
     "kernels/cpu_attention.cpp",
     "kernels/cpu_elementwise.cpp",
     "kernels/cpu_prefill.cpp",

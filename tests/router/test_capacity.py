@@ -10,11 +10,11 @@ import re
 import pytest
 from router_testkit import simple_profile
 
-from halfmoon.cluster.bench.capacity import main
-from halfmoon.kvstore.index import PrefixIndex
+from halfmoon.bench.studies.capacity import main
 from halfmoon.router.config import RouterConfig
 from halfmoon.router.cost_model import CostModel
 from halfmoon.router.errors import RouterConfigError
+from halfmoon.router.prefix_index import PrefixIndex
 from halfmoon.router.profile import DEFAULT_PROFILE, save_profile
 from halfmoon.router.sim.capacity import MAX_SCALE, highest_passing
 from halfmoon.router.sim.colocated_instance import ColocatedJob, SimColocated

