@@ -61,9 +61,12 @@ def live_bench_settings(model: str, device: str, **settings) -> dict:
     no local Redis, and on cuda both workers sharing the GPU; `settings` (dotted keys, as
     `--set` takes them) on top."""
     base = {
-        "model": model, "server.grpc_port": 0, "server.metrics_port": 0, "server.http_port": "off",
+        "model": model,
+        "server.grpc_port": 0,
+        "server.metrics_port": 0,
+        "server.http_port": "off",
         "store.use_local_redis": False,
-    }  # fmt: skip
+    }
     if device == "cuda":
         base.update(SHARED_GPU_SETTINGS)
     return {**base, **settings}

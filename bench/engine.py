@@ -222,10 +222,12 @@ def _parser() -> argparse.ArgumentParser:
         "--eager", action="store_true", help="also time our engine without CUDA graphs (cuda)"
     )
     parser.add_argument(
-        "--batch-size", type=int, default=64,
+        "--batch-size",
+        type=int,
+        default=64,
         help="max batch size for all three: our max_num_seqs, the static batch size (64, the "
         "engine's default max_num_seqs)",
-    )  # fmt: skip
+    )
     parser.add_argument("--scale", type=float, default=1.0, help="shrink lengths for a quick run")
     parser.add_argument(
         "--threads",

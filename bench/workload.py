@@ -87,7 +87,7 @@ def scale_records(
             max(1, min(len(r.hash_ids) * block_tokens, round(r.num_prompt_tokens * factor))),
             max(1, round(r.num_output_tokens * factor)),
             r.hash_ids,
-        )  # fmt: skip
+        )
         for r in records
     ]
 

@@ -133,9 +133,12 @@ def _add_generate(commands) -> None:
     cmd.add_argument("--local", action="store_true", help="run the engine in this process")
     cmd.add_argument("--model", help="checkpoint directory for --local (default: tiny model)")
     cmd.add_argument(
-        "--tensor-parallel-size", type=int, default=1, metavar="T",
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        metavar="T",
         help="with --local: split the model across T ranks, one process each (1)",
-    )  # fmt: skip
+    )
     cmd.add_argument("--server", default="127.0.0.1:50051", help="server host:port")
     add_tls_ca(cmd)
     cmd.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (64)")

@@ -256,7 +256,7 @@ class DecodeWorker(EngineWorker):
         except HalfmoonError as error:
             reservation.join_error = error
 
-    async def drain_transfers(self) -> list[tuple[int, float]]:
+    def _take_transfers(self) -> list[tuple[int, float]]:
         """(bytes, seconds from reservation to last layer) of each KV receive since last call."""
         transfers, self.receiver.transfers = self.receiver.transfers, []
         return transfers

@@ -131,9 +131,8 @@ class Killer:
         """`pool`'s workers the router routes to and that were not killed."""
         skip = self.killed | set(self.controller.pending)
         return [
-            w for w in list(self.cluster.workers.values())
-            if w.kind == pool and w.name not in skip
-        ]  # fmt: skip
+            w for w in list(self.cluster.workers.values()) if w.kind == pool and w.name not in skip
+        ]
 
     def _kill_one(self, pool: str, now_s: float) -> bool:
         """SIGKILL `pool`'s busiest serving worker if the pool is whole; whether it did."""

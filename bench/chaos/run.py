@@ -85,9 +85,12 @@ class Workload:
         async with gate:
             try:
                 done = await client.complete(
-                    prompt, request_id=request_id, max_tokens=self.max_tokens, temperature=0.0,
+                    prompt,
+                    request_id=request_id,
+                    max_tokens=self.max_tokens,
+                    temperature=0.0,
                     ignore_eos=True,
-                )  # fmt: skip
+                )
                 outcome.token_ids = done.token_ids
             except ServerError as error:
                 outcome.error = str(error)
@@ -157,9 +160,13 @@ def run_chaos(args) -> ChaosReport:
     finally:
         cluster.stop()  # shuts Ray down too when it started it
     return ChaosReport(
-        undisturbed, chaos, killer.kills, killer.controller.num_restarts,
-        undisturbed_s, chaos_s,
-    )  # fmt: skip
+        undisturbed,
+        chaos,
+        killer.kills,
+        killer.controller.num_restarts,
+        undisturbed_s,
+        chaos_s,
+    )
 
 
 def print_report(report: ChaosReport, args) -> None:

@@ -85,14 +85,19 @@ def main(argv: list[str] | None = None) -> int:
         "an AVX2 CPU runs.",
     )
     parser.add_argument(
-        "--rows", type=int, nargs="+", default=[1, 16, 32, 64, 128],
+        "--rows",
+        type=int,
+        nargs="+",
+        default=[1, 16, 32, 64, 128],
         help="rows a GEMM multiplies: decode's sequences in a step (1 16 32 64 128)",
-    )  # fmt: skip
+    )
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="(1 2)")
     parser.add_argument(
-        "--layers", type=int, default=SHAPES["bench"].num_hidden_layers,
+        "--layers",
+        type=int,
+        default=SHAPES["bench"].num_hidden_layers,
         help="layers of distinct weights (the model's, %(default)s)",
-    )  # fmt: skip
+    )
     parser.add_argument("--repeats", type=int, default=7, help="timed passes each (median)")
     parser.add_argument(
         "--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="(%(default)s)"
@@ -114,9 +119,14 @@ def main(argv: list[str] | None = None) -> int:
                     ours = time_layers(layers, rows, True, args.repeats)
                     before = time_layers(layers, rows, False, args.repeats)
                     results.append(
-                        {"threads": threads, "rows": rows, "ours_ms": ours,
-                         "before_ms": before, "ratio": before / ours}
-                    )  # fmt: skip
+                        {
+                            "threads": threads,
+                            "rows": rows,
+                            "ours_ms": ours,
+                            "before_ms": before,
+                            "ratio": before / ours,
+                        }
+                    )
     finally:
         torch.set_num_threads(threads_before)
     if args.json:
@@ -127,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"our path: {path} (the {cpu_build.current().name} kernels)")
     print(f"{'threads':>7} {'rows':>5} {'ours ms':>9} {'before ms':>10} {'before / ours':>14}")
     for r in results:
-        print(f"{r['threads']:>7} {r['rows']:>5} {r['ours_ms']:>9.2f} {r['before_ms']:>10.2f} "
-              f"{r['ratio']:>13.2f}x")  # fmt: skip
+        print(
+            f"{r['threads']:>7} {r['rows']:>5} {r['ours_ms']:>9.2f} {r['before_ms']:>10.2f} "
+            f"{r['ratio']:>13.2f}x"
+        )
     return 0

@@ -237,17 +237,42 @@ def memory_cases(kernels: ModuleType, config: BenchConfig, device: torch.device)
         )
 
     return [
-        Case("store_kv", shape, *both("store_kv", key, value, k_cache, v_cache, slots),
-             4 * row_bytes, "GB/s"),
-        Case("gather_pages", f"{page_ids.numel()} pages", *both("gather_pages", k_cache, page_ids),
-             2 * page_bytes, "GB/s"),
-        Case("scatter_pages", f"{page_ids.numel()} pages",
-             *both("scatter_pages", k_cache, page_ids, buffer), 2 * page_bytes, "GB/s"),
-        Case("rms_norm", f"{tokens} x {hidden}", *both("rms_norm", x, weight, 1e-6, residual),
-             4 * x_bytes, "GB/s"),
-        Case("rotary_embedding", shape, *both("rotary_embedding", positions, query, key, cos_sin),
-             2 * qk_bytes, "GB/s"),
-    ]  # fmt: skip
+        Case(
+            "store_kv",
+            shape,
+            *both("store_kv", key, value, k_cache, v_cache, slots),
+            4 * row_bytes,
+            "GB/s",
+        ),
+        Case(
+            "gather_pages",
+            f"{page_ids.numel()} pages",
+            *both("gather_pages", k_cache, page_ids),
+            2 * page_bytes,
+            "GB/s",
+        ),
+        Case(
+            "scatter_pages",
+            f"{page_ids.numel()} pages",
+            *both("scatter_pages", k_cache, page_ids, buffer),
+            2 * page_bytes,
+            "GB/s",
+        ),
+        Case(
+            "rms_norm",
+            f"{tokens} x {hidden}",
+            *both("rms_norm", x, weight, 1e-6, residual),
+            4 * x_bytes,
+            "GB/s",
+        ),
+        Case(
+            "rotary_embedding",
+            shape,
+            *both("rotary_embedding", positions, query, key, cos_sin),
+            2 * qk_bytes,
+            "GB/s",
+        ),
+    ]
 
 
 def run_cases(
@@ -269,9 +294,17 @@ def run_cases(
         achieved = case.work / (triton_ms * 1e-3) / scale
         peak = peaks.tflops if case.unit == "TFLOP/s" else peaks.bandwidth_gbs
         results.append(
-            KernelResult(case.kernel, case.shape, triton_ms, torch_ms, case.unit, achieved,
-                         achieved / peak, torch_ms / triton_ms)
-        )  # fmt: skip
+            KernelResult(
+                case.kernel,
+                case.shape,
+                triton_ms,
+                torch_ms,
+                case.unit,
+                achieved,
+                achieved / peak,
+                torch_ms / triton_ms,
+            )
+        )
     return results
 
 
@@ -303,9 +336,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for option in fields(BenchConfig):
         parser.add_argument(
-            f"--{option.name.replace('_', '-')}", type=int, default=option.default,
+            f"--{option.name.replace('_', '-')}",
+            type=int,
+            default=option.default,
             help=f"{option.metadata['help']} (default {option.default})",
-        )  # fmt: skip
+        )
     return parser
 
 

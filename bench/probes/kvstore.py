@@ -215,12 +215,16 @@ def summary(rows: list[Row]) -> dict:
 
 
 def print_table(rows: list[Row]) -> None:
-    print(f"{'model':<11} {'path':<10} {'KiB/block-layer':>15} {'blocks':>6} "
-          f"{'store GB/s':>10} {'baseline GB/s':>13} {'ratio':>6}")  # fmt: skip
+    print(
+        f"{'model':<11} {'path':<10} {'KiB/block-layer':>15} {'blocks':>6} "
+        f"{'store GB/s':>10} {'baseline GB/s':>13} {'ratio':>6}"
+    )
     for row in rows:
-        print(f"{row.model:<11} {row.path:<10} {row.block_layer_bytes >> 10:>15} "
-              f"{row.num_blocks:>6} {row.store_gbps:>10.2f} {row.baseline_gbps:>13.2f} "
-              f"{row.ratio:>6.2f}")  # fmt: skip
+        print(
+            f"{row.model:<11} {row.path:<10} {row.block_layer_bytes >> 10:>15} "
+            f"{row.num_blocks:>6} {row.store_gbps:>10.2f} {row.baseline_gbps:>13.2f} "
+            f"{row.ratio:>6.2f}"
+        )
     print(
         "baselines: host = torch copy in and out; redis = raw redis-py SET/GET, same "
         "pipelining; ray-actor = plain actor taking and returning the same payload (cpu)"
@@ -243,8 +247,10 @@ def main(argv: list[str] | None = None) -> int:
             os.environ.setdefault("RAY_AUTH_MODE", "disabled")
             ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
             try:
-                rows += [bench_ray(name, layout, args.blocks, args.repeats)
-                         for name, layout in MODELS.items()]  # fmt: skip
+                rows += [
+                    bench_ray(name, layout, args.blocks, args.repeats)
+                    for name, layout in MODELS.items()
+                ]
             finally:
                 ray.shutdown()
     finally:

@@ -175,20 +175,24 @@ def measure(args: argparse.Namespace) -> dict:
     )
     # No prefix cache: a later run would find an earlier run's prompts there.
     llm = LLM(
-        str(model_dir), max_num_seqs=args.batch_size, device=args.device,
+        str(model_dir),
+        max_num_seqs=args.batch_size,
+        device=args.device,
         enable_prefix_caching=False,
-    )  # fmt: skip
+    )
     rng = random.Random(args.seed)
     schemas = [random_schema(rng) for _ in range(args.requests)]
     prompts = [f"Request {i}: reply in JSON.\n" for i in range(len(schemas))]
     seeds = [dict(seed=args.seed + i) if args.temperature else {} for i in range(len(schemas))]
     constrained = [
         SamplingParams(
-            temperature=args.temperature, max_tokens=args.max_tokens, **seed,
+            temperature=args.temperature,
+            max_tokens=args.max_tokens,
+            **seed,
             structured_output=StructuredOutput("json", json.dumps(schema)),
         )
         for schema, seed in zip(schemas, seeds, strict=True)
-    ]  # fmt: skip
+    ]
     any_object = StructuredOutput("json_object")  # warms up xgrammar and the vocabulary's setup
     llm.generate(prompts[:2], SamplingParams(max_tokens=4, structured_output=any_object))
     with timed_grammar() as grammar_s:

@@ -156,9 +156,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="also simulate every mode at these rates (req/s), e.g. the rates of a live sweep",
     )
     parser.add_argument(
-        "--json", nargs="?", const="-", default=None, metavar="FILE",
+        "--json",
+        nargs="?",
+        const="-",
+        default=None,
+        metavar="FILE",
         help="write the results as JSON to FILE (no FILE: to stdout instead of the table)",
-    )  # fmt: skip
+    )
     parser.add_argument("--plot", default=None, metavar="FILE.png", help="plot attainment vs rate")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return parser
@@ -194,10 +198,19 @@ def make_setup(args: argparse.Namespace) -> tuple[Setup, tuple[str, ...]]:
     if cache_blocks is not None and cache_blocks < 0:
         raise RouterConfigError(f"--cache-blocks-per-instance {cache_blocks} must be >= 0")
     setup = Setup(
-        records, profile, splits, cache_blocks, args.block_size,
-        args.max_batched_tokens, args.ttft_slo, tuple(sorted(args.tbt_slos)), args.target,
-        args.admission, args.colocated_admission, args.colocated_degree,
-    )  # fmt: skip
+        records,
+        profile,
+        splits,
+        cache_blocks,
+        args.block_size,
+        args.max_batched_tokens,
+        args.ttft_slo,
+        tuple(sorted(args.tbt_slos)),
+        args.target,
+        args.admission,
+        args.colocated_admission,
+        args.colocated_degree,
+    )
     check_degrees(setup)
     return setup, policies
 

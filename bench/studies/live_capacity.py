@@ -183,9 +183,13 @@ def run(args) -> dict:
     args.tbt_slo = args.tbt_slo or slo_tbt
     slos = (args.ttft_slo, args.tbt_slo)
     capacity = live_sim.simulated_capacity(
-        shape, live_sim.to_records(base, hash_ids, block_size), block_size, args.max_batched_tokens,
-        slos, args.target,
-    )  # fmt: skip
+        shape,
+        live_sim.to_records(base, hash_ids, block_size),
+        block_size,
+        args.max_batched_tokens,
+        slos,
+        args.target,
+    )
     rates = (
         list(args.rates) if args.rates else live_sim.rates_from_capacity(capacity, args.fractions)
     )
@@ -291,9 +295,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         report = run(args)
     except (
-        TargetUnreachableError, WorkloadError, live_shape.LiveCapacityError, ProfileError,
-        RouterConfigError, TraceFormatError, OSError,
-    ) as error:  # fmt: skip
+        TargetUnreachableError,
+        WorkloadError,
+        live_shape.LiveCapacityError,
+        ProfileError,
+        RouterConfigError,
+        TraceFormatError,
+        OSError,
+    ) as error:
         print(f"halfmoon bench live-capacity: error: {error}", file=sys.stderr)
         return 2
     print(json.dumps(report) if args.json else format_report(report))

@@ -58,9 +58,12 @@ async def replay_live(
         stamps = []
         try:
             async with client.generate(
-                prompt_tokens(record, block_tokens, range(6, vocab_size)), request_id=request_id,
-                max_tokens=record.num_output_tokens, ignore_eos=True, temperature=0.0,
-            ) as stream:  # fmt: skip
+                prompt_tokens(record, block_tokens, range(6, vocab_size)),
+                request_id=request_id,
+                max_tokens=record.num_output_tokens,
+                ignore_eos=True,
+                temperature=0.0,
+            ) as stream:
                 async for delta in stream:
                     stamps.append(time.monotonic())
                     if delta.usage is not None:
@@ -83,11 +86,18 @@ async def replay_live(
     ttfts = sorted(ttft for ttft, _ in served) or [0.0]
     tbts = sorted(tbt for _, tbt in served if tbt >= 0) or [0.0]
     return Figures(
-        len(records), rejected, statistics.fmean(ttfts), percentile(ttfts, 0.5),
-        percentile(ttfts, 0.9), percentile(ttfts, 0.99), statistics.fmean(tbts),
-        percentile(tbts, 0.99), met / max(len(records), 1), cached / max(prompt, 1),
+        len(records),
+        rejected,
+        statistics.fmean(ttfts),
+        percentile(ttfts, 0.5),
+        percentile(ttfts, 0.9),
+        percentile(ttfts, 0.99),
+        statistics.fmean(tbts),
+        percentile(tbts, 0.99),
+        met / max(len(records), 1),
+        cached / max(prompt, 1),
         len(served) / max(last - records[0].arrival_s, 1e-9),
-    )  # fmt: skip
+    )
 
 
 def simulate(cluster: Cluster, profile, records, block_tokens: int, router_profile=None) -> Side:
@@ -99,9 +109,13 @@ def simulate(cluster: Cluster, profile, records, block_tokens: int, router_profi
     cache_blocks = cluster.info.num_pages
     engine = config.engine
     instances = SimInstances(
-        profile, pools["prefill"].replicas, pools["decode"].replicas, cache_blocks,
-        engine.max_num_batched_tokens, engine.max_num_seqs,
-    )  # fmt: skip
+        profile,
+        pools["prefill"].replicas,
+        pools["decode"].replicas,
+        cache_blocks,
+        engine.max_num_batched_tokens,
+        engine.max_num_seqs,
+    )
     sim = make_simulation(router, instances, router_profile)
     summary = sim.run(records, progress=False)
     return Side(figures_of(summary), simulated_views(sim))
@@ -197,15 +211,27 @@ def cluster_config(args):
         {} if args.bypass_tokens is None else {"router.bypass_threshold_tokens": args.bypass_tokens}
     )
     cpus = worker_cpus(args.prefill + args.decode)
-    return load_config(None, bypass | {
-        "server.grpc_port": 0, "server.metrics_port": 0, "server.http_port": "off",
-        "prefill.replicas": args.prefill, "prefill.num_cpus": cpus, "decode.num_cpus": cpus,
-        "decode.replicas": args.decode, "router.policy": args.policy,
-        "router.admission": args.admission, "slo.ttft_s": args.ttft_slo,
-        "slo.tbt_s": args.tbt_slo,
-        "engine.block_size": args.block_tokens, "engine.prefill_chunk_size": 4 * args.block_tokens,
-        "engine.num_pages": 1024, "store.use_local_redis": False,
-    })  # fmt: skip
+    return load_config(
+        None,
+        bypass
+        | {
+            "server.grpc_port": 0,
+            "server.metrics_port": 0,
+            "server.http_port": "off",
+            "prefill.replicas": args.prefill,
+            "prefill.num_cpus": cpus,
+            "decode.num_cpus": cpus,
+            "decode.replicas": args.decode,
+            "router.policy": args.policy,
+            "router.admission": args.admission,
+            "slo.ttft_s": args.ttft_slo,
+            "slo.tbt_s": args.tbt_slo,
+            "engine.block_size": args.block_tokens,
+            "engine.prefill_chunk_size": 4 * args.block_tokens,
+            "engine.num_pages": 1024,
+            "store.use_local_redis": False,
+        },
+    )
 
 
 def worker_cpus(num_workers: int) -> float:

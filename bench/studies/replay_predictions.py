@@ -14,9 +14,18 @@ from halfmoon.router.sim.trace import TraceRecord
 
 # The simulator's headline figures, for a live or a simulated run: these fields of SimSummary.
 FIGURE_FIELDS = (
-    "requests", "rejected", "ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s",
-    "tbt_mean_s", "tbt_p99_s", "slo_attainment", "hit_rate", "throughput_rps",
-)  # fmt: skip
+    "requests",
+    "rejected",
+    "ttft_mean_s",
+    "ttft_p50_s",
+    "ttft_p90_s",
+    "ttft_p99_s",
+    "tbt_mean_s",
+    "tbt_p99_s",
+    "slo_attainment",
+    "hit_rate",
+    "throughput_rps",
+)
 Figures = make_dataclass(
     "Figures",
     [(f.name, f.type) for f in fields(SimSummary) if f.name in FIGURE_FIELDS],
@@ -98,10 +107,17 @@ def prediction_figures(views: list[RequestView]) -> PredictionFigures:
     fetched = [view.num_fetched_tokens for view in views if view.num_fetched_tokens > 0]
     bypassed = sum(view.prefill_instance is None and view.ttft_s is not None for view in views)
     return PredictionFigures(
-        len(views), len(errors), quantile(errors, 0.5), quantile(errors, 0.9),
-        quantile(signed, 0.5), num_queued(views), bypassed,
-        sum(view.num_cached_tokens for view in views), len(fetched), sum(fetched),
-    )  # fmt: skip
+        len(views),
+        len(errors),
+        quantile(errors, 0.5),
+        quantile(errors, 0.9),
+        quantile(signed, 0.5),
+        num_queued(views),
+        bypassed,
+        sum(view.num_cached_tokens for view in views),
+        len(fetched),
+        sum(fetched),
+    )
 
 
 def num_queued(views: list[RequestView]) -> int | None:
@@ -128,10 +144,16 @@ def prediction_summary(sides: dict[str, list[RequestView | None]]) -> dict:
 def live_view(summary: dict) -> RequestView:
     """A request as the live router summarised it (`RouterActor.summaries`)."""
     return RequestView(
-        summary["predicted_ttft_s"], summary.get("predicted_queue_s"), summary["ttft_s"],
-        summary["num_cached_tokens"], summary["num_loaded_tokens"], summary["loaded_from"],
-        summary["prefill_instance"], summary["decode_instance"], summary["outcome"],
-    )  # fmt: skip
+        summary["predicted_ttft_s"],
+        summary.get("predicted_queue_s"),
+        summary["ttft_s"],
+        summary["num_cached_tokens"],
+        summary["num_loaded_tokens"],
+        summary["loaded_from"],
+        summary["prefill_instance"],
+        summary["decode_instance"],
+        summary["outcome"],
+    )
 
 
 def live_views(summaries: list[dict], ids: list[str]) -> list[RequestView | None]:
@@ -149,10 +171,12 @@ def simulated_view(decision: Decision, ttft_s: float) -> RequestView:
         None if decision.rejected else decision.predicted_queue_s,
         ttft_s if math.isfinite(ttft_s) else None,
         0 if decision.bypass else decision.cached_tokens,
-        decision.fetch_tokens if fetch else 0, None if fetch is None else str(fetch[0]),
-        None if decision.bypass else decision.prefill_instance, decision.decode_instance,
+        decision.fetch_tokens if fetch else 0,
+        None if fetch is None else str(fetch[0]),
+        None if decision.bypass else decision.prefill_instance,
+        decision.decode_instance,
         "rejected" if decision.rejected else "finished",
-    )  # fmt: skip
+    )
 
 
 def simulated_views(sim: Simulation) -> list[RequestView | None]:

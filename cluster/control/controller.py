@@ -83,8 +83,11 @@ class Controller:
         if now - since < bound_s:
             log.warning(
                 "worker %s did not answer its health check for %.1f s; taken as busy until "
-                "%g s (health.unresponsive_s)", name, now - since, bound_s,
-            )  # fmt: skip
+                "%g s (health.unresponsive_s)",
+                name,
+                now - since,
+                bound_s,
+            )
             return False
         return True
 
@@ -184,9 +187,10 @@ class Controller:
     def active(self, pool: str) -> list[str]:
         """Workers of `pool` that take new requests."""
         return [
-            w.name for w in self.cluster.workers.values()
+            w.name
+            for w in self.cluster.workers.values()
             if w.kind == pool and w.name not in self.draining
-        ]  # fmt: skip
+        ]
 
     def run(self, stop: threading.Event) -> None:
         """Check health and autoscale every `health.interval_s` until `stop` is set."""

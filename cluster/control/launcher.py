@@ -6,38 +6,31 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import os
-import secrets
-import shutil
-import subprocess
 import time
 import uuid
 from dataclasses import dataclass, field
 
 import ray
 import torch
-from pydantic import SecretStr
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from halfmoon.cluster.config import ClusterConfig, PoolConfig
 from halfmoon.cluster.control.measured_profile import measured_profile
-from halfmoon.cluster.control.ray_token import make_token_private
+from halfmoon.cluster.control.ray_start import start_ray
+from halfmoon.cluster.control.store_setup import StoreSetup
+from halfmoon.cluster.control.worker_configs import worker_engine_config
 from halfmoon.cluster.serving.router_actor import RouterActor
 from halfmoon.cluster.worker.info import WorkerInfo
 from halfmoon.decode_worker.worker import DecodeWorker
 from halfmoon.engine.config import EngineConfig
 from halfmoon.engine.model_source import resolve_model
-from halfmoon.kvstore.config import StoreConfig
 from halfmoon.kvstore.layout import KvLayout
-from halfmoon.kvstore.redis_server import start_redis_server
 from halfmoon.kvstore.store_node import start_store_node, store_node_name
 from halfmoon.prefill_worker.worker import PrefillWorker
 from halfmoon.router.degree import profile_for_pools
 from halfmoon.router.profile import Profile, load_profile
 
 log = logging.getLogger(__name__)
-REDIS_PASSWORD_ENV = "HALFMOON_REDIS_PASSWORD"
-REDIS_HMAC_KEY_ENV = "HALFMOON_REDIS_HMAC_KEY"
 WORKER_CLASSES = {"prefill": PrefillWorker, "decode": DecodeWorker}
 
 
@@ -61,7 +54,7 @@ class Cluster:
     info: WorkerInfo | None = None
     profile: Profile | None = None
     owns_ray: bool = False
-    redis: subprocess.Popen | None = None
+    store_setup: StoreSetup | None = None
     _counter: itertools.count = field(default_factory=itertools.count)
 
     @property
@@ -75,7 +68,7 @@ class Cluster:
         `http_port`, None when the HTTP API is off)."""
         began = time.monotonic()
         model = str(resolve_model(self.config.model))  # a missing model fails before Ray starts
-        self._init_ray()
+        self.owns_ray = start_ray(self.config)
         replicas = sum(pool.replicas for pool in self.pools.values())
         log.info("Ray is up; starting %d worker(s) and the router", replicas)
         self.engine_config = self.config.engine.engine_config(model)
@@ -99,7 +92,7 @@ class Cluster:
             first = next(iter(self.workers.values()))
             self.info = ray.get(first.actor.info.remote())
             log.info("a worker has loaded the model (%.1f s)", time.monotonic() - began)
-            self.store_config = self._store_config()
+            self.store_setup = StoreSetup(self.config)
             self.ensure_stores()
             self.profile = self._profile()
             log.info("router profile ready (%.1f s)", time.monotonic() - began)
@@ -180,7 +173,7 @@ class Cluster:
             if not node["Alive"] or node["NodeID"] in self.stores:
                 continue
             name = store_node_name(node["NodeID"])
-            config = self._node_store_config(node)
+            config = self.store_setup.for_node(node)
             store = start_store_node(layout, config, node["NodeID"])
             self.stores[node["NodeID"]] = store
             if self.router is not None:
@@ -209,72 +202,13 @@ class Cluster:
         for store in self.stores.values():
             ray.kill(store, no_restart=True)
         self.stores.clear()
-        if self.redis is not None:
-            self.redis.terminate()
-            self.redis.wait(timeout=10)
-            self.redis = None
+        if self.store_setup is not None:
+            self.store_setup.stop()
         if self.owns_ray:
             ray.shutdown()
 
-    def _init_ray(self) -> None:
-        if ray.is_initialized():
-            return
-        # None starts a Ray here ("local"), never joins one found on the machine.
-        address = self.config.ray.address or os.environ.get("RAY_ADDRESS") or "local"
-        local = address == "local"
-        if local and self.config.ray.auth_mode == "disabled":
-            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        # Otherwise Ray's own default for a Ray it starts: token auth, with the token it makes
-        # in ~/.ray/auth_token ($RAY_AUTH_MODE and $RAY_AUTH_TOKEN win). Setting RAY_AUTH_MODE
-        # here would not do: Ray has read it at import.
-        ray.init(
-            address=address,
-            namespace=self.config.ray.namespace,
-            include_dashboard=False,
-            log_to_driver=False,
-            # One node: its address is loopback, where Ray binds what it can.
-            _node_ip_address="127.0.0.1" if local else None,
-        )
-        self.owns_ray = True
-        if local:
-            make_token_private()
-
-    def _pool_engine_config(self, pool: PoolConfig) -> EngineConfig:
-        """Workers sharing a GPU (fractional num_gpus) split its memory by their fraction."""
-        share = min(pool.num_gpus, 1.0) if pool.num_gpus > 0 else 1.0
-        utilization = self.engine_config.gpu_memory_utilization * share
-        return self.engine_config.model_copy(update={"gpu_memory_utilization": utilization})
-
-    def _worker_engine_config(self, kind: str) -> EngineConfig:
-        """A pool's engine config at its degree; prefill workers' KV caches shared with their
-        node when they lend pages to decode workers (`store.lend_pages`, at degree 1)."""
-        pool = self.pools[kind]
-        config = self._pool_engine_config(pool)
-        config = config.model_copy(update={"tensor_parallel_size": pool.tensor_parallel_size})
-        store = self.config.store
-        lend = self.config.mode == "disaggregated" and store.direct_notices and store.lend_pages
-        if kind == "prefill" and lend and pool.tensor_parallel_size == 1:  # at T > 1 it cannot
-            config = config.model_copy(update={"share_kv": True})
-        return config
-
-    def _store_config(self) -> StoreConfig:
-        store = self.config.store
-        url, password = store.redis_url, secret(store.redis_password, REDIS_PASSWORD_ENV)
-        if url is None and store.use_local_redis and shutil.which("redis-server"):
-            password = secrets.token_urlsafe(32)
-            self.redis, url = start_redis_server(password=password)
-        hmac_key = secret(store.redis_hmac_key, REDIS_HMAC_KEY_ENV) or secrets.token_urlsafe(32)
-        return store.store_config(redis_url=url, redis_password=password, redis_hmac_key=hmac_key)
-
-    def _node_store_config(self, node: dict) -> StoreConfig:
-        """The store config for one Ray node: its host tier sized from its memory when
-        `store.host_memory_fraction` is set."""
-        fraction = self.config.store.host_memory_fraction
-        memory = node["Resources"].get("memory", 0)
-        if fraction is None or memory <= 0:
-            return self.store_config
-        capacity = int(fraction * memory)
-        return self.store_config.model_copy(update={"host_capacity_bytes": capacity})
+    def _engine_config(self, kind: str) -> EngineConfig:
+        return worker_engine_config(self.config, self.engine_config, kind)
 
     def _spawn(self, kind: str) -> WorkerHandle:
         pool = self.pools[kind]
@@ -289,7 +223,7 @@ class Cluster:
                 max_concurrency=10_000,
                 max_restarts=0,
             )
-            .remote(name, self._worker_engine_config(kind), None, self.config.store.get_timeout_s)
+            .remote(name, self._engine_config(kind), None, self.config.store.get_timeout_s)
         )
         worker = self.workers[name] = WorkerHandle(name, kind, actor)
         return worker
@@ -326,10 +260,3 @@ def pool_degrees(config: ClusterConfig) -> tuple[int, int]:
     decode = config.decode.tensor_parallel_size
     prefill = decode if config.mode == "colocated" else config.prefill.tensor_parallel_size
     return prefill, decode
-
-
-def secret(configured: SecretStr | None, env: str) -> str | None:
-    """A secret from the config, else from the environment variable `env`, else None."""
-    if configured is not None:
-        return configured.get_secret_value()
-    return os.environ.get(env) or None

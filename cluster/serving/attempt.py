@@ -63,8 +63,7 @@ class Dispatcher:
 
     def _whole(self, worker: Worker, request: Request):
         """Prefill and decode the request on one worker (colocated, or a bypassed prompt)."""
-        generate = worker.handle.generate_colocated.options(num_returns="streaming")
-        return generate.remote(_decode_task(request))
+        return worker.client.generate_colocated(_decode_task(request))
 
     async def _place(self, request: Request) -> Decision:
         decision = request.decision = await self._route(request)
@@ -91,20 +90,19 @@ class Dispatcher:
         peer = decode.kv_peer
         known = _first_token_ids(trace.early_tokens) if trace.early_tokens else None
         reserve = _decode_task(request, prefill.store_name, peer is not None, known)
-        attempt.reserve = decode.handle.reserve.remote(reserve)
+        attempt.reserve = decode.client.reserve(reserve)
         task = PrefillTask(
             rid, request.token_ids, request.params, request.block_keys,
             request.num_prior_output_tokens, ticket=attempt.ticket, kv_peer=peer,
             fetch_from=_fetch_store(decision, prefill),
         )  # fmt: skip
-        prefilled = prefill.handle.prefill.remote(task)
+        prefilled = prefill.client.prefill(task)
         trace.prefill_started_s = time.monotonic()
         await self.call(decode, attempt.reserve)
         trace.mark("decode pages reserved")
         self._prefilled(request, await self.call(prefill, prefilled))
-        attempt.stored = prefill.handle.stored.remote(rid, attempt.ticket)
-        generate = decode.handle.generate.options(num_returns="streaming")
-        return generate.remote(rid, _first_token_ids(trace.early_tokens))
+        attempt.stored = prefill.client.stored(rid, attempt.ticket)
+        return decode.client.generate(rid, _first_token_ids(trace.early_tokens))
 
     def _prefilled(self, request: Request, result: PrefillResult) -> None:
         """Note where the prefill's time went; its first token goes out next."""
@@ -204,7 +202,7 @@ class Dispatcher:
         attempt = request.attempt
         for worker in attempt.workers():
             try:
-                await worker.handle.abort.remote(request.request_id, attempt.ticket)
+                await worker.client.abort(request.request_id, attempt.ticket)
             except RayActorError:
                 log.warning(
                     "could not abort %s on %s: the worker is gone", request.request_id, worker.name
@@ -243,7 +241,7 @@ class Dispatcher:
         try:
             target = self.pool.get(copy.target)
             if target is not None:
-                await target.handle.warm.remote(list(copy.keys), store_name)
+                await target.client.warm(list(copy.keys), store_name)
         except Exception:  # noqa: BLE001 - a failed copy costs hits, never a request
             log.exception("copying %d hot blocks to %s failed", len(copy.keys), copy.target)
         finally:
@@ -287,7 +285,7 @@ async def _abort(worker: Worker, request_id: str, ticket: str, first) -> None:
     """Abort attempt `ticket` on `worker`, after `first` (a call already sent) has ended."""
     if first is not None:
         await _settled(first, RELEASE_WAIT_S)
-    ref = worker.handle.abort.remote(request_id, ticket)
+    ref = worker.client.abort(request_id, ticket)
     if not await _settled(ref, RELEASE_WAIT_S):
         log.warning("%s did not answer the abort of %s", worker.name, request_id)
 

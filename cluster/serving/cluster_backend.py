@@ -11,8 +11,6 @@ import statistics
 import time
 from collections.abc import AsyncIterator, Callable
 
-import ray
-
 from halfmoon.cluster.serving.attempt import Dispatcher
 from halfmoon.cluster.serving.backend import (
     GenerateInput,
@@ -23,6 +21,7 @@ from halfmoon.cluster.serving.backend import (
     delta_from_output,
 )
 from halfmoon.cluster.serving.backend_views import BackendViews
+from halfmoon.cluster.serving.clients import StoreClient
 from halfmoon.cluster.serving.prompts import PromptTokenizer
 from halfmoon.cluster.serving.registry import RequestRegistry
 from halfmoon.cluster.serving.request import Request
@@ -85,8 +84,8 @@ class ClusterBackend(BackendViews):
         """A draining worker gets no new requests; the ones it has finish."""
         self.pool.set_draining(name, draining)
 
-    def add_store(self, name: str, handle: ray.actor.ActorHandle) -> None:
-        self.pool.stores[name] = handle
+    def add_store(self, name: str, store: StoreClient) -> None:
+        self.pool.stores[name] = store
 
     def remove_store(self, name: str) -> None:
         self.pool.stores.pop(name, None)

@@ -14,7 +14,9 @@ import ray
 from halfmoon.cluster.config import ClusterConfig, router_config, served_name
 from halfmoon.cluster.control.metrics_targets import MetricsTargets
 from halfmoon.cluster.frontend.auth import loopback
+from halfmoon.cluster.serving.clients import StoreClient, worker_client
 from halfmoon.cluster.serving.cluster_backend import ClusterBackend
+from halfmoon.cluster.serving.request_metrics import RequestMetrics
 from halfmoon.cluster.serving.trace import RequestTrace
 from halfmoon.cluster.serving.workers import PollReport, Worker
 from halfmoon.cluster.worker.info import WorkerInfo
@@ -30,7 +32,6 @@ POLL_INTERVAL_S = 0.25
 # Engine steps kept for `observed_steps` (a replay fits its live profile from them).
 OBSERVED_STEPS = 50_000
 TRAFFIC_WINDOW_S = 60.0  # seconds of finished requests the pool signals average by default
-MAX_TRAFFIC_WINDOW_S = 3600.0  # the longest window a policy may ask for
 RELEASE_AT_STOP_S = 5.0
 POOLS = ("prefill", "decode")
 
@@ -47,8 +48,7 @@ class RouterActor:
         self.metrics = Metrics()
         self.backend: ClusterBackend | None = None
         self.tokenizer = None
-        # (time, in, out, cached) of the requests finished in the longest window, at most 1M.
-        self.finished: deque[tuple[float, int, int, int]] = deque(maxlen=1 << 20)
+        self.requests = RequestMetrics(self.metrics, config.slo.ttft_s)
         self.steps_observed: deque[StepTiming] = deque(maxlen=OBSERVED_STEPS)
         self.grpc_server = None
         self.http_server = None
@@ -65,9 +65,15 @@ class RouterActor:
         self.tokenizer = load_tokenizer(Path(info.model))
         bound = None if config.router.admission == "none" else config.router.max_queued_per_worker
         self.backend = ClusterBackend(
-            self.tokenizer, info, router_config(config, info.block_size), profile, config.mode,
-            served_name(config), bound, pool_wait_s=config.router.pool_wait_s,
-        )  # fmt: skip
+            self.tokenizer,
+            info,
+            router_config(config, info.block_size),
+            profile,
+            config.mode,
+            served_name(config),
+            bound,
+            pool_wait_s=config.router.pool_wait_s,
+        )
         self.backend.set_observer(self._observe)
 
     async def start(self) -> dict:
@@ -139,9 +145,10 @@ class RouterActor:
     async def add_worker(
         self, name: str, kind: str, handle, store_name: str | None, kv_peer: KvPeer | None = None
     ) -> None:
-        info = await handle.info.remote()
-        self.backend.add_worker(Worker(name, kind, handle, info, store_name, kv_peer))
-        address = await handle.serve_metrics.remote(self.config.server.host)
+        client = worker_client(kind, handle)
+        info = await client.info()
+        self.backend.add_worker(Worker(name, kind, client, info, store_name, kv_peer))
+        address = await client.serve_metrics(self.config.server.host)
         self.targets.add(name, address, {"role": kind, "worker": name})
 
     async def remove_worker(self, name: str) -> None:
@@ -159,8 +166,9 @@ class RouterActor:
         self.backend.set_draining(name, draining)
 
     async def add_store(self, name: str, handle) -> None:
-        self.backend.add_store(name, handle)
-        address = await handle.serve_metrics.remote(self.config.server.host)
+        store = StoreClient(handle)
+        self.backend.add_store(name, store)
+        address = await store.serve_metrics(self.config.server.host)
         self.targets.add(name, address, {"role": "store", "store_node": name})
 
     async def remove_store(self, name: str) -> None:
@@ -213,17 +221,7 @@ class RouterActor:
         """Per pool, the autoscaling signals (per replica) and the traffic of the last
         `window_s` seconds (at most MAX_TRAFFIC_WINDOW_S)."""
         now = time.monotonic()
-        window_s = min(max(window_s, 1e-3), MAX_TRAFFIC_WINDOW_S)
-        while self.finished and self.finished[0][0] < now - MAX_TRAFFIC_WINDOW_S:
-            self.finished.popleft()
-        recent = [f for f in self.finished if f[0] >= now - window_s]
-        n = len(recent)
-        traffic = {
-            "request_rate_per_s": n / window_s,
-            "mean_input_tokens": sum(f[1] for f in recent) / n if n else 0.0,
-            "mean_output_tokens": sum(f[2] for f in recent) / n if n else 0.0,
-            "mean_cached_tokens": sum(f[3] for f in recent) / n if n else 0.0,
-        }
+        traffic = self.requests.traffic(window_s, now)
         return {kind: {**traffic, **self.backend.pool_signals(kind, now)} for kind in POOLS}
 
     async def profile(self) -> Profile:
@@ -243,48 +241,7 @@ class RouterActor:
         self.metrics.update_pool(pool, desired, actual)
 
     def _observe(self, trace: RequestTrace) -> None:
-        """Record one ended request in the metrics."""
-        metrics, now = self.metrics, time.monotonic()
-        if trace.outcome == "finished":
-            self.finished.append(
-                (now, trace.num_prompt_tokens, trace.num_output_tokens, trace.num_cached_tokens)
-            )
-        metrics.record_outcome(trace.outcome, trace.reason)
-        self._observe_tokens(trace)
-        if trace.prefill_started_s is not None:
-            metrics.queue_seconds.observe(trace.prefill_started_s - trace.arrived_s)
-        if trace.first_token_s is not None:
-            self._observe_latency(trace, now)
-
-    def _observe_tokens(self, trace: RequestTrace) -> None:
-        """Its prompt, generated and cached tokens, and where its cached prefix came from."""
-        metrics = self.metrics
-        metrics.prompt_tokens.inc(trace.num_prompt_tokens)
-        metrics.generated_tokens.inc(trace.num_output_tokens)
-        metrics.cached_tokens.inc(trace.num_cached_tokens)
-        if not trace.num_prompt_tokens:
-            return
-        local = trace.num_cached_tokens - trace.num_loaded_tokens
-        metrics.record_prefix_lookup("device", trace.num_prompt_tokens, local)
-        if trace.prefill_instance is not None:
-            store_queried = trace.num_prompt_tokens - local
-            metrics.record_prefix_lookup("store", store_queried, trace.num_loaded_tokens)
-
-    def _observe_latency(self, trace: RequestTrace, now: float) -> None:
-        """Its TTFT (beside the prediction), inter-token gap, end-to-end time and SLO."""
-        metrics = self.metrics
-        ttft_s = trace.first_token_s - trace.arrived_s
-        metrics.ttft_seconds.observe(ttft_s)
-        if trace.predicted_ttft_s is not None:
-            metrics.record_ttft_prediction(trace.predicted_ttft_s, ttft_s)
-        if trace.num_output_tokens > 1:
-            gap_s = (trace.last_token_s - trace.first_token_s) / (trace.num_output_tokens - 1)
-            metrics.inter_token_seconds.observe(gap_s)
-        if trace.outcome == "finished":
-            metrics.e2e_seconds.observe(now - trace.arrived_s)
-        slo = self.config.slo
-        if slo.ttft_s is not None:
-            metrics.record_slo("ttft", ttft_s <= slo.ttft_s)
+        self.requests.observe(trace, time.monotonic())
 
     async def _poll_forever(self) -> None:
         while True:

@@ -8,9 +8,9 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-import ray
 from ray.exceptions import RayActorError, RayTaskError
 
+from halfmoon.cluster.serving.clients import DecodeClient, PrefillClient, StoreClient
 from halfmoon.cluster.worker.info import WorkerInfo, WorkerLoad
 from halfmoon.engine.llm_engine import StepTiming
 from halfmoon.kvstore.transfer.channel import KvPeer
@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 class Worker:
     name: str
     kind: str
-    handle: ray.actor.ActorHandle
+    client: PrefillClient | DecodeClient
     info: WorkerInfo  # what it told the router of itself: its degree, its KV pages
     store_name: str | None = None
     kv_peer: KvPeer | None = None  # a decode worker's socket for prefill workers' notices
@@ -49,7 +49,7 @@ class WorkerPool:
         self.conductor = conductor
         self.mode = mode
         self.workers: dict[str, Worker] = {}
-        self.stores: dict[str, ray.actor.ActorHandle] = {}
+        self.stores: dict[str, StoreClient] = {}
 
     def get(self, name: str) -> Worker | None:
         return self.workers.get(name)
@@ -150,25 +150,23 @@ class WorkerPool:
                     self.mark_dead(worker.name)
         for name, store in self.stores.items():
             try:
-                self.conductor.apply_block_events(await store.drain_events.remote())
-                report.store_stats[name] = dataclasses.asdict(await store.stats.remote())
+                events, stats = await store.report()
+                self.conductor.apply_block_events(events)
+                report.store_stats[name] = dataclasses.asdict(stats)
             except RayActorError:
                 continue
         return report
 
     async def _poll_worker(self, worker: Worker, report: PollReport) -> None:
-        handle = worker.handle
-        load = await handle.load.remote()
-        steps = await handle.drain_steps.remote()
+        polled = await worker.client.report()
+        load, steps, events = polled.load, polled.steps, polled.events
         for step in steps:
             self.conductor.observe_step(step, worker.info.tensor_parallel_size)
         report.steps += steps
-        events = await handle.drain_events.remote()
         # A decode worker's pages are a prefix cache only where it prefills (colocated).
         if worker.kind == "prefill" or self.mode == "colocated":
             self.conductor.apply_block_events(events)
-        if worker.kind == "decode":
-            report.transfers += await handle.drain_transfers.remote()
+        report.transfers += polled.transfers
         self.mark_alive(worker.name)
         worker.load = load
         report.loads.append(load)
@@ -184,7 +182,7 @@ class WorkerPool:
         loads = {}
         for worker in self.workers.values():
             try:
-                load = await worker.handle.load.remote()
+                load = await worker.client.load()
             except RayActorError:
                 loads[worker.name] = {"kind": worker.kind, "dead": True}
                 continue
@@ -207,7 +205,7 @@ class WorkerPool:
         stores = {}
         for name, store in self.stores.items():
             try:
-                stats = await store.stats.remote()
+                stats = await store.stats()
                 stores[name] = {
                     tier: dataclasses.asdict(getattr(stats, tier)) for tier in ("host", "redis")
                 }

@@ -13,10 +13,16 @@ from collections import OrderedDict
 import ray
 import torch
 
-from halfmoon.cluster.worker.info import WorkerInfo, WorkerLoad, worker_info, worker_load
+from halfmoon.cluster.worker.info import (
+    WorkerInfo,
+    WorkerLoad,
+    WorkerReport,
+    worker_info,
+    worker_load,
+)
 from halfmoon.cluster.worker.metrics import WorkerMetrics
 from halfmoon.engine.async_engine import AsyncEngine
-from halfmoon.engine.llm_engine import LLMEngine, StepTiming
+from halfmoon.engine.llm_engine import LLMEngine
 from halfmoon.engine.loop_watchdog import LoopWatchdog, watch_loop
 from halfmoon.engine.openmp_pool import release_thread_pool
 from halfmoon.engine.profiling import ProfileSamples, profile_engine
@@ -91,17 +97,18 @@ class EngineWorker:
         own = {"num_gc_frozen": gc.get_freeze_count(), **self._extra_counters()}
         return {**dataclasses.asdict(stats), **own}
 
-    async def drain_steps(self) -> list[StepTiming]:
-        """The engine steps since the last call: what each computed and how long it took."""
+    async def report(self) -> WorkerReport:
+        """Its load, and what happened since the last report: engine steps, blocks in and out
+        of its own pages, KV receives (the router polls this every 250 ms)."""
+        load = await self.load()
         steps = self._engine().take_steps()
         self.metrics.observe(steps)
-        return steps
+        page_events = self._engine().take_page_events()
+        events = [BlockEvent(kind, self.name, "device", [key]) for kind, key in page_events]
+        return WorkerReport(load, steps, events, self._take_transfers())
 
-    async def drain_events(self) -> list[BlockEvent]:
-        """Blocks that entered or left this worker's own pages (the device tier) since the
-        last call."""
-        events = self._engine().take_page_events()
-        return [BlockEvent(kind, self.name, "device", [key]) for kind, key in events]
+    def _take_transfers(self) -> list[tuple[int, float]]:
+        return []
 
     async def serve_metrics(self, host: str) -> str:
         """Serve this worker's /metrics on a free port of `host` (once); returns host:port."""

@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from halfmoon.engine.cpu_linear import describe
-from halfmoon.engine.llm_engine import LLMEngine
+from halfmoon.engine.llm_engine import LLMEngine, StepTiming
 from halfmoon.engine.outputs import EngineStats
+from halfmoon.kvstore.block_events import BlockEvent
 
 
 @dataclass(slots=True)
@@ -70,6 +71,16 @@ class WorkerLoad:
     @property
     def pages_used_ratio(self) -> float:
         return self.num_used_pages / self.num_pages
+
+
+@dataclass(slots=True)
+class WorkerReport:
+    """What a worker tells the router at each poll, in one call."""
+
+    load: WorkerLoad
+    steps: list[StepTiming]  # engine steps since the last report
+    events: list[BlockEvent]  # blocks that entered or left its own pages (the device tier)
+    transfers: list[tuple[int, float]]  # (bytes, seconds) of each KV receive since then
 
 
 def worker_load(name: str, kind: str, stats: EngineStats, age_s: float) -> WorkerLoad:

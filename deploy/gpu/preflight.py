@@ -69,9 +69,12 @@ def smoke_kernel() -> dict:
         script.write_text(SMOKE)
         try:
             run = subprocess.run(
-                [sys.executable, str(script)], env=env, capture_output=True, text=True,
+                [sys.executable, str(script)],
+                env=env,
+                capture_output=True,
+                text=True,
                 timeout=SMOKE_LIMIT_S,
-            )  # fmt: skip
+            )
         except subprocess.TimeoutExpired:
             return {"ok": False, "error": f"no result in {SMOKE_LIMIT_S} s"}
     seconds = round(time.perf_counter() - started, 2)

@@ -103,9 +103,14 @@ def _run(argv: list[str], log: Path, env: dict, limit_s: int) -> tuple[int, str]
     """Exit status (124 past the limit, as `timeout` says) and stdout; stderr into `log`."""
     with log.open("w") as err:
         process = subprocess.Popen(
-            argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=err, text=True,
+            argv,
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
             start_new_session=True,
-        )  # fmt: skip
+        )
         try:
             stdout, _ = process.communicate(timeout=limit_s)
             return process.returncode, stdout

@@ -56,46 +56,130 @@ def _bench(name: str, *args: str, planned: int, limit: int, **kwargs) -> Command
 
 
 SUITE = Command(
-    "test-gpu", ("bash", "deploy/gpu/test-gpu.sh"), 360, 450,
+    "test-gpu",
+    ("bash", "deploy/gpu/test-gpu.sh"),
+    360,
+    450,
     cpu_argv=("bash", "deploy/gpu/test-gpu.sh"),
     cpu_env={"GPU_TEST_PATHS": "tests/engine/test_cuda_paths.py"},
-)  # fmt: skip
+)
 ENGINE = (
     _bench("step", "step", "--device", "cuda", planned=60, limit=120),
     _bench("step-eager", "step", "--device", "cuda", "--eager", planned=45, limit=90),
     _bench("kernels", "kernels", planned=30, limit=60, cpu_argv=("bench", "kernels", "--json")),
     # transformers' continuous batching (not a goal figure) could wait 600 s: left out.
-    _bench("engine", "engine", "--device", "cuda", "--eager", "--skip-hf-cb", planned=200,
-           limit=260),
+    _bench(
+        "engine", "engine", "--device", "cuda", "--eager", "--skip-hf-cb", planned=200, limit=260
+    ),
     _bench("rdt", "rdt", "--device", "cuda", planned=30, limit=60),
-    _bench("rdt-gpu-shape", "rdt", "--device", "cuda", "--shape", "gpu", "--tokens",
-           "1024,4096,8192", "--requests", "10", planned=40, limit=80),
-)  # fmt: skip
+    _bench(
+        "rdt-gpu-shape",
+        "rdt",
+        "--device",
+        "cuda",
+        "--shape",
+        "gpu",
+        "--tokens",
+        "1024,4096,8192",
+        "--requests",
+        "10",
+        planned=40,
+        limit=80,
+    ),
+)
 TRANSFER = (
-    _bench("transfer", "transfer", "--device", "cuda", "--repeats", "10", planned=150,
-           limit=200, shares_gpu=True),
-    _bench("ttft", "ttft", "--device", "cuda", "--prompt-tokens", "1024", "--requests", "24",
-           planned=150, limit=200, shares_gpu=True),
-    _bench("ttft-2rps", "ttft", "--device", "cuda", "--mode", "disaggregated",
-           "--prompt-tokens", "1024", "--requests", "48", "--max-tokens", "128",
-           "--request-rate", "2", planned=90, limit=120, shares_gpu=True),
-    _bench("prefix-load", "prefix-load", "--device", "cuda", "--tokens", "512,2048,4064",
-           planned=60, limit=90, shares_gpu=True),
-)  # fmt: skip
+    _bench(
+        "transfer",
+        "transfer",
+        "--device",
+        "cuda",
+        "--repeats",
+        "10",
+        planned=150,
+        limit=200,
+        shares_gpu=True,
+    ),
+    _bench(
+        "ttft",
+        "ttft",
+        "--device",
+        "cuda",
+        "--prompt-tokens",
+        "1024",
+        "--requests",
+        "24",
+        planned=150,
+        limit=200,
+        shares_gpu=True,
+    ),
+    _bench(
+        "ttft-2rps",
+        "ttft",
+        "--device",
+        "cuda",
+        "--mode",
+        "disaggregated",
+        "--prompt-tokens",
+        "1024",
+        "--requests",
+        "48",
+        "--max-tokens",
+        "128",
+        "--request-rate",
+        "2",
+        planned=90,
+        limit=120,
+        shares_gpu=True,
+    ),
+    _bench(
+        "prefix-load",
+        "prefix-load",
+        "--device",
+        "cuda",
+        "--tokens",
+        "512,2048,4064",
+        planned=60,
+        limit=90,
+        shares_gpu=True,
+    ),
+)
 SERVE = Command(
-    "serve-bench", ("bash", "deploy/gpu/serve-bench.sh"), 420, 460,
-    env={"SERVE_BENCH_BUDGET_S": "400"}, shares_gpu=True,
-)  # fmt: skip
+    "serve-bench",
+    ("bash", "deploy/gpu/serve-bench.sh"),
+    420,
+    460,
+    env={"SERVE_BENCH_BUDGET_S": "400"},
+    shares_gpu=True,
+)
 
 STEPS = (
-    Step(1, "suite", "none: the GPU suite passes (kernels compiled; bf16 engine vs transformers "
-         ">= 95 % greedy tokens; live bf16 cluster = offline engine; graphs, IPC, sampling)",
-         (SUITE,)),
-    Step(2, "engine", "decode step wall <= 1.3x GPU kernel time at batch 1 and 64 (step); "
-         "offline throughput >= 6x transformers static (engine)", ENGINE),
-    Step(3, "transfer", "KV stall p50 <= 1.2x one layer's move (transfer); served TTFT p50 <= "
-         "2x engine + 5 ms (ttft)", TRANSFER),
-    Step(4, "serve", "issues 12 and 17: disaggregated vs colocated TTFT and ITL at 2 and 8 "
-         "req/s; live vs simulated SLO attainment (serve-bench)", (SERVE,)),
-)  # fmt: skip
+    Step(
+        1,
+        "suite",
+        "none: the GPU suite passes (kernels compiled; bf16 engine vs transformers "
+        ">= 95 % greedy tokens; live bf16 cluster = offline engine; graphs, IPC, sampling)",
+        (SUITE,),
+    ),
+    Step(
+        2,
+        "engine",
+        "decode step wall <= 1.3x GPU kernel time at batch 1 and 64 (step); "
+        "offline throughput >= 6x transformers static (engine)",
+        ENGINE,
+    ),
+    Step(
+        3,
+        "transfer",
+        "KV stall p50 <= 1.2x one layer's move (transfer); served TTFT p50 <= "
+        "2x engine + 5 ms (ttft)",
+        TRANSFER,
+    ),
+    Step(
+        4,
+        "serve",
+        "issues 12 and 17: disaggregated vs colocated TTFT and ITL at 2 and 8 "
+        "req/s; live vs simulated SLO attainment (serve-bench)",
+        (SERVE,),
+    ),
+)
 COMMANDS = {command.name: command for step in STEPS for command in step.commands}

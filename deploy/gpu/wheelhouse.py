@@ -195,11 +195,25 @@ def build(args: argparse.Namespace) -> int:
     print(f"wheelhouse: {len(carried)} wheels for Python {args.python_version} on {args.arch}")
     tags = [arg for tag in platforms(args.arch) for arg in ("--platform", tag)]
     subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "--no-deps",
-         "--only-binary=:all:", "--python-version", args.python_version,
-         "--implementation", "cp", *tags, "-d", str(out), *(c.spec for c in carried)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--disable-pip-version-check",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--python-version",
+            args.python_version,
+            "--implementation",
+            "cp",
+            *tags,
+            "-d",
+            str(out),
+            *(c.spec for c in carried),
+        ],
         check=True,
-    )  # fmt: skip
+    )
     for wheel in out.glob("ray-*.whl"):
         before = wheel.stat().st_size >> 20
         slim_ray(wheel)
@@ -216,8 +230,10 @@ def build(args: argparse.Namespace) -> int:
     }
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
-    print(f"wheelhouse: {out}/ holds {len(manifest['wheels'])} wheels, {len(debs)} .debs, "
-          f"{size / 2**20:.0f} MiB")  # fmt: skip
+    print(
+        f"wheelhouse: {out}/ holds {len(manifest['wheels'])} wheels, {len(debs)} .debs, "
+        f"{size / 2**20:.0f} MiB"
+    )
     return 0
 
 
@@ -225,15 +241,19 @@ def install(args: argparse.Namespace) -> int:
     wheelhouse, prefix = Path(args.wheelhouse).resolve(), Path(args.prefix).resolve()
     manifest_path = wheelhouse / MANIFEST
     if not manifest_path.is_file():
-        sys.exit(f"install: {manifest_path} not found; run `make wheelhouse` where pip can "
-                 "reach PyPI and copy the folder here")  # fmt: skip
+        sys.exit(
+            f"install: {manifest_path} not found; run `make wheelhouse` where pip can "
+            "reach PyPI and copy the folder here"
+        )
     manifest = json.loads(manifest_path.read_text())
     here = f"{sys.version_info.major}.{sys.version_info.minor}"
     if (manifest["python_version"], manifest["arch"]) != (here, platform.machine()):
-        sys.exit(f"install: {wheelhouse} is for Python {manifest['python_version']} on "
-                 f"{manifest['arch']}, this is Python {here} on {platform.machine()} "
-                 f"({sys.executable}); rebuild it with `make wheelhouse WHEEL_PYTHON={here} "
-                 f"WHEEL_ARCH={platform.machine()}`")  # fmt: skip
+        sys.exit(
+            f"install: {wheelhouse} is for Python {manifest['python_version']} on "
+            f"{manifest['arch']}, this is Python {here} on {platform.machine()} "
+            f"({sys.executable}); rebuild it with `make wheelhouse WHEEL_PYTHON={here} "
+            f"WHEEL_ARCH={platform.machine()}`"
+        )
     missing = [name for name in manifest["wheels"] if not (wheelhouse / name).is_file()]
     if missing:
         sys.exit(f"install: {wheelhouse} lacks {', '.join(missing)} (a partial copy?)")
@@ -272,11 +292,25 @@ def install_files(wheelhouse: Path, manifest: dict, prefix: Path) -> None:
     site = prefix / "site"
     print(f"install: {len(manifest['wheels'])} wheels into {site}", file=sys.stderr)
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check",
-         "--no-index", "--no-deps", "--no-compile", "--no-cache-dir", "--upgrade",
-         "--target", str(site), *(str(wheelhouse / name) for name in manifest["wheels"])],
-        check=True, stdout=sys.stderr,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--disable-pip-version-check",
+            "--no-index",
+            "--no-deps",
+            "--no-compile",
+            "--no-cache-dir",
+            "--upgrade",
+            "--target",
+            str(site),
+            *(str(wheelhouse / name) for name in manifest["wheels"]),
+        ],
+        check=True,
+        stdout=sys.stderr,
+    )
     for deb in manifest["debs"]:
         deb_path = str(wheelhouse / "deb" / deb)
         subprocess.run(["dpkg", "-x", deb_path, str(prefix / "redis")], check=True)

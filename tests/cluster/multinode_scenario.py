@@ -86,9 +86,12 @@ def run_during_removal(client: Client, remove) -> tuple[list, list[int]]:
     def run(i: int) -> None:
         try:
             stream = client.generate(
-                DURING_REMOVAL[i], max_tokens=DURING_MAX_TOKENS, temperature=0.0,
-                ignore_eos=True, timeout=CALL_TIMEOUT_S,
-            )  # fmt: skip
+                DURING_REMOVAL[i],
+                max_tokens=DURING_MAX_TOKENS,
+                temperature=0.0,
+                ignore_eos=True,
+                timeout=CALL_TIMEOUT_S,
+            )
             tokens, deltas = [], 0
             with stream:
                 for delta in stream:

@@ -40,8 +40,11 @@ def run_scenario(script: Path, model_dir, out_dir: Path, timeout_s: float) -> di
     env = {**os.environ, **SCENARIO_ENV}
     result = subprocess.run(
         [sys.executable, str(script), str(model_dir), str(out)],
-        env=env, capture_output=True, text=True, timeout=timeout_s,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
     return json.loads(out.read_text())
 

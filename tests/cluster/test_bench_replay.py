@@ -23,7 +23,7 @@ def test_replay_reports_live_and_simulated_figures_side_by_side(tmp_path, capsys
             "input_length": 900 + 300 * (i % 3),
             "output_length": 96,
             "hash_ids": [0, 1 + i % 2, 10 + i],
-        }  # fmt: skip
+        }
         for i in range(12)
     ]
     trace.write_text("".join(json.dumps(line) + "\n" for line in lines))

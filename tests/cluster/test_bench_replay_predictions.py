@@ -27,11 +27,18 @@ def view(predicted_s, ttft_s, cached=0, fetched=0, queue_s=None) -> RequestView:
 def summary(request_id: str, predicted_s: float, ttft_s: float) -> dict:
     """A row as `RouterActor.summaries` returns it."""
     return {
-        "request_id": request_id, "outcome": "finished", "prefill_instance": "prefill-0",
-        "decode_instance": "decode-0", "num_prompt_tokens": 64, "num_output_tokens": 4,
-        "num_cached_tokens": 32, "num_loaded_tokens": 16, "loaded_from": "redis",
-        "predicted_ttft_s": predicted_s, "ttft_s": ttft_s,
-    }  # fmt: skip
+        "request_id": request_id,
+        "outcome": "finished",
+        "prefill_instance": "prefill-0",
+        "decode_instance": "decode-0",
+        "num_prompt_tokens": 64,
+        "num_output_tokens": 4,
+        "num_cached_tokens": 32,
+        "num_loaded_tokens": 16,
+        "loaded_from": "redis",
+        "predicted_ttft_s": predicted_s,
+        "ttft_s": ttft_s,
+    }
 
 
 def test_relative_errors_are_signed_sorted_and_skip_missing_figures():

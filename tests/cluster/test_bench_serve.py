@@ -177,9 +177,17 @@ def test_http_openai_stream_is_measured_with_the_api_key(keyed_api, capsys, back
     shape = ["--random-input-len", "12", "--random-output-len", "5", "--max-concurrency", "2"]
     base = keyed_api.base_url.removesuffix("/v1")
     report = bench_json(
-        capsys, "--backend", backend, "--base-url", base, "--api-key", KEY,
-        "--num-prompts", "6", *shape,
-    )  # fmt: skip
+        capsys,
+        "--backend",
+        backend,
+        "--base-url",
+        base,
+        "--api-key",
+        KEY,
+        "--num-prompts",
+        "6",
+        *shape,
+    )
     assert (report["completed"], report["failed"], report["errors"]) == (6, 0, {})
     # The server's usage counts the prompt: chat adds the template's tokens around the 12.
     prompt_tokens = 12 if backend == "openai" else 15

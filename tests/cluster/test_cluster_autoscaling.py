@@ -16,10 +16,16 @@ pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.slow]
 
 def _policy(signal: str, target: float) -> dict:
     return {
-        "kind": "target", "signal": signal, "target": target, "min_replicas": 1,
-        "max_replicas": 2, "upscale_delay_s": 0.3, "downscale_delay_s": 1.0,
-        "cooldown_s": 0.5, "max_step": 1,
-    }  # fmt: skip
+        "kind": "target",
+        "signal": signal,
+        "target": target,
+        "min_replicas": 1,
+        "max_replicas": 2,
+        "upscale_delay_s": 0.3,
+        "downscale_delay_s": 1.0,
+        "cooldown_s": 0.5,
+        "max_step": 1,
+    }
 
 
 def _burst(client, prompts, max_tokens, failures):
@@ -90,10 +96,17 @@ def test_slo_planner_sizes_a_pool_from_the_live_cost_model(tiny_model_dir):
     # No prefill_tokens_per_s: each round plans from the router's cost model as it stands
     # (measured at start, calibrated, refit online), from the traffic of the last 3 s.
     planner = {
-        "kind": "slo_planner", "ttft_s": 1.0, "headroom": 4.0, "window_s": 3.0, "min_replicas": 1,
-        "max_replicas": 2, "upscale_delay_s": 0.0, "downscale_delay_s": 1.0,
-        "cooldown_s": 0.5, "max_step": 1,
-    }  # fmt: skip
+        "kind": "slo_planner",
+        "ttft_s": 1.0,
+        "headroom": 4.0,
+        "window_s": 3.0,
+        "min_replicas": 1,
+        "max_replicas": 2,
+        "upscale_delay_s": 0.0,
+        "downscale_delay_s": 1.0,
+        "cooldown_s": 0.5,
+        "max_step": 1,
+    }
     overrides = {"autoscaling.prefill": planner, "engine.num_pages": 512, "router.profile": None}
     with running_cluster(tiny_model_dir, **overrides) as (cluster, client):
         controller = Controller(cluster)

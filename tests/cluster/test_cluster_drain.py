@@ -40,10 +40,25 @@ def test_sigterm_lets_long_streams_finish_and_refuses_new_requests(tiny_model_di
     env = {key: value for key, value in os.environ.items() if key not in unset}
     env |= {"HALFMOON_CACHE": str(cache_with_built_kernels(tmp_path / "cache")), "HOME": str(home)}
     serve = subprocess.Popen(
-        [sys.executable, "-m", "halfmoon.cluster.cli", "serve", "--model", str(tiny_model_dir),
-         "--port", str(port), "--metrics-port", str(metrics_port), "--drain-timeout", "300"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "halfmoon.cluster.cli",
+            "serve",
+            "--model",
+            str(tiny_model_dir),
+            "--port",
+            str(port),
+            "--metrics-port",
+            str(metrics_port),
+            "--drain-timeout",
+            "300",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
     address = f"127.0.0.1:{port}"
     try:
         _wait_for_line(serve, "gRPC", timeout_s=300)

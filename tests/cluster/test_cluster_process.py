@@ -77,20 +77,48 @@ def test_serve_generate_and_shutdown_leave_no_ray_processes(tiny_model_dir, tmp_
     cache = cache_with_built_kernels(tmp_path / "cache")
     env = {**os.environ, "RAY_ADDRESS": "local", "HALFMOON_CACHE": str(cache)}
     serve = subprocess.Popen(
-        [sys.executable, "-m", "halfmoon.cluster.cli", "serve", "--model", str(tiny_model_dir),
-         "--port", str(port), "--metrics-port", str(metrics_port), "--http-port", str(http_port)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "halfmoon.cluster.cli",
+            "serve",
+            "--model",
+            str(tiny_model_dir),
+            "--port",
+            str(port),
+            "--metrics-port",
+            str(metrics_port),
+            "--http-port",
+            str(http_port),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
     try:
         _wait_for_line(serve, "gRPC")
         # This server's own processes (the machine may run other Ray clusters meanwhile).
         started = _descendants(serve.pid)
         assert {"gcs_server", "raylet"} <= {_name(pid) for pid in started}
         out = subprocess.run(
-            [sys.executable, "-m", "halfmoon.cluster.cli", "generate", "--server",
-             f"127.0.0.1:{port}", "--max-tokens", "5", "--json", "Hello"],
-            capture_output=True, text=True, timeout=120, env=env,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "halfmoon.cluster.cli",
+                "generate",
+                "--server",
+                f"127.0.0.1:{port}",
+                "--max-tokens",
+                "5",
+                "--json",
+                "Hello",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
         assert out.returncode == 0, out.stderr
         result = json.loads(out.stdout)
         assert len(result["token_ids"]) == 5 and result["finish_reason"] == "length"
@@ -146,11 +174,27 @@ def test_ctrl_c_while_starting_stops_what_started_and_exits_130(tiny_model_dir, 
     cache = cache_with_built_kernels(tmp_path / "cache")
     env = {**os.environ, "RAY_ADDRESS": "local", "HALFMOON_CACHE": str(cache)}
     serve = subprocess.Popen(
-        [sys.executable, "-X", "faulthandler", "-m", "halfmoon.cluster.cli", "serve",
-         "--model", str(tiny_model_dir), "--port", "0", "--metrics-port", "0",
-         "--http-port", "off"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-X",
+            "faulthandler",
+            "-m",
+            "halfmoon.cluster.cli",
+            "serve",
+            "--model",
+            str(tiny_model_dir),
+            "--port",
+            "0",
+            "--metrics-port",
+            "0",
+            "--http-port",
+            "off",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
     try:
         # Logged once ray.init has returned (a SIGINT inside ray.init's last moments can hang
         # or end the process with SIGSEGV during its shutdown, in Ray's code: not covered

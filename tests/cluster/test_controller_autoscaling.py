@@ -22,9 +22,14 @@ pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(120)]
 # 20 req/s of 1000-token prompts; the planners below have no tokens/s figure of their own.
 TRAFFIC = {"request_rate_per_s": 20.0, "mean_input_tokens": 1000.0, "mean_output_tokens": 10.0}
 PREFILL_PLANNER = {
-    "kind": "slo_planner", "ttft_s": 0.5, "headroom": 1.0, "max_replicas": 8, "max_step": 8,
-    "upscale_delay_s": 0.0, "cooldown_s": 0.0,
-}  # fmt: skip
+    "kind": "slo_planner",
+    "ttft_s": 0.5,
+    "headroom": 1.0,
+    "max_replicas": 8,
+    "max_step": 8,
+    "upscale_delay_s": 0.0,
+    "cooldown_s": 0.0,
+}
 
 
 def _profile(prefill_per_token_s: float, decode_const_s: float = 0.0) -> Profile:

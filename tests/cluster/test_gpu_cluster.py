@@ -83,9 +83,13 @@ def test_greedy_bf16_outputs_of_the_cluster_equal_the_offline_engine_in_bf16(tin
         decode = next(n for n, w in cluster.workers.items() if w.kind == "decode")
         assert counters(cluster, decode)["num_page_copies"] > 0
     offline = LLM(
-        str(tiny_model_dir), device="cuda", dtype="bfloat16", prefill_chunk_size=32,
-        max_num_batched_tokens=128, kv_cache_memory_bytes=OFFLINE_KV_BYTES,
-    )  # fmt: skip
+        str(tiny_model_dir),
+        device="cuda",
+        dtype="bfloat16",
+        prefill_chunk_size=32,
+        max_num_batched_tokens=128,
+        kv_cache_memory_bytes=OFFLINE_KV_BYTES,
+    )
     assert got == [_expected(offline, [p])[0] for p in PROMPTS]
 
 

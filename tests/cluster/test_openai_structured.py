@@ -87,27 +87,42 @@ def test_each_field_becomes_its_constraint(body, expected):
 @pytest.mark.parametrize(
     ("body", "param", "reason"),
     [
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
-         "response_format.json_schema.schema", "needs json_schema.schema"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 1}}}},
-         "response_format.json_schema.schema", "type"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "response_format.json_schema.schema",
+            "needs json_schema.schema",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 1}}}},
+            "response_format.json_schema.schema",
+            "type",
+        ),
         ({"response_format": {"type": "structural_tag"}}, "response_format.type", "json_schema"),
-        ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex",
-         "response_format is set too"),
+        (
+            {"response_format": {"type": "json_object"}, "guided_regex": "a"},
+            "guided_regex",
+            "response_format is set too",
+        ),
         ({"guided_json": "{not json"}, "guided_json", "not JSON"),
         ({"guided_regex": "(("}, "guided_regex", "parenthesis"),
         ({"guided_choice": []}, "guided_choice", "non-empty list"),
         ({"guided_grammar": "root ::= x"}, "guided_grammar", "not defined"),
         ({"structured_outputs": {}}, "structured_outputs", "set one of"),
-        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs.choice",
-         "structured_outputs.regex is set too"),
-        ({"structured_outputs": {"whitespace_pattern": " "}},
-         "structured_outputs.whitespace_pattern", "not supported"),
+        (
+            {"structured_outputs": {"regex": "a", "choice": ["a"]}},
+            "structured_outputs.choice",
+            "structured_outputs.regex is set too",
+        ),
+        (
+            {"structured_outputs": {"whitespace_pattern": " "}},
+            "structured_outputs.whitespace_pattern",
+            "not supported",
+        ),
         ({"structured_outputs": {"jsn": {}}}, "structured_outputs.jsn", "unknown field"),
         ({"guided_decoding_backend": "outlines"}, "guided_decoding_backend", "xgrammar"),
         ({"structural_tag": "{}"}, "structural_tag", "not supported"),
     ],
-)  # fmt: skip
+)
 def test_a_bad_or_second_constraint_is_refused_naming_its_field(body, param, reason):
     with pytest.raises(InvalidRequestError, match=re.escape(reason)) as raised:
         _constraint(body)
@@ -138,9 +153,12 @@ def test_greedy_json_schema_output_validates_and_is_the_offline_engines(oai, tin
         "json_schema": {"name": "shirt", "schema": SCHEMA, "strict": True},
     }
     answer = oai.chat.completions.create(
-        model=MODEL, messages=MESSAGES, temperature=0, max_tokens=512,
+        model=MODEL,
+        messages=MESSAGES,
+        temperature=0,
+        max_tokens=512,
         response_format=response_format,
-    )  # fmt: skip
+    )
     text = answer.choices[0].message.content
     assert answer.choices[0].finish_reason == "stop"
     assert validation_errors(text, SCHEMA) is None, text
@@ -151,19 +169,30 @@ def test_greedy_json_schema_output_validates_and_is_the_offline_engines(oai, tin
 def test_sampled_json_schema_outputs_validate(oai):
     for seed in range(4):
         answer = oai.completions.create(
-            model=MODEL, prompt=f"shirt {seed}:", temperature=1.0, seed=seed, max_tokens=512,
-            extra_body={"response_format": {"type": "json_schema", "json_schema": {
-                "name": "shirt", "schema": SCHEMA}}},
-        )  # fmt: skip
+            model=MODEL,
+            prompt=f"shirt {seed}:",
+            temperature=1.0,
+            seed=seed,
+            max_tokens=512,
+            extra_body={
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "shirt", "schema": SCHEMA},
+                }
+            },
+        )
         assert validation_errors(answer.choices[0].text, SCHEMA) is None, answer.choices[0].text
 
 
 @pytest.mark.slow
 def test_json_object_output_is_an_object_equal_to_the_offline_engines(oai, tiny_llm):
     answer = oai.completions.create(
-        model=MODEL, prompt="An object:", temperature=0, max_tokens=256,
+        model=MODEL,
+        prompt="An object:",
+        temperature=0,
+        max_tokens=256,
         extra_body={"response_format": {"type": "json_object"}},
-    )  # fmt: skip
+    )
     text = answer.choices[0].text
     assert isinstance(json.loads(text), dict)
     assert text == _offline(tiny_llm, "An object:", StructuredOutput("json_object"))
@@ -188,9 +217,14 @@ def test_vllm_extras_constrain_streamed_outputs(oai):
     for extra, pattern in cases:
         for seed in range(3):
             chunks = oai.completions.create(
-                model=MODEL, prompt="Answer:", temperature=1.0, seed=seed, max_tokens=32,
-                stream=True, extra_body=extra,
-            )  # fmt: skip
+                model=MODEL,
+                prompt="Answer:",
+                temperature=1.0,
+                seed=seed,
+                max_tokens=32,
+                stream=True,
+                extra_body=extra,
+            )
             text = "".join(chunk.choices[0].text for chunk in chunks)
             assert pattern.fullmatch(text), (extra, text)
 

@@ -137,9 +137,14 @@ def test_a_streamed_chat_interleaves_its_choices_by_index(served, tiny_llm):
 def test_seeded_choices_reproduce_and_differ_from_each_other(served):
     _, _, oai = served
     request = {
-        "model": MODEL, "prompt": PROMPT, "max_tokens": 12, "temperature": 1.0, "seed": 11,
-        "n": 3, "extra_body": {"ignore_eos": True},
-    }  # fmt: skip
+        "model": MODEL,
+        "prompt": PROMPT,
+        "max_tokens": 12,
+        "temperature": 1.0,
+        "seed": 11,
+        "n": 3,
+        "extra_body": {"ignore_eos": True},
+    }
     first = [choice.text for choice in oai.completions.create(**request).choices]
     again = [choice.text for choice in oai.completions.create(**request).choices]
     assert first == again

@@ -24,9 +24,12 @@ A800 = load_profile(DEFAULT_PROFILE)  # timed at degree 8
 def test_a_profile_file_is_scaled_to_each_pool_s_degree_and_the_cluster_s_chunks():
     config = load_config(
         None,
-        {"prefill.tensor_parallel_size": 4, "decode.tensor_parallel_size": 8,
-         "engine.prefill_chunk_size": 128},
-    )  # fmt: skip
+        {
+            "prefill.tensor_parallel_size": 4,
+            "decode.tensor_parallel_size": 8,
+            "engine.prefill_chunk_size": 128,
+        },
+    )
     profile = file_profile(str(DEFAULT_PROFILE), config)
     assert profile.name == "llama70b-8xa800@tp4/8"
     assert profile.cost.prefill_coef == profile_for_pools(A800, 4, 8).cost.prefill_coef
@@ -52,18 +55,32 @@ def test_a_pool_whose_degree_cannot_hold_the_weights_is_refused_at_start():
 
 def _info(kind: str, degree: int, num_pages: int) -> WorkerInfo:
     return WorkerInfo(
-        name=f"{kind}-0", kind=kind, model="/models/tiny", architecture="llama", vocab_size=256,
-        max_model_len=512, block_size=16, num_layers=2, num_kv_heads=2, head_dim=8,
-        dtype="float32", num_pages=num_pages, root_key=b"k", tensor_parallel_size=degree,
-    )  # fmt: skip
+        name=f"{kind}-0",
+        kind=kind,
+        model="/models/tiny",
+        architecture="llama",
+        vocab_size=256,
+        max_model_len=512,
+        block_size=16,
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=8,
+        dtype="float32",
+        num_pages=num_pages,
+        root_key=b"k",
+        tensor_parallel_size=degree,
+    )
 
 
 def test_a_measured_profile_records_each_worker_s_degree_and_the_decode_worker_s_kv():
     prefill = ProfileSamples(
-        prefill=[(n, c, 1e-3 + 1e-5 * n + 1e-9 * n * n + 1e-8 * n * c)
-                 for n in (16, 64, 256) for c in (0, 32)],
+        prefill=[
+            (n, c, 1e-3 + 1e-5 * n + 1e-9 * n * n + 1e-8 * n * c)
+            for n in (16, 64, 256)
+            for c in (0, 32)
+        ],
         chunk_tokens=64,
-    )  # fmt: skip
+    )
     decode = ProfileSamples(
         decode=[(b, k, 2e-3 + 1e-4 * b + 1e-7 * k) for b in (1, 4) for k in (64, 512)]
     )

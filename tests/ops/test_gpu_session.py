@@ -105,9 +105,13 @@ def _failure(out: Path, number: int) -> str:
 def test_session_sh_says_there_is_nothing_to_measure_without_a_gpu():
     env = {k: v for k, v in os.environ.items() if k != "GPU_SESSION_CPU"}
     result = subprocess.run(
-        ["bash", "deploy/gpu/session.sh", "--step", "1"], cwd=ROOT, env=env,
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        ["bash", "deploy/gpu/session.sh", "--step", "1"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0 and "nothing to measure" in result.stderr
 
 
@@ -131,8 +135,12 @@ def test_a_short_visit_bundles_its_logs_into_one_file_the_device_returns(tmp_pat
     env["VISIT_BUDGET_S"] = "90"
     run = subprocess.run(
         ["bash", "deploy/gpu/visit.sh", "kernels", "failed", "bogus"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=110,
-    )  # fmt: skip
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     summary = (tmp_path / "out" / "summary.txt").read_text()
     assert "preflight: rc=0" in summary and "kernels: rc=0" in summary

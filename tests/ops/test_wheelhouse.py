@@ -34,10 +34,18 @@ PACKAGES = ["engine", "kernels", "kvstore", "prefill_worker", "decode_worker", "
 # chat templates through transformers or compare with its models.
 VERSION_SENSITIVE_TESTS = [
     *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests/kernels").glob("test_triton_*.py")),
-    *(f"tests/engine/test_{name}.py" for name in (
-        "exactness", "model_config", "tokenizer_load", "detokenizer", "penalties", "bad_input",
-    )),
-]  # fmt: skip
+    *(
+        f"tests/engine/test_{name}.py"
+        for name in (
+            "exactness",
+            "model_config",
+            "tokenizer_load",
+            "detokenizer",
+            "penalties",
+            "bad_input",
+        )
+    ),
+]
 
 
 def test_plan_carries_what_the_device_image_lacks_at_this_checkouts_versions():
@@ -46,10 +54,22 @@ def test_plan_carries_what_the_device_image_lacks_at_this_checkouts_versions():
     # halfmoon's own requirements the image lacks, their dependencies, and the dev extra's
     # test clients; opentelemetry-api is fastapi's (the hand-kept list before missed it).
     assert {
-        "ray", "redis", "pydantic", "pydantic-core", "grpcio-health-checking",
-        "grpcio-reflection", "fastapi", "opentelemetry-api", "starlette", "uvicorn", "httpx2",
-        "httpcore2", "openai", "jsonschema", "rpds-py",
-    } <= set(carried)  # fmt: skip
+        "ray",
+        "redis",
+        "pydantic",
+        "pydantic-core",
+        "grpcio-health-checking",
+        "grpcio-reflection",
+        "fastapi",
+        "opentelemetry-api",
+        "starlette",
+        "uvicorn",
+        "httpx2",
+        "httpcore2",
+        "openai",
+        "jsonschema",
+        "rpds-py",
+    } <= set(carried)
     # Always carried, whatever the image holds: the stubs need this checkout's runtime.
     assert {"grpcio", "protobuf"} <= set(carried)
     assert not set(carried) & (image - wheelhouse.ALWAYS_CARRY)
@@ -76,8 +96,14 @@ def test_image_list_reads_names_comments_and_pins(tmp_path):
 def test_slim_ray_drops_the_folders_and_keeps_a_matching_record(tmp_path):
     wheel = tmp_path / "ray-1.0-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as out:
-        names = ["ray/__init__.py", "ray/jars/a.jar", "ray/rllib/x.py", "ray/dashboard/head.py",
-                 "ray/dashboard/client/i.js", "ray-1.0.dist-info/METADATA"]  # fmt: skip
+        names = [
+            "ray/__init__.py",
+            "ray/jars/a.jar",
+            "ray/rllib/x.py",
+            "ray/dashboard/head.py",
+            "ray/dashboard/client/i.js",
+            "ray-1.0.dist-info/METADATA",
+        ]
         for name in names:
             out.writestr(name, name)
         out.writestr("ray-1.0.dist-info/RECORD", "stale")
@@ -94,10 +120,20 @@ def test_slim_ray_drops_the_folders_and_keeps_a_matching_record(tmp_path):
 
 def _install(wheelhouse_dir: Path, prefix: Path, python: str = sys.executable):
     return subprocess.run(
-        [python, str(ROOT / "deploy/gpu/wheelhouse.py"), "install", "--wheelhouse",
-         str(wheelhouse_dir), "--prefix", str(prefix), "--print-env"],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            python,
+            str(ROOT / "deploy/gpu/wheelhouse.py"),
+            "install",
+            "--wheelhouse",
+            str(wheelhouse_dir),
+            "--prefix",
+            str(prefix),
+            "--print-env",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_install_refuses_a_wheelhouse_for_another_python_or_a_partial_copy(tmp_path):
@@ -168,10 +204,19 @@ def test_rehearsal_halfmoon_serves_from_the_wheelhouse_on_an_image_only_python(
 
     built = tmp_path / "whl"
     _ok(
-        [sys.executable, str(ROOT / "deploy/gpu/wheelhouse.py"), "build", "--python-version",
-         HERE, "--arch", platform.machine(), "--out", str(built)],
+        [
+            sys.executable,
+            str(ROOT / "deploy/gpu/wheelhouse.py"),
+            "build",
+            "--python-version",
+            HERE,
+            "--arch",
+            platform.machine(),
+            "--out",
+            str(built),
+        ],
         timeout=600,
-    )  # fmt: skip
+    )
     manifest = json.loads((built / "wheelhouse.json").read_text())
     (ray_wheel,) = built.glob("ray-*.whl")
     with zipfile.ZipFile(ray_wheel) as ray_zip:
@@ -207,8 +252,10 @@ def test_rehearsal_halfmoon_serves_from_the_wheelhouse_on_an_image_only_python(
     for selection in (["-m", "not slow", "tests/kernels"], ["-m", "gpu", *gpu_modules]):
         collected = _ok(
             [python, "-m", "pytest", "-p", "no:cacheprovider", "--collect-only", "-q", *selection],
-            cwd=ROOT, env=env, timeout=300,
-        )  # fmt: skip
+            cwd=ROOT,
+            env=env,
+            timeout=300,
+        )
         counted = re.search(r"(\d+)(/\d+)? tests? collected", collected)
         assert counted and int(counted.group(1)) > 0, collected[-3000:]
 
@@ -219,17 +266,43 @@ def test_rehearsal_halfmoon_serves_from_the_wheelhouse_on_an_image_only_python(
 
     port, metrics_port, http_port = free_port(), free_port(), free_port()
     serve = subprocess.Popen(
-        [python, "-m", "halfmoon.cluster.cli", "serve", "--model", str(tiny_model_dir),
-         "--port", str(port), "--metrics-port", str(metrics_port), "--http-port", str(http_port)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-    )  # fmt: skip
+        [
+            python,
+            "-m",
+            "halfmoon.cluster.cli",
+            "serve",
+            "--model",
+            str(tiny_model_dir),
+            "--port",
+            str(port),
+            "--metrics-port",
+            str(metrics_port),
+            "--http-port",
+            str(http_port),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
     try:
         _read_until(serve, "gRPC", timeout_s=240)
         out = _ok(
-            [python, "-m", "halfmoon.cluster.cli", "generate", "--server", f"127.0.0.1:{port}",
-             "--max-tokens", "5", "--json", "Hello"],
-            timeout=120, env=env,
-        )  # fmt: skip
+            [
+                python,
+                "-m",
+                "halfmoon.cluster.cli",
+                "generate",
+                "--server",
+                f"127.0.0.1:{port}",
+                "--max-tokens",
+                "5",
+                "--json",
+                "Hello",
+            ],
+            timeout=120,
+            env=env,
+        )
         assert len(json.loads(out)["token_ids"]) == 5
         chat = (
             "from openai import OpenAI;"
@@ -252,10 +325,21 @@ def _one_case_per_test(paths: list[str]) -> list[str]:
     """The first parametrization of each test function in `paths`: a version gap breaks an API
     the test calls, whatever its shapes, and every case runs in the main suite anyway."""
     listed = _ok(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--collect-only", "-q",
-         "-m", "not slow", *paths],
-        cwd=ROOT, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "--collect-only",
+            "-q",
+            "-m",
+            "not slow",
+            *paths,
+        ],
+        cwd=ROOT,
+        timeout=300,
+    )
     firsts: dict[str, str] = {}
     for line in listed.splitlines():
         if "::" in line and not line.startswith(" "):
@@ -277,8 +361,12 @@ def test_cpu_kernel_and_engine_tests_pass_on_the_gpu_images_versions():
     env.pop("PYTHONPATH", None)
     result = subprocess.run(
         ["bash", str(ROOT / "deploy/gpu/rehearse-image.sh"), "-x"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=880,
-    )  # fmt: skip
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=880,
+    )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     pins = dict(
         line.split("==")
