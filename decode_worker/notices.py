@@ -106,6 +106,10 @@ class Notices:
             self._on_notice(notice, conn)
         return reservation
 
+    def reservation(self, request_id: str) -> Reservation:
+        """The reservation of `request_id` (KeyError if it has none)."""
+        return self.reservations[request_id]
+
     def forget(self, request_id: str) -> None:
         """The reservation's notices are not needed any more: later ones are released."""
         reservation = self.reservations.pop(request_id, None)

@@ -77,6 +77,15 @@ class Receiver:
             self.timings.popitem(last=False)
         return timings
 
+    def timings_of(self, request_id: str) -> ReceiveTimings | None:
+        """The timings of a recent receive (the last RECENT_TIMINGS are kept)."""
+        return self.timings.get(request_id)
+
+    def take_transfers(self) -> list[tuple[int, float]]:
+        """(bytes, seconds) of each receive finished since the last call."""
+        transfers, self.transfers = self.transfers, []
+        return transfers
+
     async def receive(
         self,
         store,

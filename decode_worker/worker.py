@@ -119,7 +119,7 @@ class DecodeWorker(EngineWorker):
         if receive is None:
             yield self._unreserved(request_id)
             return
-        reservation = self.notices.reservations[request_id]
+        reservation = self.notices.reservation(request_id)
         if not reservation.first_token.done():
             reservation.first_token.set_result(first_token_id)
         self.joining[request_id] = receive
@@ -250,7 +250,7 @@ class DecodeWorker(EngineWorker):
             await token
         if self.receives.get(request_id) is asyncio.current_task():
             self.num_early_joins += 1  # joining before the router's hand-off (`generate`)
-        self.receiver.timings[request_id].joined_at = time.time()
+        self.receiver.timings_of(request_id).joined_at = time.time()
         try:
             await self._engine().join(request_id, token.result())
         except HalfmoonError as error:
@@ -258,11 +258,10 @@ class DecodeWorker(EngineWorker):
 
     def _take_transfers(self) -> list[tuple[int, float]]:
         """(bytes, seconds from reservation to last layer) of each KV receive since last call."""
-        transfers, self.receiver.transfers = self.receiver.transfers, []
-        return transfers
+        return self.receiver.take_transfers()
 
     async def receive_timings(self, request_id: str) -> ReceiveTimings | None:
-        return self.receiver.timings.get(request_id)
+        return self.receiver.timings_of(request_id)
 
 
 async def _as_data(

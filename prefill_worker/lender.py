@@ -70,6 +70,14 @@ class Lender:
         self.queue.put(item)
         return item
 
+    def queue_token(self, item) -> None:
+        """Publisher: the first token goes to the decode worker after the layers queued."""
+        self.queue.put(item)
+
+    def try_notify_now(self, job: Job, notice) -> bool:
+        """Step thread: send `notice` now if that never blocks; False to queue it instead."""
+        return self.notices.try_send(job.peer, notice)
+
     def notify(self, job: Job, notice) -> bool:
         """Tell the decode worker; False (logged once per request) when it cannot be reached."""
         if job.peer is None:

@@ -100,7 +100,11 @@ class Publisher:
 
     def token(self, job: Job, token_id: int) -> None:
         """Tell the decode worker the first token after the layers queued before it."""
-        (self.lender.queue if job.lend is not None else self.outbox).put(TokenOut(job, token_id))
+        item = TokenOut(job, token_id)
+        if job.lend is not None:
+            self.lender.queue_token(item)
+        else:
+            self.outbox.put(item)
 
     def end(self, job: Job) -> None:
         """The job's prefill call ended: its lent pages can go once read."""

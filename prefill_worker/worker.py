@@ -182,7 +182,7 @@ class PrefillWorker(EngineWorker, KVHooks):
         job = self.jobs.get(seq.request_id)
         if job is None or job.peer is None or seq.params.n > 1:  # a notice carries one token
             return
-        if not self.lender.notices.try_send(job.peer, TokenNotice(job.key, token_id)):
+        if not self.lender.try_notify_now(job, TokenNotice(job.key, token_id)):
             self.publisher.token(job, token_id)
 
 

@@ -47,7 +47,7 @@ class Dispatcher:
         trace, attempt = request.trace, request.attempt
         trace.prefill_instance = trace.decode_instance = None
         decision = await self._place(request)
-        decode = attempt.decode = self.pool.workers[decision.decode_instance]
+        decode = attempt.decode = self.pool.worker(decision.decode_instance)
         trace.decode_instance = decode.name
         if self.pool.mode == "colocated":
             trace.prefill_started_s = time.monotonic()
@@ -79,7 +79,7 @@ class Dispatcher:
         """Reserve on `decode` and prefill on the decision's prefill worker; returns the
         decode worker's stream, which continues from the first token."""
         rid, trace, attempt = request.request_id, request.trace, request.attempt
-        prefill = attempt.prefill = self.pool.workers[decision.prefill_instance]
+        prefill = attempt.prefill = self.pool.worker(decision.prefill_instance)
         trace.prefill_instance = prefill.name
         # Reserve and prefill start together: the decode worker's reads wait in the store for
         # the layers, so neither waits for the other's round trip. A reserve that fails ends

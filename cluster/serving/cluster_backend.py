@@ -85,10 +85,10 @@ class ClusterBackend(BackendViews):
         self.pool.set_draining(name, draining)
 
     def add_store(self, name: str, store: StoreClient) -> None:
-        self.pool.stores[name] = store
+        self.pool.add_store(name, store)
 
     def remove_store(self, name: str) -> None:
-        self.pool.stores.pop(name, None)
+        self.pool.remove_store(name)
 
     async def generate(self, request: GenerateInput) -> AsyncIterator[TokenDelta]:
         req = Request(request.request_id, request.params, RequestTrace(time.monotonic()))

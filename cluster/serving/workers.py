@@ -54,6 +54,16 @@ class WorkerPool:
     def get(self, name: str) -> Worker | None:
         return self.workers.get(name)
 
+    def worker(self, name: str) -> Worker:
+        """The worker the Conductor placed a request on (it knows only live ones)."""
+        return self.workers[name]
+
+    def add_store(self, name: str, store: StoreClient) -> None:
+        self.stores[name] = store
+
+    def remove_store(self, name: str) -> None:
+        self.stores.pop(name, None)
+
     def add(self, worker: Worker) -> None:
         self.workers[worker.name] = worker
         self._route_to(worker)
