@@ -11,26 +11,36 @@ from halfmoon.cluster.client.cli_options import add_api_key, add_tls_ca
 from halfmoon.cluster.serve_cli import add_serve
 from halfmoon.cluster.version import package_version
 
-BENCHMARKS = {
-    "agreement": "halfmoon.bench.probes.agreement",
-    "engine": "halfmoon.bench.engine",
-    "step": "halfmoon.bench.probes.step",
-    "kernels": "halfmoon.bench.probes.kernels",
-    "cpu-linear": "halfmoon.bench.probes.cpu_linear",
-    "kvstore": "halfmoon.bench.probes.kvstore",
-    "rdt": "halfmoon.bench.probes.rdt",
-    "router": "halfmoon.bench.studies.router",
-    "transfer": "halfmoon.bench.probes.transfer",
-    "prefix-load": "halfmoon.bench.probes.prefix_load",
-    "replay": "halfmoon.bench.studies.replay",
-    "serve": "halfmoon.bench.serve",
-    "capacity": "halfmoon.bench.studies.capacity",
-    "ttft": "halfmoon.bench.probes.ttft",
-    "live-capacity": "halfmoon.bench.studies.live_capacity",
-    "chaos": "halfmoon.bench.chaos.run",
-    "structured": "halfmoon.bench.probes.structured",
-    "hostile-grammars": "halfmoon.bench.probes.grammar_flood",
+# `halfmoon bench TARGET`, grouped as `--help` shows them: what a user measures a deployment
+# with, the probes of one part each, the router's studies (simulator and traces), chaos.
+BENCHMARK_GROUPS = {
+    "serving": {
+        "serve": "halfmoon.bench.serve",
+        "engine": "halfmoon.bench.engine",
+    },
+    "probes": {
+        "agreement": "halfmoon.bench.probes.agreement",
+        "step": "halfmoon.bench.probes.step",
+        "kernels": "halfmoon.bench.probes.kernels",
+        "cpu-linear": "halfmoon.bench.probes.cpu_linear",
+        "kvstore": "halfmoon.bench.probes.kvstore",
+        "rdt": "halfmoon.bench.probes.rdt",
+        "transfer": "halfmoon.bench.probes.transfer",
+        "prefix-load": "halfmoon.bench.probes.prefix_load",
+        "ttft": "halfmoon.bench.probes.ttft",
+        "structured": "halfmoon.bench.probes.structured",
+        "hostile-grammars": "halfmoon.bench.probes.grammar_flood",
+        "path-trace": "halfmoon.bench.probes.path_trace",
+    },
+    "router studies": {
+        "router": "halfmoon.bench.studies.router",
+        "replay": "halfmoon.bench.studies.replay",
+        "capacity": "halfmoon.bench.studies.capacity",
+        "live-capacity": "halfmoon.bench.studies.live_capacity",
+    },
+    "chaos": {"chaos": "halfmoon.bench.chaos.run"},
 }
+BENCHMARKS = {name: module for group in BENCHMARK_GROUPS.values() for name, module in group.items()}
 # Commands whose own parser lives in their module; everything after the name is theirs.
 FORWARDED = {
     "simulate": "halfmoon.router.sim.simulate",
@@ -51,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_init_model(commands)
     bench = commands.add_parser(
         "bench",
-        help="run a benchmark: " + ", ".join(sorted(BENCHMARKS)),
+        help="run a benchmark: "
+        + "; ".join(f"{group}: {', '.join(names)}" for group, names in BENCHMARK_GROUPS.items()),
         description="Benchmarks; `halfmoon bench TARGET --help` lists a target's options.",
     )
     bench.add_argument("target", choices=sorted(BENCHMARKS))
