@@ -106,11 +106,11 @@ def instance_degree(profile: Profile, role: str, instance: object, degree: int |
     if degree is not None and degree != timed_at:
         off = tp_speedup(degree, timed_at, TP_EFFICIENCY_PER_DOUBLING)
         log.warning(
-            "%s instance %s runs at tensor-parallel degree %d, but the router's profile %s times "
-            "%s at degree %d: its predicted step times are off by about %.2fx; start it at "
-            "degree %d or scale the profile to the pool's degree (router/degree.py)",
-            role, instance, degree, profile.name, role, timed_at, max(off, 1 / off), timed_at,
-        )  # fmt: skip
+            f"{role} instance {instance} runs at tensor-parallel degree {degree}, but the "
+            f"router's profile {profile.name} times {role} at degree {timed_at}: its predicted "
+            f"step times are off by about {max(off, 1 / off):.2f}x; start it at degree "
+            f"{timed_at} or scale the profile to the pool's degree (router/degree.py)"
+        )
     return timed_at if degree is None else degree
 
 

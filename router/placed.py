@@ -11,6 +11,7 @@ from halfmoon.router.decision import Decision
 from halfmoon.router.views import Admitted, DecodeView, PrefillJob, PrefillView
 
 if TYPE_CHECKING:
+    from halfmoon.router.admission import RouteAsk
     from halfmoon.router.placement import Placement
 
 
@@ -26,20 +27,19 @@ class Hold:
     job: PrefillJob | None = None
 
 
-def hold_placement(
-    placement: Placement, queue: PrefillView | None, num_prompt_tokens: int, now: float,
-    admitted: Admitted, reserve: int,
-) -> Hold:  # fmt: skip
+def hold_placement(placement: Placement, queue: PrefillView | None, ask: RouteAsk) -> Hold:
     """Commit a placement on its instances: the decode KV reserved and, unless the prompt
     bypasses prefill, its uncached work counted in `queue` (its prefill instance's view)."""
-    hold = Hold(reserve, placement.decode, admitted)
+    now = ask.now
+    admitted = Admitted(ask.decode_tokens, now + placement.ttft_s, ask.expected_output)
+    hold = Hold(ask.reserve, placement.decode, admitted)
     if queue is None:
         placement.decode.bypass_until_s = now + placement.ttft_s
     else:
         hold.queue = queue
-        num_new_tokens = num_prompt_tokens - placement.plan.cached_tokens
+        num_new_tokens = ask.request.num_prompt_tokens - placement.plan.cached_tokens
         hold.job = queue.enqueue(placement.plan.work_s, num_new_tokens, now, placement.ttft_s)
-    placement.decode.admit(admitted, reserve)
+    placement.decode.admit(admitted, ask.reserve)
     return hold
 
 

@@ -1,62 +1,18 @@
-"""How the Conductor places one request: what it asks for, the policy's placement with the
-short-prompt bypass, the decision it fills in, and the hot-prefix copy it may plan."""
+"""How the Conductor places one request: the policy's placement with the short-prompt bypass,
+the decision it fills in, and the hot-prefix copy it may plan."""
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Hashable, Mapping
 
-from halfmoon.router.admission import admission_reason
 from halfmoon.router.bypass import bypass_placement
-from halfmoon.router.config import RouterConfig, check_slo
+from halfmoon.router.config import RouterConfig
 from halfmoon.router.decision import Decision
-from halfmoon.router.errors import InvalidRequestError, RouterConfigError
 from halfmoon.router.placement import Placement, PlacementContext
 from halfmoon.router.policies import Policy
 from halfmoon.router.predictor import Location, Predictor, PrefixHits
 from halfmoon.router.replication import Replication, Replicator
-from halfmoon.router.request import RouteRequest
-from halfmoon.router.ttft_bound import TtftBound
-from halfmoon.router.views import DecodeView, PrefillView
-
-
-@dataclass(slots=True)
-class RouteAsk:
-    """What one request asks of the cluster: its SLOs (its own or the configured ones), its
-    expected output, the KV it brings to decode on average, and the KV reserved for it."""
-
-    ttft_slo_s: float | None
-    tbt_slo_s: float | None
-    expected_output: int
-    decode_tokens: int
-    reserve: int
-
-    @classmethod
-    def of(cls, request: RouteRequest, config: RouterConfig, mean_output: int) -> RouteAsk:
-        expected = request.expected_output_tokens or mean_output
-        return cls(
-            _slo("ttft_slo_s", request.ttft_slo_s, config.ttft_slo_s),
-            _slo("tbt_slo_s", request.tbt_slo_s, config.tbt_slo_s),
-            expected,
-            request.num_prompt_tokens + expected // 2,
-            request.num_prompt_tokens + request.max_output_tokens,
-        )
-
-    def rejection(
-        self,
-        config: RouterConfig,
-        placement: Placement,
-        predictor: Predictor,
-        decision: Decision,
-        bound: TtftBound,
-    ) -> str:
-        """Why the request placed as `decision` must be rejected at arrival, or "": the
-        router's TTFT bound, then the admission mode's SLOs."""
-        predicted_s = decision.predicted_ttft_s
-        return bound.reason(placement, predicted_s) or admission_reason(
-            config.admission, placement, predictor, self.decode_tokens, self.ttft_slo_s,
-            self.tbt_slo_s, predicted_s - placement.ttft_s,
-        )  # fmt: skip
+from halfmoon.router.views import PrefillView
 
 
 def fill_decision(
@@ -95,30 +51,10 @@ def place_with_bypass(
     return bypass_placement(ctx, placement, config.bypass_max_tokens, stall_s) or placement
 
 
-def _slo(name: str, override: float | None, default: float | None) -> float | None:
-    if override is None:
-        return default
-    try:
-        check_slo(name, override)
-    except RouterConfigError as exc:
-        raise InvalidRequestError(str(exc)) from exc
-    return override
-
-
 def tbt_predictor(predictor: Predictor, admission: str, now: float, decode_tokens: int):
     if admission == "prediction_early_rejection":
         return lambda view, when_s: predictor.tbt_at(view, now, when_s, decode_tokens)
     return lambda view, when_s: predictor.tbt_with_pending(view, decode_tokens)
-
-
-def no_room_reason(has_prefill: bool, decode: Iterable[DecodeView], reserve: int) -> str:
-    if not has_prefill:
-        return "no prefill instance is registered; add one with add_prefill()"
-    most = max((v.free_kv_tokens for v in decode), default=0)
-    return (
-        f"no decode instance has {reserve} tokens of KV free (most free: {most}); "
-        "retry later or add decode instances"
-    )
 
 
 def make_replicator(config: RouterConfig) -> Replicator | None:

@@ -23,9 +23,12 @@ class TtftBound:
 
     @classmethod
     def of(
-        cls, max_ttft_s: float | None, errors: PredictionErrorLog,
-        views: Mapping[Hashable, PrefillView], now: float,
-    ) -> TtftBound:  # fmt: skip
+        cls,
+        max_ttft_s: float | None,
+        errors: PredictionErrorLog,
+        views: Mapping[Hashable, PrefillView],
+        now: float,
+    ) -> TtftBound:
         """The bound at `now`, scaled by the recent predictions' shortfall, prefills running
         past their predicted end included."""
         late = (pair for view in views.values() for pair in view.overdue(now))

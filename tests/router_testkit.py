@@ -1,13 +1,19 @@
 """Builders for tests of the router and its simulator (tests/router, the replay benchmark's):
-a simple profile and a conductor over named instances."""
+a simple profile, a conductor over named instances, and requests served through it."""
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Iterable
+
+from halfmoon.kvstore.block_events import BlockEvent
 from halfmoon.router.conductor import Conductor
 from halfmoon.router.config import RouterConfig
 from halfmoon.router.cost_model import CostModel
+from halfmoon.router.events import Abandoned, FirstToken, PrefillDone
 from halfmoon.router.profile import Profile
+from halfmoon.router.reports import BlockEvents
 from halfmoon.router.request import RouteRequest
+from halfmoon.router.views import DecodeView, PrefillView
 
 
 def simple_profile(network_bytes_per_s: float = 1e12) -> Profile:
@@ -29,14 +35,37 @@ def make_conductor(
     num_prefill: int = 3, num_decode: int = 2, profile: Profile | None = None, **config
 ) -> Conductor:
     """A conductor with block size 10 over p0.. and d0.. (bypass off unless asked)."""
+    return conductor_and_views(num_prefill, num_decode, profile, **config)[0]
+
+
+def conductor_and_views(
+    num_prefill: int = 3, num_decode: int = 2, profile: Profile | None = None, **config
+) -> tuple[Conductor, dict[str, PrefillView | DecodeView]]:
+    """`make_conductor`'s conductor and the view it keeps of each instance (`add_instance`
+    returns it), by name: a test loads a prefill queue there, or reads it."""
     config.setdefault("block_size", 10)
     config.setdefault("bypass_max_tokens", 0)
     conductor = Conductor(RouterConfig(**config), profile or simple_profile())
+    views: dict[str, PrefillView | DecodeView] = {}
     for i in range(num_prefill):
-        conductor.add_prefill(f"p{i}")
+        views[f"p{i}"] = conductor.add_instance(f"p{i}", "prefill").prefill
     for i in range(num_decode):
-        conductor.add_decode(f"d{i}")
-    return conductor
+        views[f"d{i}"] = conductor.add_instance(f"d{i}", "decode").decode
+    return conductor, views
+
+
+def stored(conductor: Conductor, instance: str, tier: str, keys: Iterable[Hashable]) -> None:
+    """`keys` entered `instance`'s `tier`, as that tier's block events tell the router."""
+    conductor.observe(BlockEvents([BlockEvent("stored", instance, tier, list(keys))]))
+
+
+def serve_late(conductor: Conductor, rid: str, num_blocks: int, now: float, ttft_s: float) -> None:
+    """Route a request of `num_blocks` blocks at `now` and have its first token take `ttft_s`,
+    then give up what it held (Abandoned): the prediction error is what it leaves behind."""
+    conductor.route(request(rid, num_blocks), now)
+    conductor.on_event(PrefillDone(rid, now))
+    conductor.on_event(FirstToken(rid, now, ttft_s))
+    conductor.on_event(Abandoned(rid, now))
 
 
 def request(rid: str, num_blocks: int = 10, first_key: int = 0, **kwargs) -> RouteRequest:

@@ -183,7 +183,8 @@ def simulated_views(sim: Simulation) -> list[RequestView | None]:
     """Every request of a finished simulation in trace order (None once the Conductor has
     forgotten its decision: `RouterConfig.explain_capacity`)."""
     ttfts, _ = sim.latencies()
-    decisions = [sim.conductor.decision(str(i)) for i in range(len(ttfts))]  # the sim's ids
+    view = sim.conductor.view()
+    decisions = [view.decision(str(i)) for i in range(len(ttfts))]  # the sim's ids
     return [
         None if decision is None else simulated_view(decision, float(ttft_s))
         for decision, ttft_s in zip(decisions, ttfts, strict=True)

@@ -13,7 +13,9 @@ from halfmoon.bench.options import bench_parser
 from halfmoon.kvstore.block_events import BlockEvent
 from halfmoon.router.conductor import Conductor
 from halfmoon.router.config import POLICY_NAMES, RouterConfig
+from halfmoon.router.events import Finished, PrefillDone
 from halfmoon.router.profile import DEFAULT_PROFILE, load_profile
+from halfmoon.router.reports import BlockEvents
 from halfmoon.router.request import RouteRequest
 from halfmoon.router.sim.summary import percentile
 
@@ -26,9 +28,9 @@ def build_conductor(args: argparse.Namespace) -> tuple[Conductor, list[list[int]
     num_prefill = max(args.instances // 2, 1)
     prefill = [f"p{i}" for i in range(num_prefill)]
     for name in prefill:
-        conductor.add_prefill(name)
+        conductor.add_instance(name, "prefill")
     for i in range(max(args.instances - num_prefill, 1)):
-        conductor.add_decode(f"d{i}")
+        conductor.add_instance(f"d{i}", "decode")
     chains: list[list[int]] = []
     next_key = 0
     while next_key < args.blocks:
@@ -41,7 +43,7 @@ def build_conductor(args: argparse.Namespace) -> tuple[Conductor, list[list[int]
             events.append(
                 BlockEvent("stored", holder, "device", chain[: rng.randint(1, len(chain))])
             )
-        conductor.apply_block_events(events)
+        conductor.observe(BlockEvents(events))
     return conductor, chains
 
 
@@ -65,15 +67,15 @@ def run(args: argparse.Namespace) -> dict:
         if i >= args.warmup:
             latencies.append(elapsed)
         # Complete the request at once so the queues stay at a steady size.
-        conductor.on_prefill_done(rid, float(i))
-        conductor.on_finish(rid, float(i), 256)
+        conductor.on_event(PrefillDone(rid, float(i)))
+        conductor.on_event(Finished(rid, float(i), 256))
         del decision
     latencies.sort()
     total = sum(latencies)
     return {
         "policy": args.policy,
         "instances": args.instances,
-        "indexed_blocks": conductor.num_indexed_blocks,
+        "indexed_blocks": conductor.view().num_indexed_blocks,
         "blocks_per_prompt": args.blocks_per_prompt,
         "decisions": len(latencies),
         "decisions_per_s": len(latencies) / total,

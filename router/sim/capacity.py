@@ -213,27 +213,31 @@ class ModeSweep:
 
     def _simulation(self) -> Simulation | ColocatedSimulation:
         setup, split = self.setup, self.split
-        if split is not None:
-            # No TBT SLO in the router: runs do not depend on the threshold they are judged at
-            # (the short-prompt bypass then keeps its stalls under bypass_max_stall_s).
-            config = self._config("conductor", setup.admission)
-            profile = split.profile(setup.profile)
-            blocks = setup.cache_blocks_of(profile)
-            instances = SimInstances(profile, split.num_prefill, split.num_decode, blocks)
-            return Simulation(config, instances)
+        if split is None:
+            return self._colocated()
+        # No TBT SLO in the router: runs do not depend on the threshold they are judged at
+        # (the short-prompt bypass then keeps its stalls under bypass_max_stall_s).
+        config = self._config("conductor", setup.admission)
+        profile = split.profile(setup.profile)
+        blocks = setup.cache_blocks_of(profile)
+        instances = SimInstances(profile, split.num_prefill, split.num_decode, blocks)
+        return Simulation(config, instances)
+
+    def _colocated(self) -> ColocatedSimulation:
+        setup = self.setup
         config = self._config(self.mode.split("/")[1], setup.colocated_admission)
         profile = setup.colocated_profile
+        blocks = setup.cache_blocks_of(profile)
         return ColocatedSimulation(
-            config, profile, setup.num_colocated, setup.cache_blocks_of(profile),
-            setup.max_batched_tokens,
-        )  # fmt: skip
+            config, profile, setup.num_colocated, blocks, setup.max_batched_tokens
+        )
 
     def _config(self, policy: str, admission: str) -> RouterConfig:
-        ttft_slo_s = self.setup.ttft_slo_s if admission != "none" else None
+        setup = self.setup
+        ttft_slo_s = setup.ttft_slo_s if admission != "none" else None
         return RouterConfig(
-            policy=policy, admission=admission, ttft_slo_s=ttft_slo_s,
-            block_size=self.setup.block_size,
-        )  # fmt: skip
+            policy=policy, admission=admission, ttft_slo_s=ttft_slo_s, block_size=setup.block_size
+        )
 
 
 @dataclass(slots=True)

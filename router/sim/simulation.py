@@ -10,28 +10,24 @@ from dataclasses import dataclass
 import numpy as np
 from tqdm import tqdm
 
+from halfmoon.router import events
 from halfmoon.router.conductor import Conductor
 from halfmoon.router.config import RouterConfig
 from halfmoon.router.decision import Decision
+from halfmoon.router.prefix_index import PrefixIndex
 from halfmoon.router.profile import Profile
 from halfmoon.router.replication import Replication
+from halfmoon.router.reports import DecodeLoad, PrefillSample
 from halfmoon.router.request import RouteRequest
-from halfmoon.router.sim.cache_bound import cache_bound_ttft_s
 from halfmoon.router.sim.decode_instance import Finished, SimDecode
 from halfmoon.router.sim.prefill_instance import PrefillJob, SimPrefill
-from halfmoon.router.sim.summary import SimSummary, percentile
-from halfmoon.router.sim.trace import TraceRecord, unbounded_hit_rate
+from halfmoon.router.sim.step_engine import SimEngine
+from halfmoon.router.sim.summary import SimSummary
+from halfmoon.router.sim.tally import Outcome, RunEnd, Tally, summarize
+from halfmoon.router.sim.trace import TraceRecord
 
 ARRIVE, PREFILL_DONE, DECODE_JOIN, DECODE_STEP, REPLICATE_DONE = range(5)
 ENGINE_EVENTS = 10  # kinds from here on belong to the step-level simulation (step_simulation.py)
-
-
-@dataclass(slots=True)
-class _Outcome:
-    arrival_s: float
-    ttft_s: float = -1.0
-    tbt_s: float = -1.0
-    rejected: bool = False
 
 
 @dataclass(slots=True, frozen=True)
@@ -60,25 +56,23 @@ class Simulation:
         self.config = config
         self.profile = profile
         self.cost = profile.cost
-        self.conductor = Conductor(config, router_profile or profile)
-        index = self.conductor.index
+        self.index = PrefixIndex()  # the simulated prefill instances' caches write into it
+        self.conductor = Conductor(config, router_profile or profile, self.index)
         self.prefill = {}
         for i in range(instances.num_prefill):
-            self.prefill[f"p{i}"] = SimPrefill(f"p{i}", instances.cache_blocks, index)
-            self.conductor.add_prefill(f"p{i}", tensor_parallel_size=profile.tensor_parallel_size)
+            self.prefill[f"p{i}"] = SimPrefill(f"p{i}", instances.cache_blocks, self.index)
+            degree = profile.tensor_parallel_size
+            self.conductor.add_instance(f"p{i}", "prefill", tensor_parallel_size=degree)
         self.decode = {}
         for i in range(instances.num_decode):
             self.decode[f"d{i}"] = SimDecode(f"d{i}", profile.cost)
-            self.conductor.add_decode(f"d{i}", tensor_parallel_size=profile.decode_degree)
+            degree = profile.decode_degree
+            self.conductor.add_instance(f"d{i}", "decode", tensor_parallel_size=degree)
         self._events: list[tuple[float, int, int, str, int]] = []
         self._decode_of: dict[str, str] = {}
         self._seq = 0
         self._records: dict[str, TraceRecord] = {}
-        self._outcomes: dict[str, _Outcome] = {}
-        self._hit_blocks = 0
-        self._total_blocks = 0
-        self._fetches = 0
-        self._bypassed = 0
+        self.tally = Tally()
 
     def _push(self, when_s: float, kind: int, name: str, version: int = 0) -> None:
         self._seq += 1
@@ -103,27 +97,30 @@ class Simulation:
             elif kind == DECODE_JOIN:
                 self._decode_join(name, now)
             elif kind == REPLICATE_DONE:
-                self._replicate_done(name, version)
+                self._replicate_done(name, version, now)
             elif kind >= ENGINE_EVENTS:
                 self._engine_event(kind, name, now)
             elif version == self.decode[name].version:
                 self._decode_step(name, now)
         bar.close()
-        summary = self._summary(records, time.perf_counter() - started)
-        replicator = self.conductor.replicator
-        summary.replications = replicator.num_completed if replicator is not None else 0
-        return summary
+        return self._summary(records, time.perf_counter() - started)
 
     def latencies(self) -> tuple[np.ndarray, np.ndarray]:
         """Per-request TTFT and TBT seconds in trace order after `run` (inf when rejected)."""
-        outcomes = [self._outcomes[str(i)] for i in range(len(self._outcomes))]
-        ttft = np.array([np.inf if o.rejected else o.ttft_s for o in outcomes])
-        tbt = np.array([np.inf if o.rejected else max(o.tbt_s, 0.0) for o in outcomes])
-        return ttft, tbt
+        return self.tally.latencies()
+
+    def _summary(self, records: list[TraceRecord], wall_s: float) -> SimSummary:
+        view = self.conductor.view()
+        last_s = max((d.clock_s for d in self.decode.values()), default=float("-inf"))
+        error_s = view.prediction_error().mean_abs_s
+        end = RunEnd(self.config, self.profile, last_s, error_s, wall_s)
+        summary = summarize(self.tally, records, end)
+        summary.replications = view.num_replications_completed
+        return summary
 
     def _arrive(self, rid: str, now: float) -> None:
         record = self._records[rid]
-        outcome = self._outcomes[rid] = _Outcome(now)
+        outcome = self.tally.outcomes[rid] = Outcome(now)
         request = RouteRequest(
             rid, record.hash_ids, record.num_prompt_tokens, record.num_output_tokens, now
         )
@@ -172,9 +169,9 @@ class Simulation:
             if job.source_blocks > local:
                 cached_blocks = job.source_blocks
                 fetch_tokens = min(cached_blocks * block, prompt - 1) - local_tokens
-                self._fetches += 1
-        self._hit_blocks += cached_blocks
-        self._total_blocks += len(keys)
+                self.tally.fetches += 1
+        self.tally.hit_blocks += cached_blocks
+        self.tally.total_blocks += len(keys)
         job.cached_tokens = min(cached_blocks * block, prompt - 1)
         return self.profile.transfer_time(fetch_tokens) if fetch_tokens > 0 else 0.0
 
@@ -182,7 +179,8 @@ class Simulation:
         job = instance.running
         instance.running = None
         instance.store(job.keys)
-        self.conductor.observe_prefill(job.num_prompt_tokens, job.cached_tokens, job.work_s)
+        sample = PrefillSample(job.num_prompt_tokens, job.cached_tokens, job.work_s)
+        self.conductor.observe(sample)
         self._first_token(job.request_id, now, self._handoff_s(job.num_prompt_tokens))
         if instance.queue:
             self._start_prefill(instance, now)
@@ -198,36 +196,35 @@ class Simulation:
 
     def _first_token(self, rid: str, now: float, handoff_s: float | None) -> None:
         """The prefill of `rid` ended at `now`; it joins decode once its hand-off
-        (`handoff_s`, None for a bypassed prompt: none) is paid, which the Conductor learns
-        as the live router does."""
-        if handoff_s is not None:
-            self.conductor.observe_handoff(handoff_s)
-        charged_s = handoff_s or 0.0
-        if self._record_first_token(rid, now, charged_s):
+        (`handoff_s`, None for a bypassed prompt: none) is paid."""
+        if self._record_first_token(rid, now, handoff_s):
+            charged_s = handoff_s or 0.0
             self._push(now + self.profile.request_overhead_s + charged_s, DECODE_JOIN, rid)
 
-    def _record_first_token(self, rid: str, now: float, handoff_s: float) -> bool:
+    def _record_first_token(self, rid: str, now: float, handoff_s: float | None) -> bool:
         """The prefill of `rid` ended at `now`: record its TTFT (with the per-request overhead
-        and the hand-off charged) and tell the Conductor. False when it ends here."""
-        outcome = self._outcomes[rid]
-        outcome.ttft_s = now + self.profile.request_overhead_s + handoff_s - outcome.arrival_s
-        self.conductor.on_prefill_done(rid, now)
-        self.conductor.observe_ttft(rid, outcome.ttft_s)
+        and the hand-off charged) and tell the Conductor, as the live router does. False when
+        it ends here."""
+        outcome = self.tally.outcomes[rid]
+        first_s = now + self.profile.request_overhead_s + (handoff_s or 0.0)
+        outcome.ttft_s = first_s - outcome.arrival_s
+        self.conductor.on_event(events.PrefillDone(rid, now))
+        self.conductor.on_event(events.FirstToken(rid, first_s, outcome.ttft_s, handoff_s))
         record = self._records[rid]
         if record.num_output_tokens <= 1:
-            self.conductor.on_finish(rid, now, record.num_output_tokens)
+            self.conductor.on_event(events.Finished(rid, now, record.num_output_tokens))
             return False
         return True
 
     def _bypass(self, rid: str, now: float) -> None:
-        self._bypassed += 1
+        self.tally.bypassed += 1
         decode = self.decode[self._decode_of[rid]]
         self._finish(decode, decode.advance(now))
         prompt = self._records[rid].num_prompt_tokens
-        self._total_blocks += len(self._records[rid].hash_ids)
+        self.tally.total_blocks += len(self._records[rid].hash_ids)
         work_s = self.cost.prefill_time(prompt, 0)
         decode.stall(work_s)
-        self.conductor.observe_prefill(prompt, 0, work_s)
+        self.conductor.observe(PrefillSample(prompt, 0, work_s))
         self._first_token(rid, decode.clock_s, None)
 
     def _decode_join(self, rid: str, now: float) -> None:
@@ -235,8 +232,8 @@ class Simulation:
         decode = self.decode[self._decode_of[rid]]
         self._finish(decode, decode.advance(now))
         joined_s = decode.join(rid, record.num_prompt_tokens + 1, record.num_output_tokens - 1)
-        self.conductor.on_decode_join(rid, joined_s)
-        self.conductor.report_decode(decode.name, decode.batch_size, decode.kv_tokens)
+        self.conductor.on_event(events.DecodeJoined(rid, joined_s))
+        self._report_decode(decode)
         self._schedule(decode)
 
     def _decode_step(self, name: str, now: float) -> None:
@@ -252,57 +249,15 @@ class Simulation:
 
     def _finish(self, decode: SimDecode, done: list[Finished]) -> None:
         for item in done:
-            self._outcomes[item.request_id].tbt_s = item.tbt_s
-            record = self._records[item.request_id]
-            self.conductor.on_finish(item.request_id, item.finish_s, record.num_output_tokens)
+            self.tally.outcomes[item.request_id].tbt_s = item.tbt_s
+            output_tokens = self._records[item.request_id].num_output_tokens
+            self.conductor.on_event(events.Finished(item.request_id, item.finish_s, output_tokens))
         if done:
-            self.conductor.report_decode(decode.name, decode.batch_size, decode.kv_tokens)
+            self._report_decode(decode)
 
-    def _summary(self, records: list[TraceRecord], wall_s: float) -> SimSummary:
-        outcomes = list(self._outcomes.values())
-        served = [o for o in outcomes if not o.rejected]
-        ttfts = sorted(o.ttft_s for o in served)
-        tbts = sorted(o.tbt_s for o in served if o.tbt_s >= 0)
-        ttft_slo = self.config.ttft_slo_s or float("inf")
-        tbt_slo = self.config.tbt_slo_s or float("inf")
-        met = sum(1 for o in served if o.ttft_s <= ttft_slo and o.tbt_s <= tbt_slo)
-        first = min((r.arrival_s for r in records), default=0.0)
-        last = max((o.arrival_s + o.ttft_s for o in served), default=first)
-        last = max([last, *(d.clock_s for d in self.decode.values())])
-        makespan = max(last - first, 1e-9)
-        output_tokens = sum(
-            self._records[rid].num_output_tokens
-            for rid, o in self._outcomes.items()
-            if not o.rejected
-        )
-        total = max(len(outcomes), 1)
-        return SimSummary(
-            policy=self.config.policy,
-            admission=self.config.admission,
-            requests=len(outcomes),
-            served=len(served),
-            rejected=len(outcomes) - len(served),
-            ttft_mean_s=sum(ttfts) / len(ttfts) if ttfts else 0.0,
-            ttft_p50_s=percentile(ttfts, 0.5),
-            ttft_p90_s=percentile(ttfts, 0.9),
-            ttft_p99_s=percentile(ttfts, 0.99),
-            tbt_mean_s=sum(tbts) / len(tbts) if tbts else 0.0,
-            tbt_p50_s=percentile(tbts, 0.5),
-            tbt_p90_s=percentile(tbts, 0.9),
-            tbt_p99_s=percentile(tbts, 0.99),
-            slo_attainment=met / total,
-            hit_rate=self._hit_blocks / self._total_blocks if self._total_blocks else 0.0,
-            hit_rate_unbounded=unbounded_hit_rate(records),
-            fetches=self._fetches,
-            bypassed=self._bypassed,
-            throughput_rps=len(served) / makespan,
-            output_tokens_per_s=output_tokens / makespan,
-            makespan_s=makespan,
-            ttft_pred_error_mean_s=self.conductor.prediction_error().mean_abs_s,
-            wall_s=wall_s,
-            bad_lines=0,
-            ttft_bound_mean_s=cache_bound_ttft_s(records, self.profile, self.config.block_size),
-        )
+    def _report_decode(self, decode: SimDecode | SimEngine) -> None:
+        """The decode instance's running batch, as a live decode worker reports it."""
+        self.conductor.observe(DecodeLoad(decode.name, decode.batch_size, decode.kv_tokens))
 
     def _replicate(self, decision: Decision, now: float) -> None:
         """Start the decision's hot-prefix copies; the source's blocks stay leased until each
@@ -314,7 +269,7 @@ class Simulation:
             when_s = now + self.profile.transfer_time(copy.num_tokens)
             self._push(when_s, REPLICATE_DONE, copy, depth)
 
-    def _replicate_done(self, copy: Replication, leased: int) -> None:
+    def _replicate_done(self, copy: Replication, leased: int, now: float) -> None:
         self.prefill[copy.source[0]].release(copy.keys, leased)
         self.prefill[copy.target].store(copy.keys[:leased])
-        self.conductor.on_replicated(copy)
+        self.conductor.on_event(events.Replicated(copy, now))

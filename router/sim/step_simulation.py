@@ -6,8 +6,10 @@ request-level `Simulation` it extends suits whole traces on large clusters.
 
 from __future__ import annotations
 
+from halfmoon.router import events
 from halfmoon.router.config import RouterConfig
 from halfmoon.router.profile import Profile
+from halfmoon.router.reports import DecodeStepSample, PrefillStepSample
 from halfmoon.router.sim.prefill_instance import PrefillJob, SimPrefill
 from halfmoon.router.sim.simulation import ENGINE_EVENTS, SimInstances, Simulation
 from halfmoon.router.sim.step_engine import SimEngine, StepJob, StepResult
@@ -45,9 +47,9 @@ class StepSimulation(Simulation):
         self._kick(engine, now)
 
     def _bypass(self, rid: str, now: float) -> None:
-        self._bypassed += 1
+        self.tally.bypassed += 1
         record = self._records[rid]
-        self._total_blocks += len(record.hash_ids)
+        self.tally.total_blocks += len(record.hash_ids)
         engine = self.engines[self._decode_of[rid]]
         steps = max(record.num_output_tokens - 1, 0)
         engine.add_prefill(StepJob(rid, record.num_prompt_tokens, 0, now, steps))
@@ -57,8 +59,8 @@ class StepSimulation(Simulation):
         record = self._records[rid]
         engine = self.engines[self._decode_of[rid]]
         engine.join(rid, record.num_prompt_tokens + 1, record.num_output_tokens - 1, now)
-        self.conductor.on_decode_join(rid, now)
-        self.conductor.report_decode(engine.name, engine.batch_size, engine.kv_tokens)
+        self.conductor.on_event(events.DecodeJoined(rid, now))
+        self._report_decode(engine)
         self._kick(engine, now)
 
     def _kick(self, engine: SimEngine, now: float) -> None:
@@ -80,11 +82,10 @@ class StepSimulation(Simulation):
     def _step_done(self, engine: SimEngine, result: StepResult, now: float) -> None:
         plan = result.plan
         if plan.chunks and not plan.decode_seqs:
-            self.conductor.observe_prefill_step(plan.chunks, plan.seconds)
+            self.conductor.observe(PrefillStepSample(plan.chunks, plan.seconds))
         elif plan.decode_seqs and not plan.chunks:
-            self.conductor.observe_decode_step(
-                plan.decode_seqs, plan.decode_kv_tokens, plan.seconds
-            )
+            sample = DecodeStepSample(plan.decode_seqs, plan.decode_kv_tokens, plan.seconds)
+            self.conductor.observe(sample)
         for job in result.prefilled:
             if engine.name in self.prefill:
                 self._prefilled(self.prefill[engine.name], job, now)
@@ -93,7 +94,7 @@ class StepSimulation(Simulation):
         if result.finished or result.prefilled:
             self._finish(engine, result.finished)
             if engine.name in self.decode:
-                self.conductor.report_decode(engine.name, engine.batch_size, engine.kv_tokens)
+                self._report_decode(engine)
 
     def _prefilled(self, instance: SimPrefill, job: StepJob, now: float) -> None:
         prefill_job = self._jobs.pop(job.request_id)
@@ -103,9 +104,9 @@ class StepSimulation(Simulation):
     def _bypass_prefilled(self, engine: SimEngine, job: StepJob, now: float) -> None:
         # A bypassed prompt goes on decoding in the same engine, with no hand-off.
         rid = job.request_id
-        if self._record_first_token(rid, now, 0.0):
+        if self._record_first_token(rid, now, None):
             engine.join(rid, job.num_prompt_tokens + 1, job.decode_steps, now)
-            self.conductor.on_decode_join(rid, now)
+            self.conductor.on_event(events.DecodeJoined(rid, now))
 
 
 def make_simulation(

@@ -1,5 +1,8 @@
 import pytest
-from router_testkit import make_conductor, request
+from router_testkit import conductor_and_views, make_conductor, request
+
+from halfmoon.router.events import DecodeJoined
+from halfmoon.router.reports import DecodeLoad
 
 
 def test_ttft_exactly_at_the_slo_is_admitted():
@@ -18,10 +21,10 @@ def test_ttft_just_over_the_slo_is_rejected_with_both_figures():
 
 
 def test_a_rejected_request_takes_no_queue_or_pages():
-    conductor = make_conductor(admission="early_rejection", ttft_slo_s=0.01)
+    conductor, views = conductor_and_views(admission="early_rejection", ttft_slo_s=0.01)
     conductor.route(request("r"), 0.0)
-    assert all(view.num_queued == 0 for view in conductor.prefill.values())
-    assert all(view.reserved_tokens == 0 for view in conductor.decode.values())
+    assert all(views[f"p{i}"].num_queued == 0 for i in range(3))
+    assert all(views[f"d{i}"].reserved_tokens == 0 for i in range(2))
 
 
 def test_no_admission_accepts_whatever_the_prediction():
@@ -37,7 +40,7 @@ def test_request_slo_override_beats_the_configured_one():
 @pytest.mark.parametrize(("slo", "rejected"), [(0.016, False), (0.0159, True)])
 def test_tbt_at_the_slo_boundary(slo, rejected):
     conductor = make_conductor(num_decode=1, admission="early_rejection", tbt_slo_s=slo)
-    conductor.report_decode("d0", 5, 0)
+    conductor.observe(DecodeLoad("d0", 5, 0))
     decision = conductor.route(request("r"), 0.0)
     assert decision.rejected is rejected
     if rejected:
@@ -49,13 +52,13 @@ def test_prediction_admits_when_the_batch_will_have_drained_by_prefill_end():
     # the new request's prefill ends at 2 s, when the batch will have drained.
     modes = {}
     for mode in ("early_rejection", "prediction_early_rejection"):
-        conductor = make_conductor(num_decode=1, admission=mode, tbt_slo_s=0.0155)
+        conductor, views = conductor_and_views(num_decode=1, admission=mode, tbt_slo_s=0.0155)
         for i in range(5):
             conductor.route(request(f"old{i}", first_key=100 * (i + 1)), 0.0)
-            conductor.on_decode_join(f"old{i}", 0.0)
-        conductor.report_decode("d0", 5, 5 * 150)
-        for name in conductor.prefill:
-            conductor.prefill[name].enqueue(2.0, 0, 0.0)
+            conductor.on_event(DecodeJoined(f"old{i}", 0.0))
+        conductor.observe(DecodeLoad("d0", 5, 5 * 150))
+        for i in range(3):
+            views[f"p{i}"].enqueue(2.0, 0, 0.0)
         modes[mode] = conductor.route(request("new"), 0.0)
     assert modes["early_rejection"].rejected
     assert not modes["prediction_early_rejection"].rejected

@@ -1,11 +1,12 @@
 import random
 
 import pytest
-from router_testkit import make_conductor, request, simple_profile
+from router_testkit import conductor_and_views, make_conductor, request, simple_profile, stored
 
 from halfmoon.router.config import POLICY_NAMES, RouterConfig
 from halfmoon.router.errors import InvalidRequestError, RouterConfigError
 from halfmoon.router.policies import POLICIES, make_policy
+from halfmoon.router.reports import DecodeLoad
 
 
 def test_every_configured_policy_name_has_an_implementation():
@@ -53,10 +54,10 @@ def test_random_policy_is_deterministic_for_a_seed():
 
 
 def test_least_loaded_ignores_the_cache_and_takes_the_shortest_queue():
-    conductor = make_conductor(policy="least_loaded")
-    conductor.index.stored("p0", "host", range(10))
-    conductor.prefill["p0"].enqueue(0.5, 100)
-    conductor.prefill["p1"].enqueue(0.2, 100)
+    conductor, views = conductor_and_views(policy="least_loaded")
+    stored(conductor, "p0", "host", range(10))
+    views["p0"].enqueue(0.5, 100)
+    views["p1"].enqueue(0.2, 100)
     decision = conductor.route(request("r"), 0.0)
     assert decision.prefill_instance == "p2"
     assert decision.cached_tokens == 0
@@ -64,7 +65,7 @@ def test_least_loaded_ignores_the_cache_and_takes_the_shortest_queue():
 
 def test_cache_aware_local_prefers_the_instance_holding_the_prefix():
     conductor = make_conductor(policy="cache_aware_local")
-    conductor.index.stored("p1", "host", range(8))
+    stored(conductor, "p1", "host", range(8))
     decision = conductor.route(request("r"), 0.0)
     assert decision.prefill_instance == "p1"
     assert decision.cached_tokens == 80
@@ -73,9 +74,9 @@ def test_cache_aware_local_prefers_the_instance_holding_the_prefix():
 
 def route_past_a_busy_holder(**settings):
     """Route one request whose prefix only p1 holds, behind 0.5 s of queued prefill."""
-    conductor = make_conductor(**settings)
-    conductor.index.stored("p1", "host", range(8))
-    conductor.prefill["p1"].enqueue(0.5, 500)
+    conductor, views = conductor_and_views(**settings)
+    stored(conductor, "p1", "host", range(8))
+    views["p1"].enqueue(0.5, 500)
     return conductor.route(request("r"), 0.0)
 
 
@@ -105,8 +106,8 @@ def test_conductor_skips_a_fetch_that_costs_more_than_it_saves():
 
 def test_conductor_picks_the_decode_instance_with_the_lowest_predicted_tbt():
     conductor = make_conductor(policy="conductor")
-    conductor.report_decode("d0", 30, 0)
-    conductor.report_decode("d1", 5, 0)
+    conductor.observe(DecodeLoad("d0", 30, 0))
+    conductor.observe(DecodeLoad("d1", 5, 0))
     decision = conductor.route(request("r"), 0.0)
     assert decision.decode_instance == "d1"
     assert decision.predicted_tbt_s == pytest.approx(0.01 + 6e-3)
@@ -115,16 +116,15 @@ def test_conductor_picks_the_decode_instance_with_the_lowest_predicted_tbt():
 def test_conductor_always_picks_a_minimum_predicted_ttft_instance():
     rng = random.Random(1234)
     for trial in range(200):
-        conductor = make_conductor(num_prefill=rng.randint(1, 8), policy="conductor")
-        names = list(conductor.prefill)
+        num_prefill = rng.randint(1, 8)
+        conductor, views = conductor_and_views(num_prefill, policy="conductor")
+        names = [f"p{i}" for i in range(num_prefill)]
         for name in names:
             if rng.random() < 0.6:
-                conductor.index.stored(
-                    name, rng.choice(["host", "device"]), range(rng.randint(0, 10))
-                )
+                stored(conductor, name, rng.choice(["host", "device"]), range(rng.randint(0, 10)))
             if rng.random() < 0.7:
-                conductor.prefill[name].enqueue(rng.uniform(0, 0.2), 10)
-            conductor.prefill[name].enqueue(rng.uniform(0, 0.1), 10)
+                views[name].enqueue(rng.uniform(0, 0.2), 10)
+            views[name].enqueue(rng.uniform(0, 0.1), 10)
         decision = conductor.route(request(f"r{trial}", num_blocks=rng.randint(1, 12)), 0.0)
         prefill = [c for c in decision.candidates if c.role == "prefill"]
         assert len(prefill) == len(names)
@@ -134,9 +134,9 @@ def test_conductor_always_picks_a_minimum_predicted_ttft_instance():
 
 
 def test_short_prompt_bypasses_to_the_decode_instance():
-    conductor = make_conductor(policy="conductor", bypass_max_tokens=50)
-    for name in conductor.prefill:
-        conductor.prefill[name].enqueue(1.0, 100)
+    conductor, views = conductor_and_views(policy="conductor", bypass_max_tokens=50)
+    for name in ("p0", "p1", "p2"):
+        views[name].enqueue(1.0, 100)
     decision = conductor.route(request("short", num_blocks=3), 0.0)
     assert decision.bypass
     assert decision.prefill_instance == decision.decode_instance == "d0"
@@ -145,8 +145,8 @@ def test_short_prompt_bypasses_to_the_decode_instance():
 
 
 def test_bypass_is_refused_when_the_stall_would_break_the_tbt_slo():
-    conductor = make_conductor(policy="conductor", bypass_max_tokens=50, tbt_slo_s=0.03)
-    for name in conductor.prefill:
-        conductor.prefill[name].enqueue(1.0, 100)
+    conductor, views = conductor_and_views(policy="conductor", bypass_max_tokens=50, tbt_slo_s=0.03)
+    for name in ("p0", "p1", "p2"):
+        views[name].enqueue(1.0, 100)
     decision = conductor.route(request("short", num_blocks=3), 0.0)
     assert not decision.bypass

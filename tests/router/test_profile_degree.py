@@ -5,11 +5,11 @@ devices; the router's instances carry their degree."""
 from __future__ import annotations
 
 import logging
-from types import SimpleNamespace
 
 import pytest
 from router_testkit import simple_profile
 
+from halfmoon.engine.outputs import StepTiming
 from halfmoon.router.conductor import Conductor
 from halfmoon.router.config import RouterConfig
 from halfmoon.router.degree import profile_at_degree, profile_for_pools, tp_speedup
@@ -21,6 +21,7 @@ from halfmoon.router.profile import (
     profile_to_dict,
     save_profile,
 )
+from halfmoon.router.reports import EngineStep
 from halfmoon.router.request import RouteRequest
 
 
@@ -114,8 +115,8 @@ def _composed_conductor() -> Conductor:
 def test_instances_carry_their_degree_and_a_decision_names_both(caplog):
     conductor = _composed_conductor()
     with caplog.at_level(logging.WARNING, logger="halfmoon.router.degree"):
-        prefill = conductor.add_prefill("p0")
-        decode = conductor.add_decode("d0", tensor_parallel_size=2)
+        prefill = conductor.add_instance("p0", "prefill").prefill
+        decode = conductor.add_instance("d0", "decode", tensor_parallel_size=2).decode
     assert (prefill.tensor_parallel_size, decode.tensor_parallel_size) == (4, 2)
     assert caplog.records == []
     decision = conductor.route(_request("r0"), now=0.0)
@@ -126,7 +127,7 @@ def test_instances_carry_their_degree_and_a_decision_names_both(caplog):
 def test_an_instance_at_another_degree_than_the_profile_is_kept_at_its_own_with_a_warning(caplog):
     conductor = _composed_conductor()
     with caplog.at_level(logging.WARNING, logger="halfmoon.router.degree"):
-        view = conductor.add_prefill("p1", tensor_parallel_size=2)
+        view = conductor.add_instance("p1", "prefill", tensor_parallel_size=2).prefill
     assert view.tensor_parallel_size == 2
     (record,) = caplog.records
     assert record.getMessage().startswith(
@@ -138,17 +139,15 @@ def test_an_instance_at_another_degree_than_the_profile_is_kept_at_its_own_with_
 def test_steps_of_a_worker_at_another_degree_do_not_refit_that_side():
     def prefill_steps(conductor: Conductor, degree: int) -> None:
         for n in range(1, 200):
-            step = SimpleNamespace(
-                seconds=0.01 * n, waited_s=0.0, prefill_chunks=[(n, n % 5)], decode_seqs=0,
-                decode_kv_tokens=0,
-            )  # fmt: skip
-            conductor.observe_step(step, tensor_parallel_size=degree)
+            step = StepTiming(((n, n % 5),), 0, 0, seconds=0.01 * n, started=0.0)
+            conductor.observe(EngineStep(step, tensor_parallel_size=degree))
 
     at_decode_degree, at_prefill_degree = _composed_conductor(), _composed_conductor()
     prefill_steps(at_decode_degree, 2)  # a short prompt bypassed to a decode worker
     prefill_steps(at_prefill_degree, 4)
-    assert at_decode_degree.profile.cost.prefill_coef == simple_profile().cost.prefill_coef
-    assert at_prefill_degree.profile.cost.prefill_coef[1] == pytest.approx(0.01)
+    untouched = at_decode_degree.view().profile.cost
+    assert untouched.prefill_coef == simple_profile().cost.prefill_coef
+    assert at_prefill_degree.view().profile.cost.prefill_coef[1] == pytest.approx(0.01)
 
 
 def _request(request_id: str) -> RouteRequest:

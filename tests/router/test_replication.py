@@ -1,8 +1,9 @@
 import pytest
-from router_testkit import make_conductor, request, simple_profile
+from router_testkit import conductor_and_views, request, simple_profile, stored
 
 from halfmoon.router.config import RouterConfig
 from halfmoon.router.errors import RouterConfigError
+from halfmoon.router.events import Replicated
 from halfmoon.router.replication import HotPrefixTracker, Replication
 from halfmoon.router.sim.prefill_instance import CACHE_TIER
 from halfmoon.router.sim.simulation import SimInstances, Simulation
@@ -14,16 +15,18 @@ REPLICATE = {"replicate": True, "replicate_min_hits": 2, "replicate_margin_s": 0
 
 def replicating(network_bytes_per_s: float = 1e3, **config):
     """Three prefill instances; p0 holds PREFIX and has 30 ms queued, p1 and p2 are idle;
-    by default the network is too slow for any fetch to pay."""
+    by default the network is too slow for any fetch to pay. Returns the conductor and the
+    views it keeps of its instances."""
     config = {**REPLICATE, **config}
-    conductor = make_conductor(profile=simple_profile(network_bytes_per_s), **config)
-    conductor.index.stored("p0", "host", PREFIX)
-    conductor.prefill["p0"].enqueue(0.03, 30)
-    return conductor
+    profile = simple_profile(network_bytes_per_s)
+    conductor, views = conductor_and_views(profile=profile, **config)
+    stored(conductor, "p0", "host", PREFIX)
+    views["p0"].enqueue(0.03, 30)
+    return conductor, views
 
 
 def test_a_hot_prefix_on_a_busy_instance_is_replicated_to_the_idle_one():
-    conductor = replicating()
+    conductor, _ = replicating()
     first = conductor.route(request("a"), 0.0)
     second = conductor.route(request("b"), 0.0)
     # p0 wins both (its 30 ms queue + 20 ms of new tokens beats 100 ms uncached elsewhere), so
@@ -37,54 +40,54 @@ def test_a_hot_prefix_on_a_busy_instance_is_replicated_to_the_idle_one():
 
 
 def test_a_cold_prefix_is_not_replicated():
-    conductor = replicating(replicate_min_hits=3)
+    conductor, _ = replicating(replicate_min_hits=3)
     decisions = [conductor.route(request(rid), 0.0) for rid in "abc"]
     assert [len(d.replications) for d in decisions] == [0, 0, 1]
 
 
 def test_a_prefix_held_by_max_copies_instances_is_not_replicated():
-    conductor = replicating(replicate_max_copies=2)
-    conductor.index.stored("p2", "host", PREFIX)
-    conductor.prefill["p2"].enqueue(0.03, 30)
+    conductor, views = replicating(replicate_max_copies=2)
+    stored(conductor, "p2", "host", PREFIX)
+    views["p2"].enqueue(0.03, 30)
     decisions = [conductor.route(request(rid), 0.0) for rid in "abcd"]
     assert all(d.replications == [] for d in decisions)
 
 
 def test_no_copy_when_the_idle_instance_does_not_beat_the_holders_by_the_margin():
-    conductor = replicating(replicate_margin_s=1.0)
+    conductor, _ = replicating(replicate_margin_s=1.0)
     decisions = [conductor.route(request(rid), 0.0) for rid in "abcd"]
     assert all(d.replications == [] for d in decisions)
 
 
 def test_a_copy_in_flight_blocks_another_of_the_same_prefix_until_it_lands():
-    conductor = replicating(replicate_cooldown_s=5.0)
+    conductor, _ = replicating(replicate_cooldown_s=5.0)
     conductor.route(request("a"), 0.0)
     (copy,) = conductor.route(request("b"), 0.0).replications
     assert conductor.route(request("c"), 0.0).replications == []
-    conductor.on_replicated(copy)
+    conductor.on_event(Replicated(copy, 0.0))
     (again,) = conductor.route(request("d"), 0.0).replications
     assert (again.keys, again.target) == (copy.keys, "p2")  # d went to p1, p2 is the idle one
 
 
 def test_a_copy_that_never_reports_back_stops_blocking_after_the_cooldown():
-    conductor = replicating(replicate_cooldown_s=5.0)
+    conductor, _ = replicating(replicate_cooldown_s=5.0)
     conductor.route(request("a"), 0.0)
     assert len(conductor.route(request("b"), 0.0).replications) == 1
     assert len(conductor.route(request("c"), 6.0).replications) == 1
 
 
 def test_a_landed_copy_counts_toward_max_copies():
-    conductor = replicating(replicate_max_copies=2)
+    conductor, _ = replicating(replicate_max_copies=2)
     conductor.route(request("a"), 0.0)
     (copy,) = conductor.route(request("b"), 0.0).replications
-    conductor.index.stored(copy.target, "host", copy.keys)
-    conductor.on_replicated(copy)
+    stored(conductor, copy.target, "host", copy.keys)
+    conductor.on_event(Replicated(copy, 0.0))
     assert conductor.route(request("c"), 0.0).replications == []
 
 
 def test_an_instance_that_fetches_a_hot_prefix_gets_the_copy():
-    conductor = replicating(network_bytes_per_s=1e12)
-    conductor.prefill["p0"].enqueue(10.0, 10_000)
+    conductor, views = replicating(network_bytes_per_s=1e12)
+    views["p0"].enqueue(10.0, 10_000)
     first = conductor.route(request("a"), 0.0)
     second = conductor.route(request("b"), 0.0)
     # p0 has 10 s queued, so p1 and then p2 fetch its prefix; the second fetch is the hot one.
@@ -96,11 +99,10 @@ def test_an_instance_that_fetches_a_hot_prefix_gets_the_copy():
 
 def test_replication_is_off_by_default_and_routing_is_unchanged():
     assert RouterConfig().replicate is False
-    plain = make_conductor(profile=simple_profile(1e3))
-    copying = replicating()
-    plain.index.stored("p0", "host", PREFIX)
-    plain.prefill["p0"].enqueue(0.03, 30)
-    assert plain.replicator is None
+    plain, views = conductor_and_views(profile=simple_profile(1e3))
+    copying, _ = replicating()
+    stored(plain, "p0", "host", PREFIX)
+    views["p0"].enqueue(0.03, 30)
     for rid in "abcdef":
         off, on = plain.route(request(rid), 0.0), copying.route(request(rid), 0.0)
         assert off.replications == []
@@ -109,7 +111,8 @@ def test_replication_is_off_by_default_and_routing_is_unchanged():
             on.decode_instance,
             on.predicted_ttft_s,
         )
-    assert copying.replicator.num_planned == 1
+    assert plain.view().num_replications_planned == 0
+    assert copying.view().num_replications_planned == 1
 
 
 def test_accesses_are_forgotten_after_two_windows():
@@ -162,19 +165,19 @@ def test_simulated_replications_land_in_the_target_cache_and_the_index():
     instances = SimInstances(simple_profile(network_bytes_per_s=1e6), 3, 1, 10_000)
     simulation = Simulation(config, instances)
     summary = simulation.run(records, progress=False)
-    conductor = simulation.conductor
-    copies = [c for i in range(30) for c in conductor.decision(str(i)).replications]
+    view = simulation.conductor.view()
+    copies = [c for i in range(30) for c in view.decision(str(i)).replications]
     assert [(c.source, c.target) for c in copies] == [
         (("p0", "host"), "p1"),
         (("p1", "host"), "p2"),  # the least busy holder once request 17 queued on p0
     ]
     assert summary.replications == 2
-    assert conductor.replicator.num_planned == len(copies)
+    assert view.num_replications_planned == len(copies)
     for copy in copies:
         target = simulation.prefill[copy.target]
         assert target.prefix_depth(copy.keys) == len(copy.keys)
-        held = conductor.index.longest_prefix(copy.keys).get((copy.target, CACHE_TIER), 0)
+        held = simulation.index.longest_prefix(copy.keys).get((copy.target, CACHE_TIER), 0)
         assert held == len(copy.keys)
     # Requests after the first copy landed (at 1.12 s) on p1 read the copied prefix there.
-    after = [conductor.decision(str(i)) for i in range(13, 20)]
+    after = [view.decision(str(i)) for i in range(13, 20)]
     assert any(d.prefill_instance == "p1" and d.cached_tokens == 100 for d in after)

@@ -174,6 +174,7 @@ def test_hand_off_is_the_last_layer_transfer_so_predictions_can_miss():
     ttft, _ = sim.latencies()
     assert list(ttft) == pytest.approx([n * 1e-3 + n * 1e-4 for n in lengths])
     # The Conductor predicts the mean hand-off seen so far: 0, then 10 ms, then 25 ms.
-    predicted = [sim.conductor.decision(str(i)).predicted_ttft_s for i in range(3)]
+    view = sim.conductor.view()
+    predicted = [view.decision(str(i)).predicted_ttft_s for i in range(3)]
     assert predicted == pytest.approx([0.1, 0.41, 0.225])
     assert summary.ttft_pred_error_mean_s == pytest.approx((0.01 + 0.03 + 0.005) / 3)
