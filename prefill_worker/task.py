@@ -48,6 +48,16 @@ class PrefillResult:
     finished_at: float  # the call returned (its last layers may still be on their way)
     last_layer_published_at: float
 
+    def stages(self) -> list[tuple[str, float]]:
+        """(stage, wall-clock time on the worker) of the call, for the request's timeline."""
+        return [
+            ("prefill call began on the worker", self.arrived_at),
+            ("prefill compute began", self.started_at),
+            ("prefill compute ended", self.computed_at),
+            ("last layer published", self.last_layer_published_at),
+            ("prefill call returned on the worker", self.finished_at),
+        ]
+
     @property
     def first_token_id(self) -> int:
         return self.first_tokens[0][0]

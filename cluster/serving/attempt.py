@@ -21,6 +21,7 @@ from halfmoon.engine.llm_engine import RequestOutput
 from halfmoon.prefill_worker.task import PrefillResult, PrefillTask
 from halfmoon.router.conductor import Conductor
 from halfmoon.router.decision import Decision
+from halfmoon.router.events import DecodeJoined, PrefillDone, Replicated
 from halfmoon.router.replication import Replication
 
 log = logging.getLogger(__name__)
@@ -44,14 +45,11 @@ class Dispatcher:
 
     async def start(self, request: Request):
         """Place the attempt and start it; returns the worker that streams and its stream."""
-        trace, attempt = request.trace, request.attempt
-        trace.prefill_instance = trace.decode_instance = None
         decision = await self._place(request)
-        decode = attempt.decode = self.pool.worker(decision.decode_instance)
-        trace.decode_instance = decode.name
+        decode = self.pool.worker(decision.decode_instance)
         if self.pool.mode == "colocated":
-            trace.prefill_started_s = time.monotonic()
-            trace.mark("sent to the worker", trace.prefill_started_s)
+            request.sent(None, decode)
+            request.started(time.monotonic())
             return decode, self._whole(decode, request)
         if not decision.bypass:
             return decode, await self._prefill(request, decision, decode)
@@ -59,6 +57,7 @@ class Dispatcher:
             raise WorkerDiedError(
                 f"request {request.request_id} lost its decode worker after its first token"
             )
+        request.sent(None, decode)
         return decode, self._whole(decode, request)
 
     def _whole(self, worker: Worker, request: Request):
@@ -66,10 +65,8 @@ class Dispatcher:
         return worker.client.generate_colocated(_decode_task(request))
 
     async def _place(self, request: Request) -> Decision:
-        decision = request.decision = await self._route(request)
-        request.trace.mark("routed")
-        request.trace.predicted_ttft_s = decision.predicted_ttft_s
-        request.trace.predicted_queue_s = decision.predicted_queue_s
+        decision = await self._route(request)
+        request.routed(decision)
         if decision.rejected:
             raise RejectedError(f"request {request.request_id} rejected: {decision.reason}")
         self._replicate(decision)
@@ -78,9 +75,9 @@ class Dispatcher:
     async def _prefill(self, request: Request, decision: Decision, decode: Worker):
         """Reserve on `decode` and prefill on the decision's prefill worker; returns the
         decode worker's stream, which continues from the first token."""
-        rid, trace, attempt = request.request_id, request.trace, request.attempt
-        prefill = attempt.prefill = self.pool.worker(decision.prefill_instance)
-        trace.prefill_instance = prefill.name
+        rid, attempt = request.request_id, request.attempt
+        prefill = self.pool.worker(decision.prefill_instance)
+        request.sent(prefill, decode)
         # Reserve and prefill start together: the decode worker's reads wait in the store for
         # the layers, so neither waits for the other's round trip. A reserve that fails ends
         # the attempt, and its release aborts the prefill by ticket.
@@ -88,46 +85,34 @@ class Dispatcher:
         # the prefill worker itself when both are on one node, and joins its batch then; a
         # retry's first token is out already, so the reserve carries it.
         peer = decode.kv_peer
-        known = _first_token_ids(trace.early_tokens) if trace.early_tokens else None
+        known = _first_token_ids(request.first_tokens) if request.first_tokens else None
         reserve = _decode_task(request, prefill.store_name, peer is not None, known)
         attempt.reserve = decode.client.reserve(reserve)
         task = PrefillTask(
-            rid, request.token_ids, request.params, request.block_keys,
-            request.num_prior_output_tokens, ticket=attempt.ticket, kv_peer=peer,
+            rid,
+            request.token_ids,
+            request.params,
+            request.block_keys,
+            request.num_prior_output_tokens,
+            ticket=attempt.ticket,
+            kv_peer=peer,
             fetch_from=_fetch_store(decision, prefill),
-        )  # fmt: skip
+        )
         prefilled = prefill.client.prefill(task)
-        trace.prefill_started_s = time.monotonic()
+        request.started(time.monotonic())
         await self.call(decode, attempt.reserve)
-        trace.mark("decode pages reserved")
+        request.note("decode pages reserved")
         self._prefilled(request, await self.call(prefill, prefilled))
         attempt.stored = prefill.client.stored(rid, attempt.ticket)
-        return decode.client.generate(rid, _first_token_ids(trace.early_tokens))
+        return decode.client.generate(rid, _first_token_ids(request.first_tokens))
 
     def _prefilled(self, request: Request, result: PrefillResult) -> None:
-        """Note where the prefill's time went; its first token goes out next."""
-        rid, trace = request.request_id, request.trace
-        now = time.monotonic()
-        trace.mark("prefill returned", now)
-        for stage, wall_s in (
-            ("prefill call began on the worker", result.arrived_at),
-            ("prefill compute began", result.started_at),
-            ("prefill compute ended", result.computed_at),
-            ("last layer published", result.last_layer_published_at),
-            ("prefill call returned on the worker", result.finished_at),
-        ):
-            trace.mark_wall(stage, wall_s)
-        self.conductor.on_prefill_done(rid, now)
-        # The cost model is refined from the workers' engine steps (the pool polls them).
-        trace.prefill_compute_s = result.computed_at - result.started_at
-        trace.prefill_returned_s = now
-        trace.worker_tail_s = result.finished_at - result.computed_at
-        trace.num_loaded_tokens = result.num_loaded_tokens
-        trace.loaded_from = result.loaded_from
-        trace.num_cached_tokens = result.num_local_cached_tokens + result.num_loaded_tokens
-        if trace.early_tokens is None:  # a retry continues from the first tokens already out
-            trace.early_tokens = result.first_tokens
-        self.conductor.on_decode_join(rid, now)
+        """Note where the prefill's time went; its first token goes out next. The cost model
+        is refined from the workers' engine steps (the pool polls them)."""
+        rid, now = request.request_id, time.monotonic()
+        request.prefilled(result, now)
+        self.conductor.on_event(PrefillDone(rid, now))
+        self.conductor.on_event(DecodeJoined(rid, now))
 
     async def outputs(
         self, worker: Worker, stream, attempt: Attempt
@@ -245,12 +230,12 @@ class Dispatcher:
         except Exception:  # noqa: BLE001 - a failed copy costs hits, never a request
             log.exception("copying %d hot blocks to %s failed", len(copy.keys), copy.target)
         finally:
-            self.conductor.on_replicated(copy)
+            self.conductor.on_event(Replicated(copy, time.monotonic()))
 
 
-def _first_token_ids(early_tokens: list[tuple]) -> int | list[int]:
+def _first_token_ids(first_tokens: list[tuple]) -> int | list[int]:
     """What the decode worker joins after: the first token, or each sequence's (n > 1)."""
-    ids = [token_id for token_id, _ in early_tokens]
+    ids = [token_id for token_id, _ in first_tokens]
     return ids if len(ids) > 1 else ids[0]
 
 
@@ -261,10 +246,16 @@ def _decode_task(
     first_token_id: int | list[int] | None = None,
 ) -> DecodeTask:
     return DecodeTask(
-        request.request_id, request.token_ids, request.params, request.block_keys,
-        request.num_prior_output_tokens, store_name=store_name, ticket=request.attempt.ticket,
-        direct=direct, first_token_id=first_token_id,
-    )  # fmt: skip
+        request.request_id,
+        request.token_ids,
+        request.params,
+        request.block_keys,
+        request.num_prior_output_tokens,
+        store_name=store_name,
+        ticket=request.attempt.ticket,
+        direct=direct,
+        first_token_id=first_token_id,
+    )
 
 
 def _fetch_store(decision: Decision, prefill: Worker) -> str | None:

@@ -53,7 +53,7 @@ class BackendViews:
 
     def profile(self) -> Profile:
         """The Conductor's profile as it stands (measured, calibrated, refit online)."""
-        return self.conductor.current_profile()
+        return self.conductor.view().profile
 
     async def model_info(self) -> ModelInfo:
         info = self.info

@@ -6,8 +6,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import random
-import statistics
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -23,7 +21,7 @@ from halfmoon.cluster.serving.backend import (
 from halfmoon.cluster.serving.backend_views import BackendViews
 from halfmoon.cluster.serving.clients import StoreClient
 from halfmoon.cluster.serving.prompts import PromptTokenizer
-from halfmoon.cluster.serving.registry import RequestRegistry
+from halfmoon.cluster.serving.registry import RequestRegistry, check_queue
 from halfmoon.cluster.serving.request import Request
 from halfmoon.cluster.serving.trace import RequestTrace
 from halfmoon.cluster.serving.workers import PollReport, Worker, WorkerPool
@@ -31,10 +29,10 @@ from halfmoon.cluster.worker.errors import WorkerCallError
 from halfmoon.cluster.worker.info import WorkerInfo
 from halfmoon.engine.errors import InvalidRequestError
 from halfmoon.engine.llm_engine import RequestOutput
-from halfmoon.engine.sampling_params import SamplingParams
 from halfmoon.kvstore.keys import block_keys
 from halfmoon.router.conductor import Conductor
 from halfmoon.router.config import RouterConfig
+from halfmoon.router.events import Abandoned, DecodeJoined, Finished, FirstToken, PrefillDone
 from halfmoon.router.profile import Profile
 from halfmoon.router.request import RouteRequest
 
@@ -93,7 +91,6 @@ class ClusterBackend(BackendViews):
     async def generate(self, request: GenerateInput) -> AsyncIterator[TokenDelta]:
         req = Request(request.request_id, request.params, RequestTrace(time.monotonic()))
         self.requests.add(req)  # checked before anything is taken: the first one goes on
-        trace = req.trace
         try:
             self._check_queue(req.request_id)
             await self._prepare(req, request)
@@ -101,32 +98,36 @@ class ClusterBackend(BackendViews):
                 delta.num_prompt_tokens = req.num_prompt_tokens  # the worker's has any migration's
                 yield delta
         except (GeneratorExit, asyncio.CancelledError):
-            trace.outcome = "cancelled"
+            req.end("cancelled")
             raise
         except InvalidRequestError:
-            trace.outcome = "invalid"
+            req.end("invalid")
             raise
         except RejectedError as error:
-            trace.outcome, trace.reason = "rejected", _reason_kind(str(error))
+            req.end("rejected", _reason_kind(str(error)))
             raise
         finally:
             await req.close(self._release)
 
     async def _prepare(self, req: Request, request: GenerateInput) -> None:
         """Tokenize, check the request fits the context, and hash its block keys (once)."""
-        token_ids = req.token_ids = await self.prompts.tokenize(request.prompt)
-        req.trace.mark("tokenized")
+        token_ids = await self.prompts.tokenize(request.prompt)
+        req.note("tokenized")
         info = self.info
         if request.to_context_end:
             left = max(info.max_model_len - len(token_ids), 1)
             req.params = request.params = dataclasses.replace(request.params, max_tokens=left)
         self.prompts.check_fits(len(token_ids), req.params.max_tokens)
-        req.asked, req.num_prompt_tokens = req.params, len(token_ids)
-        req.trace.num_prompt_tokens = len(token_ids)
+        req.prompt(token_ids)
         req.route = RouteRequest(
-            req.request_id, [], 0, 0, req.trace.arrived_s,
-            ttft_slo_s=request.ttft_slo_s, tbt_slo_s=request.tbt_slo_s,
-        )  # fmt: skip
+            req.request_id,
+            [],
+            0,
+            0,
+            req.trace.arrived_s,
+            ttft_slo_s=request.ttft_slo_s,
+            tbt_slo_s=request.tbt_slo_s,
+        )
         self._key(req)
 
     def _key(self, req: Request) -> None:
@@ -142,9 +143,11 @@ class ClusterBackend(BackendViews):
             req.params.n * per_sequence, info.num_pages * info.block_size - len(token_ids)
         )
         req.route = dataclasses.replace(
-            req.route, block_keys=req.block_keys, num_prompt_tokens=len(token_ids),
+            req.route,
+            block_keys=req.block_keys,
+            num_prompt_tokens=len(token_ids),
             max_output_tokens=max_output_tokens,
-        )  # fmt: skip
+        )
 
     async def _serve(self, req: Request) -> AsyncIterator[TokenDelta]:
         """Serve the request, moving it to other workers when one dies (or its KV never
@@ -157,7 +160,7 @@ class ClusterBackend(BackendViews):
                 return
             except WorkerCallError as error:
                 if req.aborted:
-                    yield _aborted_delta(req.trace)
+                    yield _aborted_delta(req)
                     return
                 if not error.retryable or not await self._recover(req, error):
                     raise
@@ -165,7 +168,7 @@ class ClusterBackend(BackendViews):
                 if req.aborted or not await self._recover(req, error):
                     raise
             if req.streamed and req.tokens_left <= 0:  # died after the last token was out
-                yield _finished_delta(req.trace)
+                yield _finished_delta(req)
                 return
 
     async def _recover(self, req: Request, why: Exception) -> bool:
@@ -187,13 +190,13 @@ class ClusterBackend(BackendViews):
         the client has are prefilled again (from the store's cached blocks where they are)."""
         log.warning(
             "migrating request %s after %d output tokens: %s",
-            req.request_id, len(req.output_ids), why,
-        )  # fmt: skip
+            req.request_id,
+            len(req.output_ids),
+            why,
+        )
         await self.dispatch.end(req)
-        self.conductor.on_abandon(req.request_id, time.monotonic())
+        self.conductor.on_event(Abandoned(req.request_id, time.monotonic()))
         req.migrate()
-        req.trace.early_tokens = None
-        req.trace.mark(f"migrated after {len(req.output_ids)} output tokens")
         if req.tokens_left > 0:
             self._key(req)
 
@@ -201,19 +204,16 @@ class ClusterBackend(BackendViews):
         """Give up the current attempt and start a fresh one on other workers."""
         log.warning("retrying request %s on other workers: %s", req.request_id, why)
         await self.dispatch.end(req)
-        self.conductor.on_abandon(req.request_id, time.monotonic())
+        self.conductor.on_event(Abandoned(req.request_id, time.monotonic()))
         req.retry()
 
     async def _attempt(self, req: Request) -> AsyncIterator[TokenDelta]:
-        trace = req.trace
         worker, stream = await self.dispatch.start(req)
-        early = trace.early_tokens or []
+        early = req.first_tokens or []
         if early and not req.early_sent:  # out now, not after the hand-off
             req.early_sent = True
             for index, (token_id, logprobs) in enumerate(early):
-                trace.num_output_tokens += 1
-                req.output_ids.append(token_id)
-                if trace.first_token_s is None:
+                if req.emitted([token_id], time.monotonic()):
                     self._first_token_out(req)
                 yield TokenDelta(
                     [token_id], "", logprobs=[logprobs] if logprobs else [], index=index
@@ -228,39 +228,20 @@ class ClusterBackend(BackendViews):
             yield self._relay(req, out, new_ids)
 
     def _relay(self, req: Request, out: RequestOutput, new_ids: list[int]) -> TokenDelta:
-        """Note one worker output on the request's trace; returns it as the client's delta."""
-        trace = req.trace
-        if out.timeline and not req.streamed:
-            role = "worker" if trace.prefill_instance is None else "decode worker"
-            for stage, wall_s in out.timeline:
-                trace.mark_wall(f"{role}: {stage}", wall_s)
-        trace.num_output_tokens += len(new_ids)
-        req.output_ids += new_ids
-        if out.finished:
-            req.attempt.ended = True
-            trace.outcome = "cancelled" if out.finish_reason == "abort" else "finished"
-        if trace.first_token_s is None and new_ids:
+        """One worker output, as the client's delta."""
+        if req.relayed(out, new_ids, time.monotonic()):
             self._first_token_out(req)
-        elif not req.streamed:
-            trace.mark("first decode output")
-        trace.last_token_s = time.monotonic()
-        if out.finished and trace.prefill_instance is None:  # prefilled where it decoded
-            trace.num_cached_tokens = out.num_cached_tokens
-        delta = delta_from_output(out, _usage(trace))
+        delta = delta_from_output(out, _usage(req.trace))
         delta.token_ids = new_ids
-        req.streamed = True
         return delta
 
     def _first_token_out(self, req: Request) -> None:
-        trace = req.trace
-        trace.first_token_s = trace.last_token_s = time.monotonic()
-        trace.mark("first token out", trace.first_token_s)
+        trace, rid = req.trace, req.request_id
         ttft_s = trace.first_token_s - trace.arrived_s
-        rid = req.request_id
-        self.conductor.observe_first_token(rid, ttft_s, trace.handoff_s)
-        if trace.prefill_instance is None:  # prefilled where it decodes: it is running there
-            self.conductor.on_prefill_done(rid, trace.first_token_s)
-            self.conductor.on_decode_join(rid, trace.first_token_s)
+        self.conductor.on_event(FirstToken(rid, trace.first_token_s, ttft_s, trace.handoff_s))
+        if req.prefills_where_it_decodes:  # it is running there already
+            self.conductor.on_event(PrefillDone(rid, trace.first_token_s))
+            self.conductor.on_event(DecodeJoined(rid, trace.first_token_s))
 
     async def wait_released(self, timeout_s: float) -> None:
         """Wait (up to `timeout_s`) for the releases under way, e.g. when the server stops."""
@@ -273,27 +254,19 @@ class ClusterBackend(BackendViews):
         try:
             await self.dispatch.end(req)
         finally:
-            trace = req.trace
-            self.conductor.on_finish(req.request_id, time.monotonic(), trace.num_output_tokens)
+            trace, rid = req.trace, req.request_id
+            self.conductor.on_event(Finished(rid, time.monotonic(), trace.num_output_tokens))
             self.requests.finish(req)
-            trace.mark("released")
+            req.released()
             if self.observer is not None:
                 self.observer(trace)
 
     def _check_queue(self, rid: str) -> None:
         """Reject at arrival once the requests waiting for a first token reach the bound."""
-        if self.max_queued_per_worker is None:
-            return
-        kind = "prefill" if self.pool.mode == "disaggregated" else "decode"
-        num_workers = max(len(self.pool.alive(kind)), 1)
-        bound = self.max_queued_per_worker * num_workers
-        waiting = sum(1 for r in self.requests.in_flight() if r.trace.first_token_s is None) - 1
-        if waiting >= bound:
-            raise RejectedError(
-                f"request {rid} rejected: {waiting} requests already wait for a first token "
-                f"(bound {self.max_queued_per_worker} per {kind} worker x {num_workers}, "
-                "router.max_queued_per_worker); retry later or add workers"
-            )
+        if self.max_queued_per_worker is not None:
+            kind = "prefill" if self.pool.mode == "disaggregated" else "decode"
+            num_workers = max(len(self.pool.alive(kind)), 1)
+            check_queue(self.requests, rid, self.max_queued_per_worker, kind, num_workers)
 
     async def abort(self, request_id: str) -> bool:
         """End a request in flight: its stream ends with finish reason `abort`."""
@@ -316,48 +289,20 @@ class ClusterBackend(BackendViews):
         """The autoscaling signals of pool `kind`, per replica."""
         return self.pool.signals(kind, now)
 
-    async def calibrate(self, num_requests: int, num_tokens: int) -> float:
-        """Measure the per-request overhead outside prefill compute by sending short requests
-        through the whole pipeline; it goes into the Conductor's profile. Returns it."""
-        rng = random.Random(0)
-        overheads = []
-        traces: list[RequestTrace] = []
-        observer = self.set_observer(traces.append)  # not client traffic
-        try:
-            for i in range(num_requests):
-                prompt = [rng.randrange(6, self.info.vocab_size) for _ in range(num_tokens)]
-                request = GenerateInput(f"calibrate-{i}", prompt, SamplingParams(max_tokens=1))
-                async for _ in self.generate(request):
-                    pass
-                overheads.append(self._overhead_s(traces[-1], num_tokens))
-        finally:
-            self.set_observer(observer)
-        overhead_s = max(0.0, statistics.median(overheads))
-        self.conductor.set_request_overhead(overhead_s)
-        return overhead_s
-
-    def _overhead_s(self, trace: RequestTrace, num_tokens: int) -> float:
-        """What an idle pipeline adds to a request besides its prefill and its hand-off."""
-        compute_s = trace.prefill_compute_s
-        if compute_s is None:  # prefilled on the decode worker: no split, use the model
-            compute_s = self.conductor.prefill_time_s(num_tokens)
-        handoff_s = trace.handoff_s or 0.0
-        return trace.first_token_s - trace.arrived_s - compute_s - handoff_s
-
 
 def _usage(trace: RequestTrace) -> Usage:
     return Usage(trace.num_prompt_tokens, trace.num_output_tokens, trace.num_cached_tokens)
 
 
-def _finished_delta(trace: RequestTrace) -> TokenDelta:
+def _finished_delta(req: Request) -> TokenDelta:
     """The end of a stream whose every token was out when its worker died."""
-    trace.outcome = "finished"
-    return TokenDelta([], "", finish_reason="length", usage=_usage(trace))
+    req.end("finished")
+    return TokenDelta([], "", finish_reason="length", usage=_usage(req.trace))
 
 
-def _aborted_delta(trace: RequestTrace) -> TokenDelta:
-    trace.outcome = "cancelled"
-    return TokenDelta([], "", finish_reason="abort", usage=_usage(trace))
+def _aborted_delta(req: Request) -> TokenDelta:
+    req.end("cancelled")
+    return TokenDelta([], "", finish_reason="abort", usage=_usage(req.trace))
 
 
 def _reason_kind(message: str) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterator
 
-from halfmoon.cluster.serving.backend import DuplicateRequestError
+from halfmoon.cluster.serving.backend import DuplicateRequestError, RejectedError
 from halfmoon.cluster.serving.request import Request
 
 RECENT_FINISHED = 1024  # finished requests whose timeline `explain` can still show
@@ -60,3 +60,17 @@ class RequestRegistry:
     def on_worker(self, name: str) -> int:
         """Requests in flight that worker `name` has a part in."""
         return sum(1 for r in self.in_flight() if name in (w.name for w in r.attempt.workers()))
+
+
+def check_queue(
+    registry: RequestRegistry, rid: str, per_worker: int, kind: str, num_workers: int
+) -> None:
+    """Reject `rid` at arrival when `per_worker` requests per `kind` worker already wait for
+    their first token (`router.max_queued_per_worker`: Mooncake's early rejection at the door)."""
+    waiting = sum(1 for r in registry.in_flight() if not r.output_ids) - 1
+    if waiting >= per_worker * num_workers:
+        raise RejectedError(
+            f"request {rid} rejected: {waiting} requests already wait for a first token "
+            f"(bound {per_worker} per {kind} worker x {num_workers}, "
+            "router.max_queued_per_worker); retry later or add workers"
+        )

@@ -14,6 +14,7 @@ import ray
 from halfmoon.cluster.config import ClusterConfig, router_config, served_name
 from halfmoon.cluster.control.metrics_targets import MetricsTargets
 from halfmoon.cluster.frontend.auth import loopback
+from halfmoon.cluster.serving.calibration import calibrate
 from halfmoon.cluster.serving.clients import StoreClient, worker_client
 from halfmoon.cluster.serving.cluster_backend import ClusterBackend
 from halfmoon.cluster.serving.request_metrics import RequestMetrics
@@ -235,7 +236,7 @@ class RouterActor:
     async def calibrate(self, num_requests: int = 5, num_tokens: int = 48) -> float:
         """Measure the per-request overhead outside prefill compute by sending short requests
         through the whole pipeline; it goes into the Conductor's profile. Returns it."""
-        return await self.backend.calibrate(num_requests, num_tokens)
+        return await calibrate(self.backend, num_requests, num_tokens)
 
     async def update_pool(self, pool: str, desired: int, actual: int) -> None:
         self.metrics.update_pool(pool, desired, actual)

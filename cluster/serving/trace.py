@@ -29,9 +29,6 @@ class RequestTrace:
     # its compute's end to its return (each on one clock): the hand-off's two parts.
     prefill_returned_s: float | None = None
     worker_tail_s: float | None = None
-    # The prefill's first token and its logprobs (one pair per sequence when n > 1), streamed
-    # before the decode worker's output.
-    early_tokens: list[tuple] | None = None
     outcome: str = "error"
     reason: str = ""
     arrived_wall_s: float = dataclasses.field(default_factory=time.time)

@@ -15,6 +15,7 @@ from halfmoon.cluster.worker.info import WorkerInfo, WorkerLoad
 from halfmoon.engine.llm_engine import StepTiming
 from halfmoon.kvstore.transfer.channel import KvPeer
 from halfmoon.router.conductor import Conductor
+from halfmoon.router.reports import BlockEvents, DecodeLoad, EngineStep, PrefillLoad
 
 log = logging.getLogger(__name__)
 
@@ -79,10 +80,16 @@ class WorkerPool:
         what it decodes)."""
         info = worker.info
         if worker.kind == "prefill" or self.mode == "colocated":
-            self.conductor.add_prefill(worker.name, worker.store_name, info.tensor_parallel_size)
+            degree, node = info.tensor_parallel_size, worker.store_name
+            self.conductor.add_instance(
+                worker.name, "prefill", node=node, tensor_parallel_size=degree
+            )
         if worker.kind == "decode":
             capacity = info.num_pages * info.block_size
-            self.conductor.add_decode(worker.name, capacity, info.tensor_parallel_size)
+            degree = info.tensor_parallel_size
+            self.conductor.add_instance(
+                worker.name, "decode", tensor_parallel_size=degree, capacity_tokens=capacity
+            )
 
     def set_draining(self, name: str, draining: bool) -> None:
         """A draining worker gets no new requests; the ones it has finish."""
@@ -139,7 +146,7 @@ class WorkerPool:
         names = [w for w in self.workers.values() if w.kind == kind and not w.draining]
         loads = [w.load for w in names if w.load is not None]
         per = max(len(names), 1)
-        queue_s, tbt_s = self.conductor.pool_load(now)
+        queue_s, tbt_s = self.conductor.view().pool_load(now)
         return {
             "waiting_tokens": sum(load.num_waiting_tokens for load in loads) / per,
             "running_requests": sum(load.num_running for load in loads) / per,
@@ -161,7 +168,7 @@ class WorkerPool:
         for name, store in self.stores.items():
             try:
                 events, stats = await store.report()
-                self.conductor.apply_block_events(events)
+                self.conductor.observe(BlockEvents(events))
                 report.store_stats[name] = dataclasses.asdict(stats)
             except RayActorError:
                 continue
@@ -171,21 +178,22 @@ class WorkerPool:
         polled = await worker.client.report()
         load, steps, events = polled.load, polled.steps, polled.events
         for step in steps:
-            self.conductor.observe_step(step, worker.info.tensor_parallel_size)
+            self.conductor.observe(EngineStep(step, worker.info.tensor_parallel_size))
         report.steps += steps
         # A decode worker's pages are a prefix cache only where it prefills (colocated).
         if worker.kind == "prefill" or self.mode == "colocated":
-            self.conductor.apply_block_events(events)
+            self.conductor.observe(BlockEvents(events))
         report.transfers += polled.transfers
         self.mark_alive(worker.name)
         worker.load = load
         report.loads.append(load)
         if worker.kind == "decode":
-            self.conductor.report_decode(worker.name, load.num_running, load.num_kv_tokens)
+            self.conductor.observe(DecodeLoad(worker.name, load.num_running, load.num_kv_tokens))
         if worker.kind == "prefill":
             num_requests = load.num_running + load.num_waiting
             as_of = time.monotonic() - load.age_s
-            self.conductor.report_prefill(worker.name, num_requests, load.num_waiting_tokens, as_of)
+            tokens_left = load.num_waiting_tokens
+            self.conductor.observe(PrefillLoad(worker.name, num_requests, tokens_left, as_of))
 
     async def loads_info(self) -> dict[str, dict]:
         """Each worker's load as `server_info` shows it."""
@@ -205,7 +213,7 @@ class WorkerPool:
                 "waiting": load.num_waiting,
                 "pages_used_ratio": round(load.pages_used_ratio, 4),
             }
-            reserved = self.conductor.reserved_kv_tokens(worker.name)
+            reserved = self.conductor.view().reserved_kv_tokens(worker.name)
             if reserved is not None:  # what the router holds back for requests placed there
                 loads[worker.name]["reserved_kv_tokens"] = reserved
         return loads

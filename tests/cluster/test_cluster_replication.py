@@ -52,7 +52,7 @@ def _device_blocks(cluster, name: str, keys: list[bytes]) -> int:
     """Leading blocks of `keys` the router's prefix index holds on `name`'s own pages."""
 
     def lookup(router) -> int:
-        return router.backend.conductor.index.longest_prefix(keys).get((name, "device"), 0)
+        return router.backend.conductor.view().longest_prefix(keys).get((name, "device"), 0)
 
     return ray.get(cluster.router.__ray_call__.remote(lookup))
 

@@ -17,6 +17,7 @@ from halfmoon.router.config import RouterConfig
 from halfmoon.router.degree import profile_for_pools
 from halfmoon.router.errors import ProfileError
 from halfmoon.router.profile import DEFAULT_PROFILE, load_profile
+from halfmoon.router.request import RouteRequest
 
 A800 = load_profile(DEFAULT_PROFILE)  # timed at degree 8
 
@@ -98,12 +99,15 @@ def test_a_measured_profile_records_each_worker_s_degree_and_the_decode_worker_s
 @pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
 def test_the_pool_registers_each_worker_at_its_degree_with_its_own_kv_pages(mode):
     profile = profile_for_pools(A800, 4, 4)
-    pool = WorkerPool(Conductor(RouterConfig(), profile, colocated=mode == "colocated"), mode)
+    config = RouterConfig(bypass_max_tokens=0)
+    pool = WorkerPool(Conductor(config, profile, colocated=mode == "colocated"), mode)
     pool.add(Worker("decode-0", "decode", None, _info("decode", 4, 300)))
     if mode == "disaggregated":
         pool.add(Worker("prefill-0", "prefill", None, _info("prefill", 4, 100), "store-0"))
     conductor = pool.conductor
-    decode = conductor.decode["decode-0"]
-    assert (decode.tensor_parallel_size, decode.capacity_tokens) == (4, 300 * 16)
+    too_big = conductor.route(RouteRequest("too-big", [1], 16, 300 * 16 - 15, 0.0), 0.0)
+    assert "(most free: 4800)" in too_big.reason  # its own 300 pages of 16 tokens
+    placed = conductor.route(RouteRequest("fits", [1], 16, 300 * 16 - 16, 0.0), 0.0)
     prefill = "prefill-0" if mode == "disaggregated" else "decode-0"
-    assert conductor.prefill[prefill].tensor_parallel_size == 4
+    assert (placed.prefill_instance, placed.decode_instance) == (prefill, "decode-0")
+    assert (placed.prefill_degree, placed.decode_degree) == (4, 4)
