@@ -1,7 +1,7 @@
 """Distributed tiered KV store: block keys, tiers, store node, block events, wire codec.
 
 Only light modules are re-exported here so the router and simulator import no torch;
-workers import `halfmoon.kvstore.store` (KvStore) and `halfmoon.kvstore.store_node`.
+the store node (`halfmoon.kvstore.store_node`) composes `blocks.py` and `streams.py`.
 """
 
 from halfmoon.kvstore.block_events import BlockEvent

@@ -114,12 +114,11 @@ def encode_raw(
     for key in keys:
         if len(key) != KEY_BYTES:
             raise ValueError(f"block key must be {KEY_BYTES} bytes, got {len(key)}: {key!r}")
+    if len(page_shape) != 3:
+        raise ValueError(f"page shape {tuple(page_shape)} is not (block_size, kv heads, head_dim)")
     payload_bytes = sum(memoryview(part).nbytes for part in payload)
-    block_size, num_kv_heads, head_dim = page_shape
-    fields = _FIELDS.pack(
-        MAGIC, VERSION, DTYPE_CODES[dtype], 0, layer, len(keys),
-        block_size, num_kv_heads, head_dim, payload_bytes,
-    )  # fmt: skip
+    header = (MAGIC, VERSION, DTYPE_CODES[dtype], 0, layer, len(keys), *page_shape, payload_bytes)
+    fields = _FIELDS.pack(*header)
     key_bytes = b"".join(keys)
     page_bytes = math.prod(page_shape) * dtype.itemsize
     checksum = zlib.crc32(key_bytes, zlib.crc32(fields))

@@ -35,12 +35,8 @@ def start_redis_server(
         raise RedisServerError("redis-server is not on PATH; `make test` / `make serve` install it")
     port = port or free_port()
     workdir = workdir or tempfile.mkdtemp(prefix="halfmoon-redis-")
-    process = subprocess.Popen(
-        [binary, _config_file(workdir, password), "--port", str(port), "--bind", "127.0.0.1",
-         "--save", "", "--appendonly", "no", "--dir", workdir,
-         "--maxmemory", maxmemory, "--maxmemory-policy", "allkeys-lru"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    command = [binary, _config_file(workdir, password), *_options(port, workdir, maxmemory)]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         try:
@@ -50,6 +46,20 @@ def start_redis_server(
             time.sleep(0.05)
     process.terminate()
     raise RedisServerError(f"redis-server did not start on port {port}")
+
+
+def _options(port: int, workdir: str, maxmemory: str) -> list[str]:
+    """redis-server's command-line options: loopback only, no persistence, LRU eviction."""
+    options = {
+        "port": str(port),
+        "bind": "127.0.0.1",
+        "save": "",
+        "appendonly": "no",
+        "dir": workdir,
+        "maxmemory": maxmemory,
+        "maxmemory-policy": "allkeys-lru",
+    }
+    return [arg for name, value in options.items() for arg in (f"--{name}", value)]
 
 
 def _config_file(workdir: str, password: str | None) -> str:

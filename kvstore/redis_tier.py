@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import redis.asyncio as aioredis
 import torch
 from redis.exceptions import RedisError
@@ -97,12 +98,7 @@ class RedisTier:
         records = []
         for i, key in enumerate(keys):
             rows = slice(i * page, (i + 1) * page)
-            value = encode_raw(
-                [key], layer, self.layout.dtype, self.layout.page_shape,
-                [k_bytes[rows], v_bytes[rows]],
-            )  # fmt: skip
-            name = self.record_key(key, layer)
-            records.append((name, self.seal(name, value)))
+            records.append(self._record(key, layer, k_bytes[rows], v_bytes[rows]))
         return await self.put_records(records)
 
     def encode_block(self, key: bytes, data: torch.Tensor) -> list[tuple[bytes, bytes]]:
@@ -111,13 +107,9 @@ class RedisTier:
         page = self.layout.page_bytes
         records = []
         for layer in range(self.layout.num_layers):
-            base = layer * 2 * page
-            value = encode_raw(
-                [key], layer, self.layout.dtype, self.layout.page_shape,
-                [flat[base : base + page], flat[base + page : base + 2 * page]],
-            )  # fmt: skip
-            name = self.record_key(key, layer)
-            records.append((name, self.seal(name, value)))
+            base = 2 * layer * page
+            k, v = flat[base : base + page], flat[base + page : base + 2 * page]
+            records.append(self._record(key, layer, k, v))
         return records
 
     def seal(self, name: bytes, record: bytes) -> bytes:
@@ -201,6 +193,13 @@ class RedisTier:
 
     async def close(self) -> None:
         await self._client.aclose()
+
+    def _record(self, key: bytes, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[bytes, bytes]:
+        """(Redis key, sealed record) of `layer` of block `key` from its K and V page bytes."""
+        layout = self.layout
+        value = encode_raw([key], layer, layout.dtype, layout.page_shape, [k, v])
+        name = self.record_key(key, layer)
+        return name, self.seal(name, value)
 
     def _tag(self, name: bytes, record: bytes | memoryview) -> bytes:
         mac = hmac.new(self._hmac_key, name, hashlib.sha256)

@@ -1,21 +1,24 @@
-"""The per-node store as a Ray actor: a thin async wrapper over KvStore."""
+"""The per-node store as a Ray actor: the block store and the layer streams over it."""
 
 from __future__ import annotations
 
 import functools
 import inspect
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from halfmoon.kvstore.blocks import BlockStore
 from halfmoon.kvstore.config import StoreConfig
 from halfmoon.kvstore.layout import KvLayout
 from halfmoon.kvstore.metrics_endpoint import actor_registry, serve_actor_metrics
 from halfmoon.kvstore.process_gc import freeze_startup_heap
 from halfmoon.kvstore.shared_arena import ArenaInfo
-from halfmoon.kvstore.store import KvStore
+from halfmoon.kvstore.stats import StoreStats
+from halfmoon.kvstore.streams import LayerStreams
 
 # A read waits inside the actor until its layer is put, holding one of the actor's call slots;
 # a put that finds every slot taken would wait for a read to time out, and the reads wait for
@@ -25,66 +28,66 @@ from halfmoon.kvstore.store import KvStore
 MAX_CONCURRENT_CALLS = 100_000
 
 
-def _forward(method: Callable) -> Callable:
-    """An async actor method that calls KvStore `method` on `self.store` (same signature)."""
+def _forward(part: str, method: Callable) -> Callable:
+    """An async actor method that calls `method` on the node's `part` (same signature)."""
     name = method.__name__
     if inspect.isasyncgenfunction(method):
 
         async def call(self, *args, **kwargs):
-            async for item in getattr(self.store, name)(*args, **kwargs):
+            async for item in getattr(getattr(self, part), name)(*args, **kwargs):
                 yield item
 
     elif inspect.iscoroutinefunction(method):
 
         async def call(self, *args, **kwargs):
-            return await getattr(self.store, name)(*args, **kwargs)
+            return await getattr(getattr(self, part), name)(*args, **kwargs)
 
     else:
 
         async def call(self, *args, **kwargs):
-            return getattr(self.store, name)(*args, **kwargs)
+            return getattr(getattr(self, part), name)(*args, **kwargs)
 
     return functools.wraps(method)(call)
 
 
 class StoreNode:
-    """KvStore as an actor, every method async; run it with `start_store_node` (one per node).
-    Call `stream_layers` and `stream_slots` with `.options(num_returns="streaming")`."""
+    """The node's BlockStore and LayerStreams as an actor, every method async; run it with
+    `start_store_node` (one per node). Call the streams with `.options(num_returns="streaming")`."""
 
     def __init__(self, layout: KvLayout, config: StoreConfig, instance: str) -> None:
         # Copies are memory-bound; extra intra-op threads only contend with the workers.
         torch.set_num_threads(1)
-        self.store = KvStore(layout, config, instance)
+        self.blocks = BlockStore(layout, config, instance)
+        self.streams = LayerStreams(self.blocks)
         self.metrics_address: str | None = None
         freeze_startup_heap(f"store node {instance}")
 
-    put_layer = _forward(KvStore.put_layer)
-    claim = _forward(KvStore.claim)
-    layer_written = _forward(KvStore.layer_written)
-    get_layer = _forward(KvStore.get_layer)
-    stream_layers = _forward(KvStore.stream_layers)
-    stream_slots = _forward(KvStore.stream_slots)
-    end_stream = _forward(KvStore.end_stream)
-    lease_slots = _forward(KvStore.lease_slots)
-    cached_prefix = _forward(KvStore.cached_prefix)
-    prefix_depths = _forward(KvStore.prefix_depths)
-    lease = _forward(KvStore.lease)
-    release = _forward(KvStore.release)
-    drain_events = _forward(KvStore.drain_events)
-    stats = _forward(KvStore.stats)
-    close = _forward(KvStore.close)
+    put_layer = _forward("blocks", BlockStore.put_layer)
+    claim = _forward("blocks", BlockStore.claim)
+    layer_written = _forward("blocks", BlockStore.layer_written)
+    lease_slots = _forward("blocks", BlockStore.lease_slots)
+    cached_prefix = _forward("blocks", BlockStore.cached_prefix)
+    prefix_depths = _forward("blocks", BlockStore.prefix_depths)
+    lease = _forward("blocks", BlockStore.lease)
+    release = _forward("blocks", BlockStore.release)
+    drain_events = _forward("blocks", BlockStore.drain_events)
+    close = _forward("blocks", BlockStore.close)
+    get_layer = _forward("streams", LayerStreams.get_layer)
+    stream_layers = _forward("streams", LayerStreams.stream_layers)
+    stream_slots = _forward("streams", LayerStreams.stream_slots)
+    end_stream = _forward("streams", LayerStreams.end_stream)
+
+    async def stats(self) -> StoreStats:
+        """The block store's snapshot, with the latency of the streams' reads."""
+        return replace(self.blocks.stats(), get_latency=self.streams.latency())
 
     async def arena_info(self) -> ArenaInfo | None:
         """Where producers on this node map the host tier's arena (None: not shared)."""
-        path = self.store.host.arena_path
-        if path is None:
-            return None
-        node_id = ray.get_runtime_context().get_node_id()
-        return ArenaInfo(path, node_id, self.store.host.num_slots, self.store.layout)
+        return self.blocks.arena_info(ray.get_runtime_context().get_node_id())
 
     async def release_many(self, lease_ids: Sequence[int]) -> int:
         """Release several leases in one call; returns how many were still held."""
-        return sum(self.store.release(lease_id) for lease_id in lease_ids)
+        return sum(self.blocks.release(lease_id) for lease_id in lease_ids)
 
     async def serve_metrics(self, host: str) -> str:
         """Serve this process's /metrics (CPU, memory: the host tier lives here) on a free port

@@ -14,11 +14,12 @@ from dataclasses import asdict, dataclass
 import torch
 
 from halfmoon.bench.options import bench_parser
+from halfmoon.kvstore.blocks import BlockStore
 from halfmoon.kvstore.config import StoreConfig
 from halfmoon.kvstore.layout import KvLayout, LayerKV, tensor_bytes
 from halfmoon.kvstore.redis_server import RedisServerError, start_redis_server
 from halfmoon.kvstore.redis_tier import RedisTier
-from halfmoon.kvstore.store import KvStore
+from halfmoon.kvstore.streams import LayerStreams
 
 MODELS = {
     # ~50M-parameter Llama-style model: 8 layers, 4 KV heads of 64.
@@ -75,13 +76,14 @@ def random_kv(layout: KvLayout, num_blocks: int) -> LayerKV:
 def bench_host(name: str, layout: KvLayout, num_blocks: int, repeats: int) -> Row:
     kv, keys = random_kv(layout, num_blocks), [os.urandom(16) for _ in range(num_blocks)]
     config = StoreConfig(host_capacity_bytes=2 * num_blocks * layout.block_bytes)
-    store = KvStore(layout, config)
+    blocks = BlockStore(layout, config)
+    streams = LayerStreams(blocks)
     loop = asyncio.new_event_loop()
 
     def through_store() -> None:
         for layer in range(layout.num_layers):
-            loop.run_until_complete(store.put_layer(keys, layer, kv))
-            loop.run_until_complete(store.get_layer(keys, layer, 0))
+            blocks.put_layer(keys, layer, kv)
+            loop.run_until_complete(streams.get_layer(keys, layer, 0))
 
     pages = LayerKV.empty(layout, num_blocks * layout.num_layers)
 

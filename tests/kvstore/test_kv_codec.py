@@ -11,9 +11,8 @@ from halfmoon.kvstore.codec import HEADER_BYTES, decode_layer, encode_layer, gat
 from halfmoon.kvstore.errors import CorruptRecord
 
 # Byte offsets of header fields (see codec._FIELDS).
-VERSION_AT, DTYPE_AT, FLAGS_AT, LAYER_AT, BLOCKS_AT, SHAPE_AT, PAYLOAD_AT, CHECKSUM_AT = (
-    4, 6, 7, 8, 12, 16, 28, 36,
-)  # fmt: skip
+VERSION_AT, DTYPE_AT, FLAGS_AT, LAYER_AT = 4, 6, 7, 8
+BLOCKS_AT, SHAPE_AT, PAYLOAD_AT, CHECKSUM_AT = 12, 16, 28, 36
 
 
 def record(num_blocks: int = 2, layer: int = 1) -> tuple[bytes, list[bytes]]:
