@@ -12,7 +12,7 @@ from collections import OrderedDict
 import ray
 
 from halfmoon.engine.errors import HalfmoonError
-from halfmoon.engine.llm_engine import LLMEngine
+from halfmoon.engine.kv_cache import PagedKvCache
 from halfmoon.kvstore.locate import local_store
 from halfmoon.kvstore.transfer.channel import KvPeer, NoticeConn, NoticeListener
 from halfmoon.kvstore.transfer.notice_format import (
@@ -64,8 +64,10 @@ class Reservation:
 class Notices:
     """The decode worker's notice socket and the reservations its notices are for."""
 
-    def __init__(self, engine: LLMEngine, store=None, early_notice_s: float = EARLY_NOTICE_S):
-        self.engine = engine
+    def __init__(
+        self, kv_cache: PagedKvCache, store=None, early_notice_s: float = EARLY_NOTICE_S
+    ) -> None:
+        self.kv_cache = kv_cache  # the engine's: lenders' caches are opened against it
         self.early_notice_s = early_notice_s
         self.listener: NoticeListener | None = None
         self.reservations: dict[str, Reservation] = {}  # by request id
@@ -209,7 +211,7 @@ class Notices:
         """Drop a gone lender's cache (its CUDA IPC mappings): no copy is issued from it any
         more (`next_offer` refuses a conn without a cache), the queued ones land first."""
         cache, conn.cache = conn.cache, None
-        await asyncio.to_thread(self.engine.kv.close_peer, cache)
+        await asyncio.to_thread(self.kv_cache.close_peer, cache)
         log.info("closed the KV cache of %s (its connection ended)", conn.lender)
 
     async def _open_lender(self, conn: NoticeConn) -> None:
@@ -221,7 +223,7 @@ class Notices:
             export = await lender.kv_export.remote()
             if export is None:
                 raise ValueError("it does not lend its pages")
-            conn.cache = self.engine.kv.open_peer(export)
+            conn.cache = self.kv_cache.open_peer(export)
             self.num_lenders += 1
             log.info("copying KV straight out of the pages of %s", conn.lender)
         except Exception as error:  # noqa: BLE001 - the arena path stays; say why once

@@ -13,7 +13,7 @@ from collections import OrderedDict
 import ray
 
 from halfmoon.decode_worker.notices import Notices, Reservation
-from halfmoon.engine.llm_engine import LLMEngine
+from halfmoon.engine.kv_cache import PagedKvCache
 from halfmoon.kvstore.locate import local_store
 from halfmoon.kvstore.shared_arena import MappedArena, map_arena
 from halfmoon.kvstore.transfer.channel import NoticeConn
@@ -43,8 +43,8 @@ class ReceiveTimings:
 class Receiver:
     """Copies prompts' KV into reserved pages; keeps each receive's timings."""
 
-    def __init__(self, engine: LLMEngine, notices: Notices, store, get_timeout_s: float):
-        self.engine = engine
+    def __init__(self, kv_cache: PagedKvCache, notices: Notices, store, get_timeout_s: float):
+        self.kv_cache = kv_cache  # the engine's: the reserved pages are written through it
         self.notices = notices
         self.store = store
         self.get_timeout_s = get_timeout_s
@@ -127,7 +127,7 @@ class Receiver:
         async with asyncio.timeout(PREFILL_WAIT_S):  # the router aborts long before
             for index, unit in enumerate(units):
                 unit_pages = pages[unit.first_block : unit.first_block + len(unit.keys)]
-                for layer in range(self.engine.kv.num_layers):
+                for layer in range(self.kv_cache.num_layers):
                     where = (index, layer)
                     lent, notice = await self.notices.next_offer(reservation, where)
                     if lent is not None:
@@ -149,7 +149,7 @@ class Receiver:
         timings: ReceiveTimings,
     ):
         """One layer out of a prefill worker's lent pages (its arena copy, if offered, goes)."""
-        kv_cache = self.engine.kv
+        kv_cache = self.kv_cache
         pages_notice, conn = lent
         reservation.copied.add(where)
         if (slots := reservation.layers.pop(where, None)) is not None:
@@ -171,7 +171,7 @@ class Receiver:
         after=None,
     ):
         """One layer out of the arena slots a notice names; its claim is released after."""
-        kv_cache = self.engine.kv
+        kv_cache = self.kv_cache
         try:
             size = arena.pages.shape[0]
             _check_places(notice, notice.slots, "slots", len(unit_pages), size)
@@ -185,7 +185,7 @@ class Receiver:
     async def _streamed(
         self, store, request_id: str, units, pages: list[int], arena: MappedArena | None, after
     ) -> None:
-        kv_cache = self.engine.kv
+        kv_cache = self.kv_cache
         timings = self.timings[request_id]
         # One stream for the whole prompt: the store sends each layer of each unit as soon as
         # it is put, so a prompt whose KV is all published costs one round trip, and the

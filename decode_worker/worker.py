@@ -50,6 +50,7 @@ class DecodeWorker(EngineWorker):
         early_notice_s: float = EARLY_NOTICE_S,
     ):
         super().__init__(name, LLMEngine(config))
+        self.kv_cache = self.engine.kv_cache
         self.get_timeout_s = get_timeout_s
         self.handoff_timeout_s = handoff_timeout_s
         self.receives: dict[str, asyncio.Task] = {}  # reserved, not handed over yet
@@ -60,8 +61,8 @@ class DecodeWorker(EngineWorker):
         self.expired: OrderedDict[str, None] = OrderedDict()
         self.num_expired_reservations = 0
         self.num_early_joins = 0
-        self.notices = Notices(self.engine, store, early_notice_s)
-        self.receiver = Receiver(self.engine, self.notices, store, get_timeout_s)
+        self.notices = Notices(self.kv_cache, store, early_notice_s)
+        self.receiver = Receiver(self.kv_cache, self.notices, store, get_timeout_s)
 
     def _extra_counters(self) -> dict:
         return {
@@ -98,7 +99,7 @@ class DecodeWorker(EngineWorker):
             return WorkerError.of(error)
         key = task.ticket or task.request_id
         reservation = self.notices.add(task.request_id, key, task.direct, task.first_token_id)
-        reservation.fence = self.engine.kv.mark()  # the reserved pages' last readers are before it
+        reservation.fence = self.kv_cache.mark()  # the reserved pages' last readers are before it
         timings = self.receiver.start(task.request_id)
         reservation.first_token.add_done_callback(
             lambda _: setattr(timings, "first_token_at", time.time())
@@ -227,7 +228,7 @@ class DecodeWorker(EngineWorker):
     def _free(self, request_id: str) -> bool:
         """Abort a request whose KV was being received: its pages are freed (and lent pages
         it copied from given back) only once the writes already issued have landed."""
-        self.engine.kv.wait_writes()
+        self.kv_cache.wait_writes()
         self.notices.forget(request_id)
         return self._engine().abort(request_id)
 

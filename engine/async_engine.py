@@ -18,10 +18,12 @@ from typing import TypeVar
 import torch
 
 from halfmoon.engine.errors import HalfmoonError, RequestNotFoundError
-from halfmoon.engine.llm_engine import STEP_LOG, LLMEngine, RequestOutput, StepTiming
+from halfmoon.engine.llm_engine import LLMEngine, RequestOutput, StepTiming
 from halfmoon.engine.openmp_pool import release_thread_pool
 from halfmoon.engine.outputs import EngineStats
+from halfmoon.engine.published import Published
 from halfmoon.engine.sampling_params import SamplingParams
+from halfmoon.engine.streams import Streams
 from halfmoon.engine.tokenizer import Prompt
 
 log = logging.getLogger(__name__)
@@ -49,16 +51,11 @@ class AsyncEngine:
         # worker's loop for 5-6 s at saturation, when the step thread took it back first).
         self._inbox: deque[Callable[[], None]] = deque()
         self._inbox_ready = threading.Condition(threading.Lock())
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams = Streams()
         # The step thread's results of inbox calls, by the loop that awaits them (`_settle_all`).
         self._settled: dict[asyncio.AbstractEventLoop, list] = {}
         self._stopped = False
-        # What the engine was at the end of its last step or call (`_publish`), for readers
-        # that must not wait for the step in progress: a worker's load polls would otherwise
-        # hold its event loop (token streams, KV moves) for up to a step each.
-        self._steps: deque[StepTiming] = deque(maxlen=STEP_LOG)
-        self._page_events: deque[tuple[str, bytes]] = deque()
-        self._publish()  # sets `_latest`: (stats, when taken)
+        self._published = Published(engine)  # for readers that must not wait for a step
         self._thread = threading.Thread(target=self._loop, name="engine-step", daemon=True)
         self._thread.start()
 
@@ -70,16 +67,20 @@ class AsyncEngine:
                 return fn(self.engine)
             finally:
                 release_thread_pool()
-                self._publish()
+                self._published.publish(self.engine)
 
     async def run(self, fn: Callable[[LLMEngine], T]) -> T:
         """`fn(engine)` on the step thread before its next step; the event loop goes on."""
         return await self._on_step_thread(lambda: fn(self.engine))
 
     async def add_request(
-        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
-        *args, **kwargs,
-    ) -> str:  # fmt: skip
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *args,
+        **kwargs,
+    ) -> str:
         """Queue a request (the arguments of `LLMEngine.add_request`) and return its id, or
         raise its `InvalidRequestError`; its outputs go to `stream(request_id)`."""
 
@@ -105,7 +106,7 @@ class AsyncEngine:
 
         def join() -> None:
             for out in self.engine.join(request_id, first_token_ids):
-                self._deliver(out)
+                self._streams.deliver(out)
 
         await self._on_step_thread(join)
 
@@ -117,10 +118,9 @@ class AsyncEngine:
 
     async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
         """Outputs of one request until it finishes; aborts it if the consumer goes away."""
-        entry = self._streams.get(request_id)
-        if entry is None:
+        queue = self._streams.queue(request_id)
+        if queue is None:
             raise RequestNotFoundError(request_id)
-        queue = entry[1]
         finished = False
         try:
             while not finished:
@@ -130,7 +130,7 @@ class AsyncEngine:
                 finished = out.finished
                 yield out
         finally:
-            self._streams.pop(request_id, None)
+            self._streams.close(request_id)
             if not finished:
                 self.abort(request_id)
 
@@ -144,17 +144,16 @@ class AsyncEngine:
     def stats(self) -> tuple[EngineStats, float]:
         """The engine's stats as of the end of its last step or call, and how many seconds ago
         that was; never waits for the step in progress."""
-        stats, taken_at = self._latest
-        return stats, max(time.time() - taken_at, 0.0)
+        return self._published.stats()
 
     def take_steps(self) -> list[StepTiming]:
         """The steps that ended since the last call: what each computed, how long it took."""
-        return _drain(self._steps)
+        return self._published.take_steps()
 
     def take_page_events(self) -> list[tuple[str, bytes]]:
         """(`stored` or `evicted`, block key) of the blocks that entered or left the engine's
         pages since the last call (`LLMEngine.take_page_events`), without waiting for a step."""
-        return _drain(self._page_events)
+        return self._published.take_page_events()
 
     @property
     def running(self) -> bool:
@@ -182,7 +181,7 @@ class AsyncEngine:
 
         def opened() -> T:
             added, result = fn()
-            self._streams[added] = stream
+            self._streams.open(added, stream)
             return result
 
         try:
@@ -192,7 +191,7 @@ class AsyncEngine:
 
                 def drop() -> None:
                     self._abort_now(request_id)
-                    self._streams.pop(request_id, None)
+                    self._streams.close(request_id)
 
                 self._post(drop)
             raise
@@ -201,7 +200,7 @@ class AsyncEngine:
         """Step thread: end the request if the engine has it; its last outputs to its stream."""
         if request_id in self.engine.requests:
             for out in self.engine.abort(request_id):
-                self._deliver(out)
+                self._streams.deliver(out)
 
     async def _on_step_thread(self, fn: Callable[[], T]) -> T:
         """`fn()`'s result (or exception), run by the step thread between steps."""
@@ -218,87 +217,63 @@ class AsyncEngine:
         self._post(command)
         return await done
 
-    def _publish(self) -> None:
-        """Under the lock: the engine's stats, ended steps and page events, for the readers
-        above (another thread's append to a deque is atomic, as is its popleft)."""
-        engine = self.engine
-        self._latest = (engine.stats(), time.time())
-        self._steps.extend(engine.step_log)
-        engine.step_log.clear()
-        self._page_events.extend(engine.take_page_events())
-
-    def _deliver(self, item: RequestOutput | BaseException, request_id: str | None = None) -> None:
-        entry = self._streams.get(request_id or item.request_id)
-        if entry is not None:
-            loop, queue = entry
-            loop.call_soon_threadsafe(queue.put_nowait, item)
-
     def _settle_all(self) -> None:
         """Step thread: the results of the calls it ran, in one wake-up of each event loop."""
         for loop, settled in self._settled.items():
             loop.call_soon_threadsafe(_settle_each, settled)
         self._settled.clear()
 
-    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
-        """A step's outputs, in one wake-up of each event loop: one `call_soon_threadsafe` per
-        output cost ~5 us of this thread each (a write to the loop's wake-up pipe), 0.3 ms a
-        step at batch 64."""
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for out in outputs:
-            entry = self._streams.get(out.request_id)
-            if entry is not None:
-                by_loop.setdefault(entry[0], []).append((entry[1], out))
-        for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(_put_all, items)
-
     def _loop(self) -> None:
         # OpenMP's team size is a per-thread setting: this thread starts with the library's
         # default (every core), not what `torch.set_num_threads` set for the process.
         torch.set_num_threads(torch.get_num_threads())
         busy = False
-        while True:
-            with self._inbox_ready:
-                if not (busy or self._inbox or self._stopped):
-                    self._inbox_ready.wait(IDLE_TIDY_S)
-                commands = list(self._inbox)
-                self._inbox.clear()
-                if self._stopped:
-                    return
-            outputs = []
-            with self._lock:
-                for command in commands:
-                    command()
-                self._settle_all()
-                busy = self.engine.has_unfinished_requests()
-                if not busy:
-                    self.engine.tidy()  # pages given back while idle
-                    self._publish()
-                    continue
-                began = time.time()
-                try:
-                    outputs = self.engine.step()
-                except Exception as error:  # noqa: BLE001 - a failed step must not kill serving
-                    log.exception("engine step failed; ending the requests in flight")
-                    self._fail_all(error)
-                self._publish()
-            timeline = (("engine step began", began), ("engine step ended", time.time()))
-            for out in outputs:
-                out.timeline = timeline
-            self._deliver_step(outputs)
+        while (commands := self._take_commands(busy)) is not None:
+            busy = self._run(commands)
+
+    def _take_commands(self, busy: bool) -> list[Callable[[], None]] | None:
+        """The commands posted since the last call, once there is one (or `IDLE_TIDY_S` has
+        passed) unless `busy`; None once `shutdown` was called."""
+        with self._inbox_ready:
+            if not (busy or self._inbox or self._stopped):
+                self._inbox_ready.wait(IDLE_TIDY_S)
+            commands = list(self._inbox)
+            self._inbox.clear()
+            return None if self._stopped else commands
+
+    def _run(self, commands: list[Callable[[], None]]) -> bool:
+        """Under the engine's lock, `commands` and then a step, or what a step would apply
+        when there is no work; returns whether there was (the loop then goes on at once)."""
+        with self._lock:
+            for command in commands:
+                command()
+            self._settle_all()
+            if not self.engine.has_unfinished_requests():
+                self.engine.tidy()  # pages given back while idle
+                self._published.publish(self.engine)
+                return False
+            began = time.time()
+            outputs = self._step()
+            self._published.publish(self.engine)
+        timeline = (("engine step began", began), ("engine step ended", time.time()))
+        for out in outputs:
+            out.timeline = timeline
+        self._streams.deliver_step(outputs)
+        return True
+
+    def _step(self) -> list[RequestOutput]:
+        try:
+            return self.engine.step()
+        except Exception as error:  # noqa: BLE001 - a failed step must not kill serving
+            log.exception("engine step failed; ending the requests in flight")
+            self._fail_all(error)
+            return []
 
     def _fail_all(self, error: Exception) -> None:
         for request_id in list(self.engine.requests):
             self.engine.abort(request_id)
-            self._deliver(EngineFailure(f"request {request_id} failed: {error}"), request_id)
-
-
-def _drain(items: deque) -> list:
-    """Everything in `items`, oldest first, while another thread may append to it (only the
-    event loop's thread takes from it)."""
-    taken = []
-    while items:
-        taken.append(items.popleft())
-    return taken
+            failure = EngineFailure(f"request {request_id} failed: {error}")
+            self._streams.deliver(failure, request_id)
 
 
 def _settle_each(settled: list[tuple[asyncio.Future, object, Exception | None]]) -> None:
@@ -309,8 +284,3 @@ def _settle_each(settled: list[tuple[asyncio.Future, object, Exception | None]])
             future.set_exception(error)
         else:
             future.set_result(result)
-
-
-def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
-    for queue, item in items:
-        queue.put_nowait(item)

@@ -34,17 +34,26 @@ class Forks:
         are copies reading its pages (copied on write, `PagePool.grow`) and run beside it."""
         group = [seq]
         for index in range(1, seq.num_forks):
-            sibling = dataclasses.replace(
-                seq, token_ids=list(seq.token_ids), block_table=[],
-                block_keys=list(seq.block_keys), logprobs=[], index=index,
-                generator=self.generator(seq.params, index),
-            )  # fmt: skip
+            sibling = self._sibling(seq, index)
             self.pool.fork(seq, sibling)
             group.append(sibling)
         for member in group:
             member.num_forks, member.siblings = 1, group
         self.scheduler.running.extend(group[1:])
         return group
+
+    def _sibling(self, seq: Sequence, index: int) -> Sequence:
+        """Sequence `index` of `seq`'s request: a copy of its tokens and keys so far, its own
+        random source, and no pages yet (`PagePool.fork` gives it the prompt's)."""
+        return dataclasses.replace(
+            seq,
+            token_ids=list(seq.token_ids),
+            block_table=[],
+            block_keys=list(seq.block_keys),
+            logprobs=[],
+            index=index,
+            generator=self.generator(seq.params, index),
+        )
 
     def fork_sampled(
         self, logits: torch.Tensor, sampled: list[Sequence]

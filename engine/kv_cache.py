@@ -21,7 +21,7 @@ import torch
 from halfmoon.engine.cuda_events import waited_event
 from halfmoon.engine.device_copy import device_tensor
 from halfmoon.kernels import ops
-from halfmoon.kvstore.layout import LayerKV
+from halfmoon.kvstore.layout import KvLayout, LayerKV
 from halfmoon.kvstore.shared_arena import create_arena
 
 
@@ -139,6 +139,12 @@ class PagedKvCache:
         """Bytes of K and V of one page in one layer."""
         k = self.layers[0][0]
         return 2 * k[0].numel() * k.element_size()
+
+    @property
+    def layout(self) -> KvLayout:
+        """A block's layout in these pages, as the store and the wire hold it."""
+        _, block_size, num_kv_heads, head_dim = self.page_shape
+        return KvLayout(self.num_layers, block_size, num_kv_heads, head_dim, dtype=self.dtype)
 
     @property
     def unmapped(self) -> str | None:

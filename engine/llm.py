@@ -72,7 +72,7 @@ class LLM:
 
     def close(self) -> None:
         """Stop the engine's other tensor-parallel ranks now, not when it is collected."""
-        self.engine.runner.close()
+        self.engine.close()
 
 
 def _is_single_non_text(prompts) -> bool:

@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 
 STALL_S = 5.0  # far above any step or call the loop runs itself
 BEAT_S = 0.05  # a beat this often: the longest gap between two tells any stall over it
+STALL_LOG = "%s: its event loop has not run for %.1f s; its thread is at:\n%s"
 
 
 class LoopWatchdog:
@@ -59,16 +60,17 @@ class LoopWatchdog:
             late = time.monotonic() - self.last_beat
             if late >= self.stall_s and not stalled:
                 stalled = True
-                self.num_stalls += 1
-                frame = sys._current_frames().get(loop_thread)
-                where = "".join(traceback.format_stack(frame)) if frame else "(thread gone)\n"
-                log.warning(
-                    "%s: its event loop has not run for %.1f s; its thread is at:\n%s",
-                    self.name, late, where.rstrip(),
-                )  # fmt: skip
+                self._stalled(loop_thread, late)
             elif late < self.stall_s and stalled:
                 stalled = False
                 log.warning("%s: its event loop runs again", self.name)
+
+    def _stalled(self, loop_thread: int, late: float) -> None:
+        """Count a stall and log where the loop's thread is."""
+        self.num_stalls += 1
+        frame = sys._current_frames().get(loop_thread)
+        where = "".join(traceback.format_stack(frame)) if frame else "(thread gone)\n"
+        log.warning(STALL_LOG, self.name, late, where.rstrip())
 
 
 def watch_loop(name: str, stall_s: float = STALL_S) -> LoopWatchdog:

@@ -3,6 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from halfmoon.kvstore.keys import model_root_key
+
+if TYPE_CHECKING:
+    import torch
+
+    from halfmoon.engine.config import EngineConfig
+    from halfmoon.engine.model_config import ModelConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,3 +26,20 @@ class ModelFacts:
     block_size: int
     root_key: bytes
     prefix_caching: bool
+
+    @classmethod
+    def of(
+        cls, config: EngineConfig, model: ModelConfig, identity: str, dtype: torch.dtype
+    ) -> ModelFacts:
+        """The facts of `model` (its checkpoint's `identity`) served under `config` with KV in
+        `dtype`: its root key hashes the identity and the KV layout (`model_root_key`)."""
+        layout = (model.num_layers, model.num_kv_heads, model.head_dim, config.block_size)
+        return cls(
+            model=config.model,
+            architecture=model.architecture,
+            vocab_size=model.vocab_size,
+            num_layers=model.num_layers,
+            block_size=config.block_size,
+            root_key=model_root_key(identity, str(dtype), *layout),
+            prefix_caching=config.enable_prefix_caching,
+        )

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from halfmoon.engine.sequence import TokenLogprobs
+from halfmoon.engine.sequence import Sequence, TokenLogprobs
 
 
 class StepTiming(NamedTuple):
@@ -42,6 +42,29 @@ class RequestOutput:
     # this output (`AsyncEngine`), and on a stream's first output the worker's own stages.
     timeline: tuple[tuple[str, float], ...] = ()
     index: int = 0  # which of the request's `n` sequences
+
+    @classmethod
+    def of(
+        cls,
+        seq: Sequence,
+        finished: bool,
+        reason: str | None,
+        token_ids: list[int] | None = None,
+        text: str = "",
+        logprobs: list[TokenLogprobs] | None = None,
+    ) -> RequestOutput:
+        """What a step added to `seq` (nothing, when it was aborted), with its prompt counts."""
+        return cls(
+            request_id=seq.request_id,
+            new_token_ids=token_ids or [],
+            new_text=text,
+            finished=finished,
+            finish_reason=reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+            new_logprobs=logprobs or [],
+            index=seq.index,
+        )
 
 
 @dataclass(slots=True)

@@ -5,10 +5,15 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from halfmoon.engine.errors import InvalidRequestError, OutOfPagesError, RequestNotFoundError
 from halfmoon.engine.hooks import KVHooks
 from halfmoon.engine.page_pool import PagePool
 from halfmoon.engine.sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from halfmoon.engine.config import EngineSettings
 
 
 @dataclass(slots=True)
@@ -21,20 +26,16 @@ class Scheduler:
     """FCFS with a per-step token budget, chunked prefill and preemption by recompute."""
 
     def __init__(
-        self,
-        pool: PagePool,
-        max_num_batched_tokens: int,
-        max_num_seqs: int,
-        chunk_size: int | None = None,
-        hooks: KVHooks | None = None,
+        self, pool: PagePool, config: EngineSettings, hooks: KVHooks | None = None
     ) -> None:
         self.pool = pool
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_num_seqs = max_num_seqs
-        self.chunk_size = chunk_size
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_num_seqs = config.max_num_seqs
+        self.chunk_size = config.prefill_chunk_size
         self.hooks = hooks
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.reserved: dict[str, Sequence] = {}  # by request id: their KV is on its way in
         # Joined (their KV written from outside) past max_num_seqs, the largest decode graph.
         self.joined: deque[list[Sequence]] = deque()
         self.num_preemptions = 0
@@ -42,6 +43,15 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+
+    def resume(self, seqs: list[Sequence]) -> None:
+        """Sequences parked while their grammar compiled go on: new ones to the queue, joined
+        ones (their prompt's KV in) to the batch."""
+        for seq in seqs:
+            if seq.status is SequenceStatus.WAITING:
+                self.add(seq)
+            else:
+                self.running.append(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.joined)
@@ -54,6 +64,31 @@ class Scheduler:
     def num_kv_tokens(self) -> int:
         """Tokens in the running sequences' KV."""
         return sum(seq.num_computed_tokens for seq in self.running)
+
+    def reserve(self, seq: Sequence) -> None:
+        """Hold pages for all of `seq`'s tokens, whose KV is written from outside (disaggregated
+        decode), until it joins; `OutOfPagesError` when they are not free."""
+        if not self.pool.can_grow(seq, len(seq)):
+            raise OutOfPagesError(self.pool.pages_needed(seq, len(seq)), self.pool.num_free_pages)
+        self.pool.grow(seq, len(seq))
+        self.reserved[seq.request_id] = seq
+
+    def join(self, request_id: str, first_token_ids: list[int]) -> Sequence:
+        """The reserved sequence of `request_id`, its prompt's KV all in its pages, runs from
+        its first tokens (one for each sequence it becomes)."""
+        seq = self.reserved.get(request_id)
+        if seq is None:
+            raise RequestNotFoundError(request_id)
+        if len(first_token_ids) != seq.num_forks:
+            raise InvalidRequestError(
+                "first_token_ids", first_token_ids, f"must be one per sequence: n = {seq.num_forks}"
+            )
+        del self.reserved[request_id]
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        seq.status = SequenceStatus.RUNNING
+        self.pool.cache_full_blocks(seq)
+        self.running.append(seq)
+        return seq
 
     def hold(self, group: list[Sequence], parked: bool) -> None:
         """A joined request's sequences, just added to the batch, leave it while their grammar
@@ -129,6 +164,12 @@ class Scheduler:
         if self.hooks is None or most <= 0:
             return 0
         return min(most, self.hooks.external_prefix_blocks(seq, first, most))
+
+    def computed(self, batch: list[ScheduledSeq]) -> None:
+        """The step of `batch` ran: its new tokens are computed, and its full blocks cached."""
+        for item in batch:
+            item.seq.num_computed_tokens += item.num_new_tokens
+            self.pool.cache_full_blocks(item.seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Mark `seq` finished and release its pages (full blocks stay cached)."""

@@ -18,11 +18,9 @@ def _sync(device: torch.device) -> None:
 def host_step_time(engine: LLMEngine, batch_size: int, steps: int) -> float:
     """Seconds per decode step of the `batch_size` sequences the engine is decoding, with the
     model stubbed out; the engine is left as it was."""
-    runner, model = engine.runner, engine.runner.model
-    device = engine.device
+    model, graphs, device = engine.model, engine.decode_graphs, engine.device
     hidden = torch.zeros(batch_size, model.config.hidden_size, device=device, dtype=engine.dtype)
     logits = torch.randn(batch_size, engine.facts.vocab_size, device=device)
-    graphs = runner.decode_graphs
 
     def graph_run(batch):
         graphs._load(batch, graphs.bucket_for(len(batch)))  # the input copies stay

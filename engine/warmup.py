@@ -31,9 +31,15 @@ GREEDY = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
 # The sampler's other path (temperature, top-k/top-p sort, min-p, a seeded generator,
 # logprobs), which the first sampled request would otherwise pay for while serving.
 SAMPLED = SamplingParams(
-    max_tokens=3, temperature=0.8, top_k=40, top_p=0.9, min_p=0.05, seed=0, logprobs=2,
+    max_tokens=3,
+    temperature=0.8,
+    top_k=40,
+    top_p=0.9,
+    min_p=0.05,
+    seed=0,
+    logprobs=2,
     ignore_eos=True,
-)  # fmt: skip
+)
 
 
 def warm_up_cuda(engine: LLMEngine, graphs: bool) -> None:
@@ -42,7 +48,7 @@ def warm_up_cuda(engine: LLMEngine, graphs: bool) -> None:
     loop's thread runs `warm_up_step_thread` when it starts."""
     warm_up(engine)
     # The torch references sync with the host (`.tolist()`), which a graph cannot capture.
-    if graphs and ops.backend_for(engine.runner.kv_caches[0][0]) is reference:
+    if graphs and ops.backend_for(engine.kv_cache.layers[0][0]) is reference:
         log.info("HALFMOON_KERNELS=torch: decode steps run eagerly (no CUDA graphs)")
         graphs = False
     if graphs and not engine.config.enforce_eager:
@@ -69,8 +75,9 @@ def warm_up(engine: LLMEngine, seed: int = 0) -> float:
         # The KV API's page gather and scatter (prefill snapshots, decode-side writes), which
         # compiled at a worker's first transfer: page 0 of layer 0, read and written back as is.
         if engine.config.tensor_parallel_size == 1:  # at T > 1 on CUDA it refuses (kv_shards.py)
-            engine.kv.write_layer(0, [0], engine.kv.read_layer(0, [0]).wait())
-            engine.kv.wait_writes()
+            kv_cache = engine.kv_cache
+            kv_cache.write_layer(0, [0], kv_cache.read_layer(0, [0]).wait())
+            kv_cache.wait_writes()
     _forget(engine)
     seconds = time.perf_counter() - started
     log.info("warm-up: kernels compiled for every batch and context size in %.1f s", seconds)
@@ -144,6 +151,5 @@ def _run(
 
 def _forget(engine: LLMEngine) -> None:
     """Counters and timings back to zero: the warm-up is not traffic."""
-    engine.step_log.clear()
-    engine.num_prompt_tokens_computed = engine.num_generated_tokens = engine.num_steps = 0
+    engine.meter.reset()
     engine.scheduler.num_cached_prompt_tokens = engine.scheduler.num_preemptions = 0

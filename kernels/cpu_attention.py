@@ -46,12 +46,10 @@ def paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scal
     out = torch.empty_like(query)
     if num_seqs == 0:
         return out
-    LIBRARY.get().paged_decode_attention(
-        query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-        tables.data_ptr(), lens.data_ptr(), num_seqs, q_heads, kv_heads, head_dim,
-        block_size, tables.shape[1], scale, DTYPES[query.dtype], torch.get_num_threads(),
-        out.data_ptr(),
-    )  # fmt: skip
+    inputs = cpu_build.pointers(query, k_cache, v_cache, tables, lens)
+    sizes = (num_seqs, q_heads, kv_heads, head_dim, block_size, tables.shape[1])
+    run = (scale, DTYPES[query.dtype], torch.get_num_threads())
+    LIBRARY.get().paged_decode_attention(*inputs, *sizes, *run, out.data_ptr())
     return out
 
 

@@ -36,6 +36,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 ISA_ENV = "HALFMOON_CPU_ISA"
 COMMON_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu++17")
@@ -159,6 +163,11 @@ class Library:
 
 
 _LIBRARIES: list[Library] = []
+
+
+def pointers(*tensors: torch.Tensor | None) -> list[int | None]:
+    """The tensors' data pointers, as the kernels take them (None: a null pointer)."""
+    return [None if t is None else t.data_ptr() for t in tensors]
 
 
 def report() -> dict:

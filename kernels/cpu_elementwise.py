@@ -12,6 +12,7 @@ import ctypes
 import torch
 
 from halfmoon.kernels import cpu_build, reference
+from halfmoon.kernels.cpu_build import pointers
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -28,11 +29,9 @@ def rms_norm(x, weight, eps: float, residual=None):
         return reference.rms_norm(x, weight, eps, residual)
     out = torch.empty_like(x)
     summed = None if residual is None else torch.empty_like(x)
-    LIBRARY.get().rms_norm(
-        x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
-        eps, x.numel() // x.shape[-1], x.shape[-1], DTYPES[x.dtype], torch.get_num_threads(),
-        out.data_ptr(), None if summed is None else summed.data_ptr(),
-    )  # fmt: skip
+    rows, width = x.numel() // x.shape[-1], x.shape[-1]
+    inputs, outputs = pointers(x, residual, weight), pointers(out, summed)
+    LIBRARY.get().rms_norm(*inputs, eps, rows, width, *_dtype_and_threads(x), *outputs)
     return out, x if summed is None else summed
 
 
@@ -44,11 +43,10 @@ def rotary_embedding(positions, query, key, cos_sin_cache) -> None:
     if not (dense and _one_dtype(query, key)):
         reference.rotary_embedding(positions, query, key, cos_sin_cache)
         return
+    tables, kernel = pointers(positions, cos_sin_cache), LIBRARY.get().rotary_embedding
     for x in (query, key):
-        LIBRARY.get().rotary_embedding(
-            x.data_ptr(), x.stride(0), x.shape[1], head_dim, positions.data_ptr(),
-            cos_sin_cache.data_ptr(), x.shape[0], DTYPES[x.dtype], torch.get_num_threads(),
-        )  # fmt: skip
+        layout = (x.stride(0), x.shape[1], head_dim)  # a token's stride, its heads, head size
+        kernel(x.data_ptr(), *layout, *tables, x.shape[0], *_dtype_and_threads(x))
 
 
 def silu_and_mul(x):
@@ -57,10 +55,8 @@ def silu_and_mul(x):
         return reference.silu_and_mul(x)
     width = x.shape[-1] // 2
     out = torch.empty(*x.shape[:-1], width, dtype=x.dtype)
-    LIBRARY.get().silu_and_mul(
-        x.data_ptr(), x.numel() // x.shape[-1], width, DTYPES[x.dtype], torch.get_num_threads(),
-        out.data_ptr(),
-    )  # fmt: skip
+    rows = x.numel() // x.shape[-1]
+    LIBRARY.get().silu_and_mul(x.data_ptr(), rows, width, *_dtype_and_threads(x), out.data_ptr())
     return out
 
 
@@ -71,11 +67,16 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
         reference.store_kv(key, value, k_cache, v_cache, slot_mapping)
         return
     slots = slot_mapping.to(torch.int64).contiguous()
-    LIBRARY.get().store_kv(
-        key.data_ptr(), value.data_ptr(), key.stride(0), value.stride(0), slots.data_ptr(),
-        key.shape[0], key.shape[1] * key.shape[2], DTYPES[key.dtype], torch.get_num_threads(),
-        k_cache.data_ptr(), v_cache.data_ptr(),
-    )  # fmt: skip
+    strides = (key.stride(0), value.stride(0))
+    rows = (key.shape[0], key.shape[1] * key.shape[2])  # tokens, and each one's heads x head size
+    inputs, caches = pointers(key, value), pointers(k_cache, v_cache)
+    kernel = LIBRARY.get().store_kv
+    kernel(*inputs, *strides, slots.data_ptr(), *rows, *_dtype_and_threads(key), *caches)
+
+
+def _dtype_and_threads(x: torch.Tensor) -> tuple[int, int]:
+    """What every kernel here takes after its sizes: the dtype's code and the OpenMP team."""
+    return DTYPES[x.dtype], torch.get_num_threads()
 
 
 def _one_dtype(*tensors: torch.Tensor) -> bool:

@@ -50,11 +50,10 @@ def prefill_attention(query, k_cache, v_cache, cu_seqlens_q, block_tables, prefi
     if num_runs == 0 or query.shape[0] == 0:
         return out
     _, block_size, kv_heads, head_dim = k_cache.shape
-    served = LIBRARY.get().prefill_attention_bf16(
-        query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), cu.data_ptr(),
-        tables.data_ptr(), prefixes.data_ptr(), num_runs, query.shape[1], kv_heads, head_dim,
-        block_size, tables.shape[1], scale, torch.get_num_threads(), out.data_ptr(),
-    )  # fmt: skip
+    inputs = cpu_build.pointers(query, k_cache, v_cache, cu, tables, prefixes)
+    sizes = (num_runs, query.shape[1], kv_heads, head_dim, block_size, tables.shape[1])
+    run = (scale, torch.get_num_threads())
+    served = LIBRARY.get().prefill_attention_bf16(*inputs, *sizes, *run, out.data_ptr())
     if served != 0:
         raise ValueError(f"the CPU prefill attention does not serve {tuple(k_cache.shape)}")
     return out

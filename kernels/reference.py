@@ -45,13 +45,7 @@ def paged_decode_attention(
     query_sorted, tables = query.index_select(0, order), block_tables.index_select(0, order)
     token_bytes = k_cache[0, 0].numel() * k_cache.element_size()
     chunks = _decode_chunks(lens.tolist(), k_cache.shape[1], token_bytes)
-    parts = [
-        _decode_chunk(
-            query_sorted[start:end], k_cache, v_cache, tables[start:end], lens[start:end],
-            width, min_len, scale,
-        )
-        for start, end, width, min_len in chunks
-    ]  # fmt: skip
+    parts = [_decode_chunk(query_sorted, k_cache, v_cache, tables, lens, c, scale) for c in chunks]
     out = torch.empty_like(query)
     out[order] = torch.cat(parts)
     return out
@@ -69,9 +63,12 @@ def _decode_chunks(lens: list[int], block_size: int, token_bytes: int) -> list[t
     return chunks
 
 
-def _decode_chunk(query, k_cache, v_cache, block_tables, seq_lens, width, min_len, scale):
-    """Decode attention over `width` tokens of pages (a whole number of them), masked past each
-    sequence's length; a KV head's query heads are its query rows, so GQA copies nothing."""
+def _decode_chunk(query, k_cache, v_cache, block_tables, seq_lens, chunk, scale):
+    """Decode attention of the sequences [start, end) of `chunk` (`_decode_chunks`) over `width`
+    tokens of pages (a whole number of them), masked past each sequence's length; a KV head's
+    query heads are its query rows, so GQA copies nothing."""
+    start, end, width, min_len = chunk
+    query, block_tables, seq_lens = query[start:end], block_tables[start:end], seq_lens[start:end]
     num_seqs, num_q_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     pages = block_tables[:, : width // block_size].reshape(-1).long().clamp(min=0)  # -1 pads

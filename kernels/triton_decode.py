@@ -13,6 +13,7 @@ from halfmoon.kernels.triton_paged import (
     check_cache,
     dot_precision,
     head_dim_block,
+    strides,
 )
 
 __all__ = ["SplitPlan", "paged_decode_attention", "plan_splits"]
@@ -67,11 +68,29 @@ def _decode_split_kernel(
     row_max = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc, row_max, row_sum = attend_tiles(
-        q, acc, row_max, row_sum, start, end, None, k_cache_ptr, v_cache_ptr,
-        block_tables_ptr + seq * stride_bt, dims, dim_mask, kv_head, block_size,
-        stride_cp, stride_co, stride_ch, scale_log2,
-        BLOCK_N, APPLY_MASK=True, CAUSAL=False, DOT_PRECISION=DOT_PRECISION,
-    )  # fmt: skip
+        q,
+        acc,
+        row_max,
+        row_sum,
+        start,
+        end,
+        None,
+        k_cache_ptr,
+        v_cache_ptr,
+        block_tables_ptr + seq * stride_bt,
+        dims,
+        dim_mask,
+        kv_head,
+        block_size,
+        stride_cp,
+        stride_co,
+        stride_ch,
+        scale_log2,
+        BLOCK_N,
+        APPLY_MASK=True,
+        CAUSAL=False,
+        DOT_PRECISION=DOT_PRECISION,
+    )
     # A split past the end of a short sequence saw no tokens; the reduction skips it.
     safe_sum = tl.where(row_sum > 0, row_sum, 1.0)
     out = acc / safe_sum[:, None]
@@ -149,18 +168,17 @@ def paged_decode_attention(
     part_lse = torch.empty(part_shape, dtype=torch.float32, device=query.device)
     part_out = torch.empty((*part_shape, head_dim), dtype=torch.float32, device=query.device)
     block_d = head_dim_block(head_dim)
-    _decode_split_kernel[(num_seqs, num_kv_heads, plan.num_splits)](
-        query, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
-        scale * LOG2_E, query.stride(0), query.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        block_size, num_q_heads, group, head_dim, plan.tokens_per_split, plan.num_splits,
-        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=BLOCK_N,
-        SINGLE_SPLIT=single, DOT_PRECISION=dot_precision(k_cache.dtype),
-    )  # fmt: skip
+    tensors = (query, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse)
+    splits = (plan.tokens_per_split, plan.num_splits)
+    sizes = (block_size, num_q_heads, group, head_dim, *splits)
+    meta = dict(BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=BLOCK_N)
+    meta |= dict(SINGLE_SPLIT=single, DOT_PRECISION=dot_precision(k_cache.dtype))
+    args = (*tensors, scale * LOG2_E, *strides(query, k_cache, block_tables), *sizes)
+    _decode_split_kernel[(num_seqs, num_kv_heads, plan.num_splits)](*args, **meta)
     if not single:
+        parts = (part_out, part_lse, seq_lens, out)
+        block_splits = triton.next_power_of_2(plan.num_splits)
         _decode_reduce_kernel[(num_seqs, num_q_heads)](
-            part_out, part_lse, seq_lens, out, num_q_heads, head_dim,
-            plan.tokens_per_split, plan.num_splits,
-            BLOCK_SPLITS=triton.next_power_of_2(plan.num_splits), BLOCK_D=block_d,
-        )  # fmt: skip
+            *parts, num_q_heads, head_dim, *splits, BLOCK_SPLITS=block_splits, BLOCK_D=block_d
+        )
     return out

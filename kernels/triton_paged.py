@@ -49,9 +49,8 @@ def attend_tiles(
         if CAUSAL:
             allowed = allowed & (tokens[None, :] <= positions[:, None])
         acc, row_max, row_sum = online_softmax_step(
-            q, key, value, acc, row_max, row_sum, allowed, scale_log2,
-            APPLY_MASK=APPLY_MASK, DOT_PRECISION=DOT_PRECISION,
-        )  # fmt: skip
+            q, key, value, acc, row_max, row_sum, allowed, scale_log2, APPLY_MASK, DOT_PRECISION
+        )
     return acc, row_max, row_sum
 
 
@@ -97,6 +96,12 @@ def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, query: torch.Tenso
         raise ValueError(
             f"{query.shape[1]} query heads are not a multiple of {k_cache.shape[2]} KV heads"
         )
+
+
+def strides(query: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor) -> tuple:
+    """The strides the paged kernels take, in their order: a query's token and head, a page's
+    page, offset and head, and a block table's row."""
+    return (*query.stride()[:2], *k_cache.stride()[:3], block_tables.stride(0))
 
 
 def head_dim_block(head_dim: int) -> int:

@@ -12,6 +12,7 @@ from halfmoon.kernels.triton_paged import (
     check_cache,
     dot_precision,
     head_dim_block,
+    strides,
 )
 
 BLOCK_M = 64
@@ -82,15 +83,53 @@ def _prefill_kernel(
         visible_end = (prefix + q_block * BLOCK_M) // BLOCK_N * BLOCK_N
         kv_end = prefix + tl.minimum((q_block + 1) * BLOCK_M, q_len)
         acc, row_max, row_sum = attend_tiles(
-            q, acc, row_max, row_sum, 0, visible_end, positions, k_cache_ptr, v_cache_ptr,
-            table_row_ptr, dims, dim_mask, kv_head, block_size, stride_cp, stride_co, stride_ch,
-            scale_log2, BLOCK_N, APPLY_MASK=False, CAUSAL=False, DOT_PRECISION=DOT_PRECISION,
-        )  # fmt: skip
+            q,
+            acc,
+            row_max,
+            row_sum,
+            0,
+            visible_end,
+            positions,
+            k_cache_ptr,
+            v_cache_ptr,
+            table_row_ptr,
+            dims,
+            dim_mask,
+            kv_head,
+            block_size,
+            stride_cp,
+            stride_co,
+            stride_ch,
+            scale_log2,
+            BLOCK_N,
+            APPLY_MASK=False,
+            CAUSAL=False,
+            DOT_PRECISION=DOT_PRECISION,
+        )
         acc, row_max, row_sum = attend_tiles(
-            q, acc, row_max, row_sum, visible_end, kv_end, positions, k_cache_ptr, v_cache_ptr,
-            table_row_ptr, dims, dim_mask, kv_head, block_size, stride_cp, stride_co, stride_ch,
-            scale_log2, BLOCK_N, APPLY_MASK=True, CAUSAL=True, DOT_PRECISION=DOT_PRECISION,
-        )  # fmt: skip
+            q,
+            acc,
+            row_max,
+            row_sum,
+            visible_end,
+            kv_end,
+            positions,
+            k_cache_ptr,
+            v_cache_ptr,
+            table_row_ptr,
+            dims,
+            dim_mask,
+            kv_head,
+            block_size,
+            stride_cp,
+            stride_co,
+            stride_ch,
+            scale_log2,
+            BLOCK_N,
+            APPLY_MASK=True,
+            CAUSAL=True,
+            DOT_PRECISION=DOT_PRECISION,
+        )
         out = acc / row_sum[:, None]
         out_ptrs = out_ptr + tokens[:, None] * (num_q_heads * head_dim) + head * head_dim
         tl.store(out_ptrs + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=io_mask)
@@ -118,12 +157,10 @@ def prefill_attention(
     block_tables = block_tables.contiguous()
     # Runs are found on the device; this bounds the query blocks without a host sync.
     grid = (triton.cdiv(num_tokens, BLOCK_M) + num_seqs - 1, num_q_heads)
-    _prefill_kernel[grid](
-        query, k_cache, v_cache, cu_seqlens_q, block_tables, prefix_lens, out,
-        scale * LOG2_E, query.stride(0), query.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        num_seqs, num_q_heads, k_cache.shape[1], num_q_heads // k_cache.shape[2], head_dim,
-        BLOCK_S=triton.next_power_of_2(num_seqs), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        BLOCK_D=head_dim_block(head_dim), DOT_PRECISION=dot_precision(k_cache.dtype),
-    )  # fmt: skip
+    tensors = (query, k_cache, v_cache, cu_seqlens_q, block_tables, prefix_lens, out)
+    sizes = (num_seqs, num_q_heads, k_cache.shape[1], num_q_heads // k_cache.shape[2], head_dim)
+    meta = dict(BLOCK_S=triton.next_power_of_2(num_seqs), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+    meta |= dict(BLOCK_D=head_dim_block(head_dim), DOT_PRECISION=dot_precision(k_cache.dtype))
+    args = (*tensors, scale * LOG2_E, *strides(query, k_cache, block_tables), *sizes)
+    _prefill_kernel[grid](*args, **meta)
     return out

@@ -26,9 +26,10 @@ class Lender:
 
     def __init__(self, engine: LLMEngine, actor_name: str | None, share_kv: bool) -> None:
         self.engine = engine
+        self.kv_cache = engine.kv_cache
         # Lend pages only where a decode worker can open them: a named actor (it looks us up),
         # a cache allocated to be shared. Made now, before the step thread runs.
-        self.export = engine.kv.export() if share_kv and actor_name else None
+        self.export = self.kv_cache.export() if share_kv and actor_name else None
         self.lent: dict[tuple[str, str], Job] = {}  # by (decode worker's socket, receive key)
         self.lock = threading.Lock()
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -65,7 +66,7 @@ class Lender:
             self.engine.hold_pages(pages)
             with self.lock:
                 job.lend.held.extend(pages)
-        ready = self.engine.kv.mark()
+        ready = self.kv_cache.mark()
         item = LayerOut(job, unit, layer, pages=pages, ready=ready, offered=threading.Event())
         self.queue.put(item)
         return item

@@ -28,6 +28,7 @@ class PrefixLoader:
 
     def __init__(self, engine: LLMEngine, store: NodeStore, get_timeout_s: float) -> None:
         self.engine = engine
+        self.kv_cache = engine.kv_cache
         self.store = store
         self.get_timeout_s = get_timeout_s
         self.num_loaded_tokens = 0
@@ -100,12 +101,12 @@ class PrefixLoader:
         if load is None:
             return
         if load.slots is not None:
-            cuda = self.engine.kv.device.type == "cuda"
+            cuda = self.kv_cache.device.type == "cuda"
             kv = self.store.arena().read(load.slots, layer, pin=cuda)
             self.num_arena_loads += 1
         else:
             kv: LayerKV = ray.get(load.layers[layer])
-        self.engine.kv.write_layer(layer, load.pages, kv)
+        self.kv_cache.write_layer(layer, load.pages, kv)
         if layer == self.engine.facts.num_layers - 1:
             if load.slots is not None:  # copied out: the slots may go
                 self.store.handle.release.remote(load.lease_id)

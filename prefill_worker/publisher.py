@@ -43,6 +43,7 @@ class Publisher:
         send: Callable[[LayerOut], object] | None = None,
     ) -> None:
         self.engine = engine
+        self.kv_cache = engine.kv_cache
         self.store = store
         self.lender = lender
         self.send_layer = send or self.send
@@ -95,7 +96,7 @@ class Publisher:
             self.outbox.put(self.lender.offer(job, index, layer, pages))
             return
         # Snapshot the pages here (a small copy); the publisher thread does the slow send.
-        snapshot = self.engine.kv.read_layer(layer, pages)
+        snapshot = self.kv_cache.read_layer(layer, pages)
         self.outbox.put(LayerOut(job, index, layer, snapshot))
 
     def token(self, job: Job, token_id: int) -> None:
@@ -149,7 +150,7 @@ class Publisher:
         if item.pages is None:
             kv = item.snapshot.wait()
         else:
-            kv = self.engine.kv.read_layer(item.layer, item.pages, after=item.ready).wait()
+            kv = self.kv_cache.read_layer(item.layer, item.pages, after=item.ready).wait()
         arena = self.store.arena()
         if arena is None:
             return self.store.handle.put_layer.remote(item.keys, item.layer, kv)

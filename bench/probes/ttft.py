@@ -103,7 +103,7 @@ def engine_prefill_times(config: ClusterConfig, prompts: list[list[int]]) -> lis
         engine.add_request(prompt, params, f"engine-{i}")
         while engine.has_unfinished_requests():
             engine.step()
-        sync_device(engine.kv.device.type)
+        sync_device(engine.device.type)
         if i:
             times.append(time.perf_counter() - started)
     del engine

@@ -84,7 +84,7 @@ class EngineWorker:
     async def ping(self) -> str:
         """This worker's name; raises RankFailedError once a rank of its engine has died, so
         the controller replaces it (the engine cannot step again)."""
-        self.engine.runner.check_ranks()
+        self.engine.check_ranks()
         return self.name
 
     async def node_id(self) -> str:

@@ -29,7 +29,7 @@ class RunningServer:
         return self.engine.call(lambda engine: engine.pool.num_used_pages)
 
     def num_generated_tokens(self) -> int:
-        return self.engine.call(lambda engine: engine.num_generated_tokens)
+        return self.engine.call(lambda engine: engine.stats().num_generated_tokens)
 
     def num_requests(self) -> int:
         return self.engine.call(lambda engine: len(engine.requests))

@@ -25,7 +25,9 @@ PROMPTS = ["Hello there", "The quick brown fox"]
 def _rank_pids(actor) -> list[int]:
     """Rank 0's process (the actor's) and then the other ranks' subprocesses."""
     return ray.get(
-        actor.__ray_call__.remote(lambda w: [os.getpid(), *w.engine.runner.workers.pids])
+        actor.__ray_call__.remote(
+            lambda w: [os.getpid(), *(p.pid for p in w.engine.rank_processes)]
+        )
     )
 
 

@@ -20,15 +20,10 @@ class FakeKv:
         self.order.append(f"close {cache}")
 
 
-class FakeEngine:
-    def __init__(self, order: list[str]) -> None:
-        self.kv = FakeKv(order)
-
-
 def test_a_gone_lender_fails_its_receives_and_its_cache_is_closed_after_its_copies():
     async def scenario() -> tuple[list[str], object, bool]:
         order: list[str] = []
-        notices = Notices(FakeEngine(order))
+        notices = Notices(FakeKv(order))
         conn = NoticeConn(None)
         conn.lender, conn.cache = "prefill-0", "lent-cache"
         reservation = notices.add("r1", "key-1", direct=False, first_token_id=None)

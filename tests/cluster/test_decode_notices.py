@@ -22,7 +22,7 @@ from halfmoon.engine.config import EngineConfig
 from halfmoon.engine.llm_engine import LLMEngine
 from halfmoon.engine.sampling_params import SamplingParams
 from halfmoon.kvstore.keys import block_keys
-from halfmoon.kvstore.layout import KvLayout, LayerKV
+from halfmoon.kvstore.layout import LayerKV
 from halfmoon.kvstore.shared_arena import map_arena
 from halfmoon.kvstore.store_node import start_store_node
 from halfmoon.kvstore.transfer.channel import NoticeSender
@@ -42,8 +42,7 @@ EARLY_NOTICE_S = 2.0
 def parts(tiny_model_dir, ray_session):
     config = EngineConfig(model=str(tiny_model_dir), num_pages=32, prefill_chunk_size=32)
     local = LLMEngine(config)  # the plan's keys and the KV layout, as the prefill worker has
-    k_cache = local.kv.layers[0][0]
-    layout = KvLayout(local.kv.num_layers, *k_cache.shape[1:], dtype=k_cache.dtype)
+    layout = local.kv_cache.layout
     store = start_store_node(layout, name=f"notice-test-{uuid.uuid4().hex[:8]}")
     decode = (
         ray.remote(DecodeWorker)
@@ -254,7 +253,7 @@ class SeededPrefill(Prefill):
         for layer in range(self.layout.num_layers) if layers is None else layers:
             if self.lending is not None:
                 kv = unit_kv(self, unit_index, layer, self.seed)
-                self.lending.engine.kv.write_layer(layer, pages, kv)
+                self.lending.kv_cache.write_layer(layer, pages, kv)
                 self.sender.send(self.peer, PagesNotice(self.key, unit_index, layer, pages))
             self.arena.write(slots, layer, unit_kv(self, unit_index, layer, self.arena_seed))
             ray.get(self.store.layer_written.remote(unit.keys, layer, slots, None))
@@ -279,8 +278,9 @@ class Lending:
             model=str(tiny_model_dir), num_pages=32, prefill_chunk_size=32, share_kv=True
         )
         self.engine = LLMEngine(config)
+        self.kv_cache = self.engine.kv_cache
         name = f"lender-{uuid.uuid4().hex[:8]}"
-        export = self.engine.kv.export() if export_it else None
+        export = self.kv_cache.export() if export_it else None
         self.actor = Lender.options(name=name).remote(export)
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
@@ -293,7 +293,7 @@ class Lending:
         """Say hello; wait until the decode worker has opened (or tried to open) the cache."""
         opened, heard = counters(decode)["num_lenders"], counters(decode)["num_notices"]
         self.sender.send(peer, TokenNotice("hello-only", 0))
-        if self.engine.kv.export() is not None and ray.get(self.actor.kv_export.remote()):
+        if self.kv_cache.export() is not None and ray.get(self.actor.kv_export.remote()):
             wait_for(lambda: counters(decode)["num_lenders"] > opened)
         else:
             wait_for(lambda: counters(decode)["num_notices"] > heard)
@@ -329,7 +329,7 @@ def test_lent_pages_are_copied_instead_of_the_arena_and_given_back(parts, tiny_m
         # the pages hold seed 1, the arena seed 2: the decode worker must take the pages
         assert decoded(parts, "p2", arena_seed=2, lending=lending, seed=1) == expected
         after = counters(decode)
-        layers = 2 * lending.engine.kv.num_layers
+        layers = 2 * lending.kv_cache.num_layers
         assert after["num_page_copies"] - before["num_page_copies"] == layers
         assert after["num_shared_reads"] == before["num_shared_reads"]
         wait_for(lambda: ReleaseNotice("p2") in lending.answers)
@@ -348,7 +348,7 @@ def test_pages_offered_while_the_cache_is_still_opening_wait_for_it(parts, tiny_
         assert decoded(parts, "o1", arena_seed=2, lending=lending, seed=1) == expected
         after = counters(decode)
         assert after["num_lenders"] == before["num_lenders"] + 1
-        layers = 2 * lending.engine.kv.num_layers  # every layer of both units
+        layers = 2 * lending.kv_cache.num_layers  # every layer of both units
         assert after["num_page_copies"] - before["num_page_copies"] == layers
         wait_for(lambda: ReleaseNotice("o1") in lending.answers)
     finally:

@@ -31,8 +31,7 @@ PROMPT = list(range(3, 60))  # 57 tokens: two units of 32, the last with a parti
 def parts(tiny_model_dir, ray_session):
     config = EngineConfig(model=str(tiny_model_dir), num_pages=32, prefill_chunk_size=32)
     local = LLMEngine(config)  # the plan's keys and the KV layout, as the prefill worker has
-    k_cache = local.kv.layers[0][0]  # [pages, block_size, kv_heads, head_dim]
-    layout = KvLayout(local.kv.num_layers, *k_cache.shape[1:], dtype=k_cache.dtype)
+    layout = local.kv_cache.layout
     store = start_store_node(layout, name=f"receive-test-{uuid.uuid4().hex[:8]}")
     decode = (
         ray.remote(DecodeWorker)

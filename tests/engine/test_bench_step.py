@@ -17,7 +17,7 @@ def test_host_time_is_measured_and_leaves_the_engine_untouched(tiny_model_dir):
     wall_s, device_s, host_s = decode_step_times(llm, batch_size=3, context=20, steps=4)
     assert host_s > 0 and wall_s > 0 and device_s is None
     assert not engine.requests and not engine.has_unfinished_requests()
-    model = engine.runner.model
+    model = engine.model
     assert "forward" not in vars(model) and "logits" not in vars(model)
-    assert "run" not in vars(engine.runner.decode_graphs)
+    assert "run" not in vars(engine.decode_graphs)
     assert llm.generate(prompt, PARAMS)[0].token_ids == expected

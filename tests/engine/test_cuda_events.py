@@ -53,7 +53,7 @@ def test_page_indices_go_to_a_gpu_from_pinned_memory(monkeypatch):
 
 
 def test_a_write_with_a_fence_waits_for_it_not_for_the_compute_stream(tiny_model_dir):
-    kv = LLM(str(tiny_model_dir), num_pages=8).engine.kv
+    kv = LLM(str(tiny_model_dir), num_pages=8).engine.kv_cache
     stream = Recorder()
     kv._after_readers(stream, "fence")
     assert stream.calls[1:] == [("wait_event", ("fence",), {})]

@@ -88,7 +88,8 @@ def test_two_engines_on_one_gpu_size_their_kv_within_their_share(checkpoints):
         for _ in range(2)
     ]
     for engine in engines:
-        kv_bytes = engine.num_pages * engine.kv.page_layer_bytes * engine.kv.num_layers
+        kv_cache = engine.kv_cache
+        kv_bytes = engine.num_pages * kv_cache.page_layer_bytes * kv_cache.num_layers
         assert kv_bytes <= share * total
     # What this process took (weights, pools, activations), not the GPU's free memory: other
     # processes share the GPU (the suite runs its files side by side on it).
@@ -96,12 +97,12 @@ def test_two_engines_on_one_gpu_size_their_kv_within_their_share(checkpoints):
 
 
 def test_a_write_after_a_reserve_waits_for_its_fence_not_for_later_steps(tiny_model_dir):
-    kv = LLM(str(tiny_model_dir), device="cuda", **SMALL_KV).engine.kv
+    kv = LLM(str(tiny_model_dir), device="cuda", **SMALL_KV).engine.kv_cache
     fence = kv.mark()  # just after a reserve: the pages' last readers are before it
     torch.cuda._sleep(BUSY_CYCLES)  # a step queued after the reserve
-    shape = (2, *kv.layers[0][0].shape[1:])
-    written = kv.write_layer(0, [3, 4], LayerKV(torch.ones(shape), torch.ones(shape)),
-                             ordered=False, after=fence)  # fmt: skip
+    shape = (2, *kv.page_shape[1:])
+    ones = LayerKV(torch.ones(shape), torch.ones(shape))
+    written = kv.write_layer(0, [3, 4], ones, ordered=False, after=fence)
     written.wait()
     assert not torch.cuda.current_stream().query(), "the write waited for the later step"
     torch.cuda.synchronize()
@@ -118,7 +119,7 @@ def test_a_page_index_upload_returns_while_the_gpu_is_busy():
 
 
 def test_a_thread_waiting_on_a_kv_event_sleeps_instead_of_spinning(tiny_model_dir):
-    kv = LLM(str(tiny_model_dir), device="cuda", **SMALL_KV).engine.kv
+    kv = LLM(str(tiny_model_dir), device="cuda", **SMALL_KV).engine.kv_cache
     torch.cuda._sleep(BUSY_CYCLES)
     event, cpu_s = kv.mark(), []
 
@@ -158,7 +159,7 @@ def test_decode_graphs_capture_at_production_sizes(tmp_path):
     started = time.perf_counter()
     graphed = LLM(model_dir, **args)
     print(f"start-up with graph capture: {time.perf_counter() - started:.1f} s")
-    graphs = graphed.engine.runner.decode_graphs
+    graphs = graphed.engine.decode_graphs
     assert len(graphs.graphs) == len(graphs.buckets) * len(graphs.widths)
     assert len(graphs.widths) > 1
     eager = LLM(model_dir, enforce_eager=True, **args)

@@ -29,7 +29,7 @@ def _prompts(vocab_size: int) -> list[list[int]]:
 
 def _count_graph_steps(llm: LLM) -> list[int]:
     """Batch sizes the graph path served, recorded as the engine runs."""
-    graphs, sizes = llm.engine.runner.decode_graphs, []
+    graphs, sizes = llm.engine.decode_graphs, []
     original = graphs.run
 
     def run(batch):
@@ -60,8 +60,8 @@ def test_a_long_context_engine_decodes_short_sequences_over_the_narrowest_tables
     model_dir = str(checkpoints["llama"])
     prompts, expected = _eager_tokens(model_dir)
     padded = LLM(model_dir, **ENGINE_ARGS)
-    padded.engine.runner.enable_decode_graphs(6, 40_000, capture=False)
-    graphs, widths = padded.engine.runner.decode_graphs, []
+    padded.engine.use_decode_buffers(capture=False, max_model_len=40_000)
+    graphs, widths = padded.engine.decode_graphs, []
     forward = graphs._forward
     graphs._forward = lambda size, width: widths.append(width) or forward(size, width)
     assert [out.token_ids for out in padded.generate(prompts, PARAMS)] == expected
@@ -73,8 +73,7 @@ def test_padded_decode_buffers_give_the_eager_tokens(checkpoints):
     prompts, expected = _eager_tokens(model_dir)
 
     padded = LLM(model_dir, **ENGINE_ARGS)
-    runner = padded.engine.runner
-    runner.enable_decode_graphs(6, padded.engine.max_model_len, capture=False)
+    padded.engine.use_decode_buffers(capture=False)
     sizes = _count_graph_steps(padded)
     assert [out.token_ids for out in padded.generate(prompts, PARAMS)] == expected
     assert {5, 3} <= set(sizes), "batches of 5 (bucket 6) and 3 (bucket 4) went through"
@@ -125,7 +124,7 @@ def test_decode_graphs_survive_preemption_and_new_arrivals(checkpoints):
     assert eager.engine.scheduler.num_preemptions > 0
 
     padded = LLM(model_dir, **args)
-    padded.engine.runner.enable_decode_graphs(6, padded.engine.max_model_len, capture=False)
+    padded.engine.use_decode_buffers(capture=False)
     sizes = _count_graph_steps(padded)
     assert [out.token_ids for out in padded.generate(prompts, params)] == expected
     assert padded.engine.scheduler.num_preemptions > 0 and sizes
@@ -146,12 +145,12 @@ def test_cuda_graph_decode_equals_eager_on_cuda(checkpoints, arch):
     model_dir = str(checkpoints[arch])
     args = dict(ENGINE_ARGS, device="cuda", dtype="float32")
     eager = LLM(model_dir, enforce_eager=True, **args)
-    assert eager.engine.runner.decode_graphs is None
+    assert eager.engine.decode_graphs is None
     prompts = _prompts(eager.engine.facts.vocab_size)
     expected = [out.token_ids for out in eager.generate(prompts, PARAMS)]
 
     graphed = LLM(model_dir, **args)
-    assert sorted(size for size, _ in graphed.engine.runner.decode_graphs.graphs) == [1, 2, 4, 6]
+    assert sorted(size for size, _ in graphed.engine.decode_graphs.graphs) == [1, 2, 4, 6]
     sizes = _count_graph_steps(graphed)
     assert [out.token_ids for out in graphed.generate(prompts, PARAMS)] == expected
     assert sizes, "decode steps were replayed from graphs"

@@ -10,6 +10,7 @@ from hf_reference import greedy_tokens, reference_model
 from isa_testkit import RUNNABLE, variant
 
 from halfmoon.engine import LLM, SamplingParams
+from halfmoon.engine.sampler import sample as sample_tokens
 from halfmoon.kernels import cpu_attention, cpu_elementwise, cpu_gemm
 
 PROMPT_LENGTHS = [1, 7, 16, 17, 45, 128, 250, 300]
@@ -34,19 +35,17 @@ def _reference(model_dir, prompts, device="cpu", dtype=torch.float32):
     return tokens, logits
 
 
-def _capture_first_logits(llm: LLM) -> dict[str, torch.Tensor]:
-    runner = llm.engine.runner
+def _capture_first_logits(monkeypatch) -> dict[str, torch.Tensor]:
+    """The logits each request's first token is sampled from, by request id."""
     captured: dict[str, torch.Tensor] = {}
-    original = runner.run
 
-    def run(batch, hooks=None):
-        logits, seqs = original(batch, hooks)
+    def sample(logits, seqs):
         for row, seq in enumerate(seqs):
             if seq.num_output_tokens == 0 and seq.request_id not in captured:
                 captured[seq.request_id] = logits[row].clone()
-        return logits, seqs
+        return sample_tokens(logits, seqs)
 
-    runner.run = run
+    monkeypatch.setattr("halfmoon.engine.llm_engine.sample", sample)
     return captured
 
 
@@ -54,12 +53,12 @@ def _capture_first_logits(llm: LLM) -> dict[str, torch.Tensor]:
     "arch", ["llama", "llama3-rope", "mistral", "qwen2", "qwen3", "llama-sharded"]
 )
 def test_greedy_tokens_and_logits_match_transformers_with_chunking_and_preemption(
-    checkpoints, arch
+    checkpoints, arch, monkeypatch
 ):
     model_dir = checkpoints[arch]
     llm = LLM(str(model_dir), **ENGINE_ARGS)
     prompts = _prompts(llm.engine.facts.vocab_size)
-    captured = _capture_first_logits(llm)
+    captured = _capture_first_logits(monkeypatch)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     outputs = llm.generate(prompts, params)
     expected_tokens, expected_logits = _reference(model_dir, prompts)

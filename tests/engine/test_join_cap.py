@@ -16,11 +16,11 @@ def test_joins_past_max_num_seqs_wait_for_room_and_all_finish(tiny_model_dir):
     assert [s.request_id for s in engine.scheduler.running] == ["a", "b"]
     assert [group[0].request_id for group in engine.scheduler.joined] == ["c", "d"]
     engine.abort("d")  # aborted while it waits: dropped, never run
-    sizes, original = [], engine.runner.run
-    engine.runner.run = lambda batch, hooks=None: sizes.append(len(batch)) or original(batch)
+    engine.step_log.clear()
     finished = set()
     while engine.has_unfinished_requests():
         finished |= {out.request_id for out in engine.step() if out.finished}
+    sizes = [len(step.prefill_chunks) + step.decode_seqs for step in engine.step_log]
     assert finished == {"a", "b", "c"}
     assert max(sizes) == 2 and sizes.count(1) == 3, "c ran alone once a and b were done"
     assert not engine.scheduler.joined and engine.stats().num_used_pages == 0

@@ -11,8 +11,8 @@ from halfmoon.kvstore.layout import LayerKV
 
 def test_a_layer_written_into_pages_reads_back_exactly_in_page_order(tiny_model_dir):
     engine = LLM(str(tiny_model_dir), num_pages=16).engine
-    kv_cache = engine.kv
-    shape = (3, *kv_cache.layers[0][0].shape[1:])
+    kv_cache = engine.kv_cache
+    shape = (3, *kv_cache.page_shape[1:])
     k = torch.arange(torch.Size(shape).numel(), dtype=torch.float64).reshape(shape)
     kv_cache.write_layer(2, [7, 1, 4], LayerKV(k, -k))  # another dtype: converted on write
     read = kv_cache.read_layer(2, [4, 7]).wait()
@@ -23,8 +23,8 @@ def test_a_layer_written_into_pages_reads_back_exactly_in_page_order(tiny_model_
 
 
 def test_on_cpu_a_write_has_landed_when_it_returns(tiny_model_dir):
-    kv_cache = LLM(str(tiny_model_dir), num_pages=8).engine.kv
-    shape = (1, *kv_cache.layers[0][0].shape[1:])
+    kv_cache = LLM(str(tiny_model_dir), num_pages=8).engine.kv_cache
+    shape = (1, *kv_cache.page_shape[1:])
     written = kv_cache.write_layer(
         0, [5], LayerKV(torch.ones(shape), torch.ones(shape)), ordered=False
     )
@@ -48,9 +48,9 @@ def test_page_events_are_kept_only_once_asked_for_and_taken_once(tiny_model_dir)
 
 @pytest.mark.gpu
 def test_on_cuda_reads_land_in_pinned_host_memory_off_the_compute_stream(tiny_model_dir):
-    kv_cache = LLM(str(tiny_model_dir), num_pages=16, device="cuda").engine.kv
+    kv_cache = LLM(str(tiny_model_dir), num_pages=16, device="cuda").engine.kv_cache
     assert kv_cache.device.type == "cuda"
-    shape = (2, *kv_cache.layers[0][0].shape[1:])
+    shape = (2, *kv_cache.page_shape[1:])
     k = torch.randn(shape)  # from host memory, converted and placed by the cache
     kv_cache.write_layer(0, [3, 9], LayerKV(k, 2 * k))
     snapshot = kv_cache.read_layer(0, [9, 3])
@@ -63,8 +63,8 @@ def test_on_cuda_reads_land_in_pinned_host_memory_off_the_compute_stream(tiny_mo
 
 @pytest.mark.gpu
 def test_on_cuda_an_unordered_write_lands_on_the_side_stream_and_says_when(tiny_model_dir):
-    kv_cache = LLM(str(tiny_model_dir), num_pages=16, device="cuda").engine.kv
-    shape = (3, *kv_cache.layers[0][0].shape[1:])
+    kv_cache = LLM(str(tiny_model_dir), num_pages=16, device="cuda").engine.kv_cache
+    shape = (3, *kv_cache.page_shape[1:])
     k = torch.randn(shape)  # pageable host memory: staged through pinned memory
     written = kv_cache.write_layer(1, [2, 8, 5], LayerKV(k, -k), ordered=False)
     assert written.copied is not None

@@ -46,33 +46,34 @@ def test_a_shared_cache_serves_requests_and_is_opened_and_copied_from(tiny_model
     plain = LLM(str(tiny_model_dir), num_pages=16)
     prompt = "the pages are lent " * 3
     assert lender.generate([prompt], params)[0].text == plain.generate([prompt], params)[0].text
-    assert plain.engine.kv.export() is None  # not allocated shared
+    lender_kv, plain_kv = lender.engine.kv_cache, plain.engine.kv_cache
+    assert plain_kv.export() is None  # not allocated shared
 
-    export = lender.engine.kv.export()
+    export = lender_kv.export()
     assert export.path is not None and export.page_shape[0] == 16
-    peer = plain.engine.kv.open_peer(export)
+    peer = plain_kv.open_peer(export)
     assert peer.num_pages == 16
-    shape = (2, *lender.engine.kv.layers[0][0].shape[1:])
+    shape = (2, *lender_kv.page_shape[1:])
     k = torch.randn(shape)
-    lender.engine.kv.write_layer(1, [5, 9], LayerKV(k, -k))
-    plain.engine.kv.copy_pages(1, peer, [9, 5], [2, 3]).wait()  # lands on return on CPU
-    got = plain.engine.kv.read_layer(1, [3, 2]).wait()
+    lender_kv.write_layer(1, [5, 9], LayerKV(k, -k))
+    plain_kv.copy_pages(1, peer, [9, 5], [2, 3]).wait()  # lands on return on CPU
+    got = plain_kv.read_layer(1, [3, 2]).wait()
     assert torch.equal(got.k, k.to(got.k.dtype)) and torch.equal(got.v, -k.to(got.v.dtype))
 
 
 def test_a_cache_of_another_shape_or_dtype_is_refused_with_the_reason(tiny_model_dir):
-    lender = LLM(str(tiny_model_dir), num_pages=8, dtype="bfloat16", share_kv=True).engine.kv
-    other = LLM(str(tiny_model_dir), num_pages=8, dtype="bfloat16", block_size=32).engine.kv
+    lender = LLM(str(tiny_model_dir), num_pages=8, dtype="bfloat16", share_kv=True).engine.kv_cache
+    other = LLM(str(tiny_model_dir), num_pages=8, dtype="bfloat16", block_size=32).engine.kv_cache
     with pytest.raises(ValueError, match="another model or block size"):
         other.open_peer(lender.export())
-    wide = LLM(str(tiny_model_dir), num_pages=8, dtype="float32").engine.kv
+    wide = LLM(str(tiny_model_dir), num_pages=8, dtype="float32").engine.kv_cache
     with pytest.raises(ValueError, match="its KV is torch.bfloat16"):
         wide.open_peer(lender.export())
 
 
 def test_another_process_maps_the_shared_cache(tiny_model_dir):
-    lender = LLM(str(tiny_model_dir), num_pages=8, share_kv=True).engine.kv
-    shape = (1, *lender.layers[0][0].shape[1:])
+    lender = LLM(str(tiny_model_dir), num_pages=8, share_kv=True).engine.kv_cache
+    shape = (1, *lender.page_shape[1:])
     lender.write_layer(0, [6], LayerKV(torch.full(shape, 3.0), torch.full(shape, 4.0)))
     export = lender.export()
     script = textwrap.dedent(
@@ -111,8 +112,8 @@ def test_a_child_that_dies_without_answering_fails_the_test_at_once():
 
 
 def test_a_closed_peer_cache_is_dropped_after_the_writes_land(tiny_model_dir):
-    lender = LLM(str(tiny_model_dir), num_pages=8, share_kv=True).engine.kv
-    borrower = LLM(str(tiny_model_dir), num_pages=8).engine.kv
+    lender = LLM(str(tiny_model_dir), num_pages=8, share_kv=True).engine.kv_cache
+    borrower = LLM(str(tiny_model_dir), num_pages=8).engine.kv_cache
     peer = borrower.open_peer(lender.export())
     borrower.copy_pages(0, peer, [1], [2])
     borrower.close_peer(peer)
@@ -120,7 +121,7 @@ def test_a_closed_peer_cache_is_dropped_after_the_writes_land(tiny_model_dir):
 
 
 def _open_in_child(model_dir: str, export, pages: list[int], queue) -> None:
-    borrower = LLM(model_dir, num_pages=8, device="cuda").engine.kv
+    borrower = LLM(model_dir, num_pages=8, device="cuda").engine.kv_cache
     peer = borrower.open_peer(export)
     borrower.copy_pages(0, peer, pages, [1, 2]).wait()
     got = borrower.read_layer(0, [1, 2]).wait()
@@ -129,8 +130,8 @@ def _open_in_child(model_dir: str, export, pages: list[int], queue) -> None:
 
 @pytest.mark.gpu
 def test_on_cuda_another_process_copies_lent_pages_through_ipc(tiny_model_dir):
-    lender = LLM(str(tiny_model_dir), num_pages=8, device="cuda", share_kv=True).engine.kv
-    shape = (2, *lender.layers[0][0].shape[1:])
+    lender = LLM(str(tiny_model_dir), num_pages=8, device="cuda", share_kv=True).engine.kv_cache
+    shape = (2, *lender.page_shape[1:])
     k = torch.randn(shape)
     lender.write_layer(0, [4, 6], LayerKV(k, 2 * k))
     torch.cuda.synchronize()
@@ -150,8 +151,8 @@ def test_on_cuda_another_process_copies_lent_pages_through_ipc(tiny_model_dir):
 
 
 def _lend_in_child(model_dir: str, queue, stop) -> None:
-    lender = LLM(model_dir, num_pages=8, device="cuda", share_kv=True).engine.kv
-    shape = (1, *lender.layers[0][0].shape[1:])
+    lender = LLM(model_dir, num_pages=8, device="cuda", share_kv=True).engine.kv_cache
+    shape = (1, *lender.page_shape[1:])
     lender.write_layer(0, [5], LayerKV(torch.full(shape, 3.0), torch.full(shape, 4.0)))
     torch.cuda.synchronize()
     queue.put(lender.export())
@@ -165,7 +166,7 @@ def test_a_lender_that_dies_with_its_pages_mapped_leaves_the_borrower_working(ti
     child = context.Process(target=_lend_in_child, args=(str(tiny_model_dir), queue, stop))
     child.start()
     export = _result_or_death(child, queue)
-    borrower = LLM(str(tiny_model_dir), num_pages=8, device="cuda").engine.kv
+    borrower = LLM(str(tiny_model_dir), num_pages=8, device="cuda").engine.kv_cache
     peer = borrower.open_peer(export)
     borrower.copy_pages(0, peer, [5], [2]).wait()
     child.kill()  # the prefill worker dies with its pages mapped here

@@ -42,7 +42,7 @@ def _ours(depth: int = 2) -> str | None:
 def test_steps_and_kv_moves_request_no_blocking_device_copy(tiny_model_dir, monkeypatch):
     llm = LLM(str(tiny_model_dir), num_pages=64, max_num_batched_tokens=64)
     engine = llm.engine
-    engine.runner.enable_decode_graphs(engine.config.max_num_seqs, engine.max_model_len, False)
+    engine.use_decode_buffers(capture=False)
     blocking: list[str] = []
     tensor, to = torch.tensor, torch.Tensor.to
 
@@ -66,7 +66,8 @@ def test_steps_and_kv_moves_request_no_blocking_device_copy(tiny_model_dir, monk
     ]
     prompts = ["x" * 70, "The cache", "a b c"]
     outputs = llm.generate(prompts, params)
-    kv = engine.kv.read_layer(1, [3, 4]).wait()
-    engine.kv.write_layer(1, [5, 6], LayerKV(kv.k.clone(), kv.v.clone())).wait()
+    kv_cache = engine.kv_cache
+    kv = kv_cache.read_layer(1, [3, 4]).wait()
+    kv_cache.write_layer(1, [5, 6], LayerKV(kv.k.clone(), kv.v.clone())).wait()
     assert all(out.token_ids for out in outputs)
     assert not blocking, blocking

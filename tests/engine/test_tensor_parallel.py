@@ -23,6 +23,7 @@ from halfmoon.engine.errors import RankFailedError
 from halfmoon.engine.loader import _copy_slice, checkpoint_files
 from halfmoon.engine.model_config import load_model_config
 from halfmoon.engine.model_runner import ModelRunner
+from halfmoon.engine.sampler import sample
 from halfmoon.engine.tensor_parallel import (
     TPGroup,
     VocabParallelEmbedding,
@@ -44,31 +45,30 @@ def _prompts() -> list[list[int]]:
     return [[rng.randrange(6, 262) for _ in range(n)] for n in PROMPT_LENGTHS]
 
 
-def _generate(llm: LLM) -> tuple[list[list[int]], list[torch.Tensor]]:
+def _generate(llm: LLM, monkeypatch) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Greedy tokens of every prompt, and the logits its first token was sampled from."""
-    runner, first_logits = llm.engine.runner, {}
-    run = runner.run
+    first_logits = {}
 
-    def capture(batch, hooks=None):
-        logits, seqs = run(batch, hooks)
+    def capture(logits, seqs):
         for row, seq in enumerate(seqs):
             first_logits.setdefault(seq.request_id, logits[row].clone())
-        return logits, seqs
+        return sample(logits, seqs)
 
-    runner.run = capture
+    monkeypatch.setattr("halfmoon.engine.llm_engine.sample", capture)
     outputs = llm.generate(_prompts(), GREEDY)
     return [o.token_ids for o in outputs], [first_logits[o.request_id] for o in outputs]
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_two_ranks_generate_the_greedy_tokens_of_one(checkpoints, arch):
-    expected_tokens, expected_logits = _generate(LLM(str(checkpoints[arch]), **ENGINE_ARGS))
+def test_two_ranks_generate_the_greedy_tokens_of_one(checkpoints, arch, monkeypatch):
+    one = LLM(str(checkpoints[arch]), **ENGINE_ARGS)
+    expected_tokens, expected_logits = _generate(one, monkeypatch)
     llm = LLM(str(checkpoints[arch]), tensor_parallel_size=2, **ENGINE_ARGS)
     try:
-        tokens, logits = _generate(llm)
+        tokens, logits = _generate(llm, monkeypatch)
         steps = llm.engine.step_log
-        k_cache = llm.engine.runner.kv_caches[0][0]
+        k_cache = llm.engine.kv_cache.layers[0][0]  # rank 0's pages
     finally:
         llm.close()
     assert tokens == expected_tokens
@@ -82,13 +82,15 @@ def test_two_ranks_generate_the_greedy_tokens_of_one(checkpoints, arch):
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs, one per rank")
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_two_ranks_on_two_gpus_generate_the_greedy_tokens_of_one_gpu(checkpoints, arch):
+def test_two_ranks_on_two_gpus_generate_the_greedy_tokens_of_one_gpu(
+    checkpoints, arch, monkeypatch
+):
     args = dict(device="cuda", dtype="float32", **ENGINE_ARGS)
-    expected_tokens, expected_logits = _generate(LLM(str(checkpoints[arch]), **args))
+    expected_tokens, expected_logits = _generate(LLM(str(checkpoints[arch]), **args), monkeypatch)
     llm = LLM(str(checkpoints[arch]), tensor_parallel_size=2, **args)
     try:
-        tokens, logits = _generate(llm)
-        k_cache = llm.engine.runner.kv_caches[0][0]
+        tokens, logits = _generate(llm, monkeypatch)
+        k_cache = llm.engine.kv_cache.layers[0][0]  # rank 0's pages
         with pytest.raises(InvalidRequestError, match="must be 1 on this engine"):
             llm.generate([[7, 8, 9]], SamplingParams(n=2))
     finally:
@@ -192,13 +194,13 @@ def test_a_killed_rank_fails_the_next_step_with_an_error_naming_it(checkpoints):
     llm = LLM(str(checkpoints["llama"]), tensor_parallel_size=2, **ENGINE_ARGS)
     try:
         llm.generate([[7, 8, 9]], GREEDY)
-        llm.engine.runner.check_ranks()  # every rank alive: nothing to say
-        (rank,) = llm.engine.runner.workers.procs
+        llm.engine.check_ranks()  # every rank alive: nothing to say
+        (rank,) = llm.engine.rank_processes
         rank.send_signal(signal.SIGKILL)
         rank.wait()
         # A worker's health check learns of it before any step does.
         with pytest.raises(RankFailedError, match=r"cannot step: rank 1 \(pid \d+\) exited with"):
-            llm.engine.runner.check_ranks()
+            llm.engine.check_ranks()
         with pytest.raises(RankFailedError, match=r"rank 1 \(pid \d+\) exited with code -9"):
             llm.generate([[7, 8, 9]], GREEDY)
         with pytest.raises(RankFailedError):  # and stays failed, without waiting on anything
@@ -221,7 +223,7 @@ def test_the_ranks_rendezvous_and_collectives_listen_on_loopback_only(checkpoint
     llm = LLM(str(checkpoints["llama"]), tensor_parallel_size=2, **ENGINE_ARGS)
     try:
         llm.generate([[7, 8, 9]], GREEDY)  # the collectives have connected
-        ours = _listening({os.getpid(), *llm.engine.runner.workers.pids}) - before
+        ours = _listening({os.getpid(), *(rank.pid for rank in llm.engine.rank_processes)}) - before
     finally:
         llm.close()
     assert ours, "the store and gloo listen somewhere"
@@ -231,18 +233,18 @@ def test_the_ranks_rendezvous_and_collectives_listen_on_loopback_only(checkpoint
 @pytest.mark.timeout(60)
 def test_closing_dropping_or_exiting_stops_the_other_ranks(checkpoints):
     llm = LLM(str(checkpoints["llama"]), tensor_parallel_size=2, **ENGINE_ARGS)
-    (rank,) = llm.engine.runner.workers.procs
+    (rank,) = llm.engine.rank_processes
     llm.close()
     assert rank.returncode == 0
     llm = LLM(str(checkpoints["llama"]), tensor_parallel_size=2, **ENGINE_ARGS)
-    (rank,) = llm.engine.runner.workers.procs
+    (rank,) = llm.engine.rank_processes
     del llm
     gc.collect()
     assert rank.poll() == 0
     script = f"""
         from halfmoon.engine import LLM
         llm = LLM({str(checkpoints["llama"])!r}, tensor_parallel_size=2, num_pages=8)
-        print(*llm.engine.runner.workers.pids)
+        print(*(rank.pid for rank in llm.engine.rank_processes))
         llm.generate("hi")
     """
     done = subprocess.run(

@@ -45,7 +45,8 @@ def _blocks(llm: LLM, prompt: list[int]) -> tuple[list[bytes], list[LayerKV]]:
     keys = block_keys(engine.root_key, prompt, engine.config.block_size)
     llm.generate([prompt], GREEDY)
     pages = [engine.pool.key_to_page[key] for key in keys]
-    layers = [engine.kv.read_layer(layer, pages).wait() for layer in range(engine.kv.num_layers)]
+    kv_cache = engine.kv_cache
+    layers = [kv_cache.read_layer(layer, pages).wait() for layer in range(kv_cache.num_layers)]
     return keys, layers
 
 
@@ -64,7 +65,7 @@ def test_a_layer_read_at_two_ranks_is_the_layer_one_rank_reads(one, two):
 
 
 def test_a_layer_written_at_two_ranks_gives_each_rank_its_heads(two):
-    kv_cache = two.engine.kv
+    kv_cache = two.engine.kv_cache
     # Pages no cached block is in: the other tests' prefixes stay intact.
     first, second, third = [p for p in range(32) if p not in two.engine.pool.page_to_key][-3:]
     written = LayerKV(torch.randn(2, 16, 2, 32), torch.randn(2, 16, 2, 32))
@@ -84,8 +85,9 @@ def test_a_layer_written_at_two_ranks_gives_each_rank_its_heads(two):
 def test_without_the_other_ranks_pages_kv_moves_and_forks_are_refused_saying_why(two):
     """As on CUDA, where rank 0 maps only its own pages: every KV move, and a request with
     n > 1 (its sequences copy pages on write), is refused before it can break a step."""
-    assert two.engine.kv.unmapped is None and two.engine.intake.forks_refused is None
-    rank_0_only = ShardedKvCache(two.engine.kv.shards[:1], 2)
+    kv_cache = two.engine.kv_cache
+    assert kv_cache.unmapped is None and two.engine.intake.forks_refused is None
+    rank_0_only = ShardedKvCache(kv_cache.shards[:1], 2)
     reason = rank_0_only.unmapped
     assert reason == (
         "the other ranks' KV pages (tensor_parallel_size=2, on cpu) are not mapped into rank 0, "

@@ -8,6 +8,7 @@ import pytest
 
 from halfmoon.engine import LLM, SamplingParams
 from halfmoon.engine.async_engine import AsyncEngine
+from halfmoon.engine.outputs import StepTiming
 from halfmoon.engine.warmup import SAMPLED, _doubling, warm_up, warm_up_step_thread
 
 ENGINE_ARGS = dict(block_size=16, num_pages=80, max_num_batched_tokens=256, max_num_seqs=5)
@@ -23,17 +24,12 @@ def test_doubling_sizes_end_at_the_limit():
 def test_warm_up_leaves_the_engine_idle_with_counters_at_zero(checkpoints):
     llm = LLM(str(checkpoints["llama"]), **ENGINE_ARGS)
     engine = llm.engine
-    sizes = []
-    original = engine.runner.run
-
-    def run(batch, hooks=None):
-        sizes.append((len(batch), max(item.seq.num_computed_tokens for item in batch)))
-        return original(batch, hooks)
-
-    engine.runner.run = run
+    steps = _record_steps(engine)
     assert warm_up(engine) > 0
-    assert {1, 2, 4, 5} <= {n for n, _ in sizes}, "every batch size up to max_num_seqs ran"
-    assert max(context for _, context in sizes) >= 512, "contexts doubled from 256"
+    sizes = {len(step.prefill_chunks) + step.decode_seqs for step in steps}
+    assert {1, 2, 4, 5} <= sizes, "every batch size up to max_num_seqs ran"
+    contexts = [new + cached for step in steps for new, cached in step.prefill_chunks]
+    assert max(contexts) >= 512, "contexts doubled from 256"
     assert not engine.has_unfinished_requests() and not engine.requests
     assert engine.stats().num_used_pages == 0
     stats = engine.stats()
@@ -50,18 +46,30 @@ def test_warm_up_prefills_over_a_cached_prefix_with_every_count_of_runs(checkpoi
     # them, and a count of 1): a step of several runs over cached prefixes compiled it anew
     # after start-up until the warm-up ran such steps too.
     engine = LLM(str(checkpoints["llama"]), **ENGINE_ARGS).engine
-    counts = set()
-    original = engine.runner.run
-
-    def run(batch, hooks=None):
-        runs = [item for item in batch if item.num_new_tokens > 1]
-        if any(item.seq.num_computed_tokens for item in runs):
-            counts.add(len(runs))
-        return original(batch, hooks)
-
-    engine.runner.run = run
+    steps = _record_steps(engine)
     warm_up(engine)
+    counts = set()
+    for step in steps:
+        runs = [(new, cached) for new, cached in step.prefill_chunks if new > 1]
+        if any(cached for _, cached in runs):
+            counts.add(len(runs))
     assert {1, 2, 4, 5} <= counts
+
+
+def _record_steps(engine) -> list[StepTiming]:
+    """What each step the engine runs from now on computed, as its step log says (the warm-up
+    clears the log once done)."""
+    steps, step = [], engine.step
+
+    def recorded():
+        last = engine.step_log[-1] if engine.step_log else None
+        outputs = step()
+        if engine.step_log and engine.step_log[-1] is not last:
+            steps.append(engine.step_log[-1])
+        return outputs
+
+    engine.step = recorded
+    return steps
 
 
 def _record_params(engine) -> list[SamplingParams]:

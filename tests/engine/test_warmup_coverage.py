@@ -94,8 +94,8 @@ def _ready_engine(model_dir, keys: LaunchKeys):
     llm = LLM(str(model_dir), **ENGINE_ARGS)
     engine = llm.engine
     warm_up(engine)
-    engine.runner.enable_decode_graphs(64, engine.max_model_len, capture=False)
-    graphs = engine.runner.decode_graphs
+    engine.use_decode_buffers(capture=False)  # max_num_seqs = 64
+    graphs = engine.decode_graphs
     for size in graphs.buckets:
         for width in graphs.widths:
             graphs._forward(size, width)
