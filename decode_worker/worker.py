@@ -92,9 +92,12 @@ class DecodeWorker(EngineWorker):
         try:
             store = self.receiver.store_named(task.store_name)
             pages = await self._engine().reserve(
-                task.token_ids, task.params, task.request_id, task.block_keys,
+                task.token_ids,
+                task.params,
+                task.request_id,
+                task.block_keys,
                 num_prior_output_tokens=task.num_prior_output_tokens,
-            )  # fmt: skip
+            )
         except HalfmoonError as error:
             return WorkerError.of(error)
         key = task.ticket or task.request_id
@@ -179,9 +182,12 @@ class DecodeWorker(EngineWorker):
             yield aborted(task.request_id)
             return
         outputs = self._engine().generate(
-            task.token_ids, task.params, task.request_id, task.block_keys,
+            task.token_ids,
+            task.params,
+            task.request_id,
+            task.block_keys,
             num_prior_output_tokens=task.num_prior_output_tokens,
-        )  # fmt: skip
+        )
         async for out in _timed(_as_data(outputs), called_at):
             yield out
 

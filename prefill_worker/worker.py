@@ -104,9 +104,12 @@ class PrefillWorker(EngineWorker, KVHooks):
             task.params, max_tokens=1, stop=[], stop_token_ids=[], ignore_eos=True
         )
         outputs = self._engine().generate(
-            task.token_ids, first, task.request_id, task.block_keys,
+            task.token_ids,
+            first,
+            task.request_id,
+            task.block_keys,
             num_prior_output_tokens=task.num_prior_output_tokens,
-        )  # fmt: skip
+        )
         return [out async for out in outputs]
 
     async def kv_export(self):

@@ -28,9 +28,13 @@ def head_64_model(tmp_path_factory):
 
 def greedy(model_dir, prompts):
     llm = LLM(
-        str(model_dir), device="cpu", dtype="bfloat16", num_pages=128, max_num_batched_tokens=64,
+        str(model_dir),
+        device="cpu",
+        dtype="bfloat16",
+        num_pages=128,
+        max_num_batched_tokens=64,
         prefill_chunk_size=48,
-    )  # fmt: skip
+    )
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
     return [
         (out.token_ids, [entry.logprob for entry in out.logprobs])

@@ -69,9 +69,15 @@ def test_seeded_sampling_reproduces_on_cuda(checkpoints):
 
     def sampled(seed: int) -> list[list[int]]:
         params = SamplingParams(
-            max_tokens=12, temperature=0.9, top_k=50, top_p=0.9, min_p=0.02, seed=seed,
-            logprobs=2, ignore_eos=True,
-        )  # fmt: skip
+            max_tokens=12,
+            temperature=0.9,
+            top_k=50,
+            top_p=0.9,
+            min_p=0.02,
+            seed=seed,
+            logprobs=2,
+            ignore_eos=True,
+        )
         return [out.token_ids for out in llm.generate(prompts, params)]
 
     first = sampled(7)

@@ -175,9 +175,11 @@ def test_a_migrated_request_continues_its_grammar_from_its_earlier_output(llm):
     whole = llm.generate(prompt, _json(SCHEMA, temperature=0.0))[0]
     cut = len(whole.token_ids) // 2
     engine.add_request(
-        prompt + whole.token_ids[:cut], _json(SCHEMA, temperature=0.0), "migrated",
+        prompt + whole.token_ids[:cut],
+        _json(SCHEMA, temperature=0.0),
+        "migrated",
         num_prior_output_tokens=cut,
-    )  # fmt: skip
+    )
     rest = _run(engine, {"migrated"})["migrated"]
     assert engine.tokenizer.decode(whole.token_ids[:cut]) + rest == whole.text
 

@@ -95,8 +95,14 @@ def test_decode_splits_the_batch_into_chunks_without_changing_the_result(
     monkeypatch.setattr(reference, "DECODE_CHUNK_BYTES", 8192)
     lens = [5, 400, 16, 3, 33, 1, 900, 2]
     chunks = reference._decode_chunks(sorted(lens, reverse=True), 16, 256)
-    assert chunks == [(0, 1, 912, 900), (1, 2, 400, 400), (2, 3, 48, 33), (3, 5, 16, 5),
-                      (5, 7, 16, 2), (7, 8, 16, 1)]  # fmt: skip
+    assert chunks == [
+        (0, 1, 912, 900),
+        (1, 2, 400, 400),
+        (2, 3, 48, 33),
+        (3, 5, 16, 5),
+        (5, 7, 16, 2),
+        (7, 8, 16, 1),
+    ]
     actual, expected = decode_both(reference, paged_kv, lens, 2, torch.float32, head_dim=32)
     assert_close(actual, expected)
 
@@ -169,9 +175,13 @@ def per_run_prefill(query, k_cache, v_cache, cu_seqlens_q, block_tables, prefix_
         values = v_cache[pages].flatten(0, 1)[:total].transpose(0, 1)
         mask = torch.arange(total)[None, :] <= torch.arange(prefix_len, total)[:, None]
         attn = F.scaled_dot_product_attention(
-            query[start:end].transpose(0, 1), keys, values, attn_mask=mask, scale=scale,
+            query[start:end].transpose(0, 1),
+            keys,
+            values,
+            attn_mask=mask,
+            scale=scale,
             enable_gqa=True,
-        )  # fmt: skip
+        )
         out[start:end] = attn.transpose(0, 1)
     return out
 

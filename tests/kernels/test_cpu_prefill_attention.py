@@ -29,9 +29,12 @@ def runs_over_pages(paged_kv, lens, prefixes, ratio, block_size=16, num_kv_heads
     """bf16 queries for runs of `lens` new tokens after `prefixes` cached ones, and the paged
     K/V holding both; the arguments `prefill_attention` takes, scale 1/8."""
     kv = paged_kv(
-        [n + p for n, p in zip(lens, prefixes, strict=True)], block_size, num_kv_heads, 64,
+        [n + p for n, p in zip(lens, prefixes, strict=True)],
+        block_size,
+        num_kv_heads,
+        64,
         torch.bfloat16,
-    )  # fmt: skip
+    )
     query = torch.randn(sum(lens), num_kv_heads * ratio, 64).to(torch.bfloat16)
     cu_seqlens = torch.tensor([0, *lens]).cumsum(0).int()
     prefix_lens = torch.tensor(prefixes, dtype=torch.int32)

@@ -33,9 +33,16 @@ def test_bench_without_cuda_prints_the_reason(no_cuda, capsys):
 
 def test_bench_workloads_relate_each_kernel_to_peak_and_torch():
     config = bench.BenchConfig(
-        decode_batch=2, decode_context=40, prefill_batch=2, prefill_len=24,
-        num_q_heads=4, num_kv_heads=2, head_dim=64, warmup=0, iters=1,
-    )  # fmt: skip
+        decode_batch=2,
+        decode_context=40,
+        prefill_batch=2,
+        prefill_len=24,
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        warmup=0,
+        iters=1,
+    )
     peaks = bench.DevicePeaks(100.0, "test", 10.0, "test")
     calls = []
 
@@ -46,9 +53,15 @@ def test_bench_workloads_relate_each_kernel_to_peak_and_torch():
     results = bench.run_cases(triton_kernels, config, DEVICE, peaks, one_call_timer)
     kernels = [r.kernel for r in results]
     assert kernels == [
-        "paged_decode_attention", "prefill_attention", "prefill_engine_dispatch", "store_kv",
-        "gather_pages", "scatter_pages", "rms_norm", "rotary_embedding",
-    ]  # fmt: skip
+        "paged_decode_attention",
+        "prefill_attention",
+        "prefill_engine_dispatch",
+        "store_kv",
+        "gather_pages",
+        "scatter_pages",
+        "rms_norm",
+        "rotary_embedding",
+    ]
     assert len(calls) == 2 * len(results)
     ours, batched = calls[4], calls[5]  # the engine's per-run dispatch vs one batched SDPA
     torch.testing.assert_close(ours, batched.transpose(1, 2).flatten(0, 1), atol=2e-3, rtol=2e-3)

@@ -1,4 +1,5 @@
-"""The house's size limits (issue 29): no source file over 400 lines, no class over 300."""
+"""The house's size limits (issues 29 and 47): no source file over 400 lines, no class over 250, and
+no `# fmt: skip` packing outside tables of constants."""
 
 from __future__ import annotations
 
@@ -17,7 +18,10 @@ PARTS = [
     "bench",
 ]
 MAX_FILE_LINES = 400
-MAX_CLASS_LINES = 300
+MAX_CLASS_LINES = 250
+# Tables of constants that read best as rows: histogram buckets, the metric table, the
+# per-architecture config defaults.
+TABULAR = {"cluster/control/metrics.py", "cluster/worker/metrics.py", "engine/model_config.py"}
 
 
 def _sources() -> list[Path]:
@@ -30,7 +34,7 @@ def test_no_source_file_is_over_400_lines():
     assert long == {}
 
 
-def test_no_class_is_over_300_lines():
+def test_no_class_is_over_250_lines():
     long = {}
     for path in _sources():
         for node in ast.walk(ast.parse(path.read_text())):
@@ -43,3 +47,12 @@ def test_no_class_is_over_300_lines():
 
 def _lines(path: Path) -> int:
     return len(path.read_text().splitlines())
+
+
+def test_no_fmt_skip_outside_tables():
+    packed = {
+        str(path.relative_to(ROOT))
+        for path in _sources()
+        if "# fmt: skip" in path.read_text() and str(path.relative_to(ROOT)) not in TABULAR
+    }
+    assert packed == set()

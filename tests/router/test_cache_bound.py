@@ -53,11 +53,24 @@ def simulate_args(tmp_path) -> list[str]:
     """`halfmoon simulate` on TRACE over 2 prefill + 1 decode instances, 1 ms a token."""
     save_profile(simple_profile(), tmp_path / "profile.yaml")
     trace = tmp_path / "trace.jsonl"
-    lines = [{"timestamp": ms, "input_length": n, "output_length": 2, "hash_ids": ids}
-             for ms, n, ids in TRACE]  # fmt: skip
+    lines = [
+        {"timestamp": ms, "input_length": n, "output_length": 2, "hash_ids": ids}
+        for ms, n, ids in TRACE
+    ]
     trace.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    return ["--trace", str(trace), "--prefill", "2", "--decode", "1", "--block-size", "10",
-            "--profile", str(tmp_path / "profile.yaml"), "--no-progress"]  # fmt: skip
+    return [
+        "--trace",
+        str(trace),
+        "--prefill",
+        "2",
+        "--decode",
+        "1",
+        "--block-size",
+        "10",
+        "--profile",
+        str(tmp_path / "profile.yaml"),
+        "--no-progress",
+    ]
 
 
 def test_simulate_reports_the_bound_and_the_share_of_the_possible_gain(simulate_args, capsys):

@@ -142,9 +142,20 @@ def capacity_args(tmp_path):
     write_trace(trace)
     save_profile(PROFILE, profile)
     return [
-        "--trace", str(trace), "--profile", str(profile), "--splits", "2+1,1+2",
-        "--block-size", "10", "--tolerance", "0.1", "--ttft-slo", "0.2", "--no-progress",
-    ]  # fmt: skip
+        "--trace",
+        str(trace),
+        "--profile",
+        str(profile),
+        "--splits",
+        "2+1,1+2",
+        "--block-size",
+        "10",
+        "--tolerance",
+        "0.1",
+        "--ttft-slo",
+        "0.2",
+        "--no-progress",
+    ]
 
 
 def test_small_sweep_end_to_end_writes_json_and_plot(tmp_path, capsys, capacity_args):
@@ -242,8 +253,10 @@ def test_a_sweep_across_degrees_names_each_and_times_it_by_the_profile_at_it(
     assert result["colocated"]["instances"] == 2
     assert result["colocated"]["profile"] == "test@tp2"
     assert list(result["runs"]) == [
-        "disaggregated/2P@tp1+2D@tp1", "disaggregated/1P@tp2+2D@tp1", "colocated/least_loaded"
-    ]  # fmt: skip
+        "disaggregated/2P@tp1+2D@tp1",
+        "disaggregated/1P@tp2+2D@tp1",
+        "colocated/least_loaded",
+    ]
     (cap,) = result["capacity"]
     assert all(rps > 0 for rps in cap["rps"].values())
 
