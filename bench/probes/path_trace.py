@@ -1,65 +1,57 @@
-"""Which project files run code for one streaming chat completion on a live 1 + 1 cluster, in
-the order they are first entered, with the thread and process each ran on.
+"""Which project files run code for one streaming request on a live 1 + 1 cluster (an OpenAI
+chat completion over HTTP, or a gRPC `Generate`), in the order they are first entered, with
+the thread and process each ran on.
 
 `halfmoon serve` (disaggregated, one node, the router's short-prompt bypass off) runs with
 `path_trace_site/sitecustomize.py` in every process: a profile hook noting each epoch's first
-call into each project file (not .venv/, tests/, bench/). After a warm-up, epoch 1 holds one
-streaming request (max_tokens=8) and the 1 s after it, epoch 3 an idle window as long: what
-runs anyway. The issue's figures: the request window's files (the model's step and kernels as
-one, "the model") and folder changes (adjacent entries of that list in different folders).
+call into each project file (not .venv/, tests/, bench/). Per API, after a warm-up through the
+same API, one epoch holds one streaming request (max_tokens=8) and the 1 s after it, a later
+one an idle window as long: what runs anyway. `--api both` measures both on one server, one
+after the other, and writes {"openai": report, "grpc": report}; one API writes its report.
+The issue's figures: the request window's files (the model's step and kernels as one, "the
+model") and folder changes (adjacent entries of that list in different folders). Last, where
+docs/architecture.md's walk of each request and its trace disagree (`walk_gaps`).
 
-    python -m halfmoon.bench.probes.path_trace [--json FILE]
+    python -m halfmoon.bench.probes.path_trace [--api openai|grpc|both] [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-SITE_DIR = Path(__file__).resolve().parent / "path_trace_site"
-THE_MODEL = "the model"
-# The forward pass: the model, its runner, the layers and tensors it builds, and the kernels.
-MODEL_PREFIXES = ("kernels/",)
-MODEL_STEP = (
-    ("model", "model_runner", "rope", "cpu_linear", "cpu_memory"),
-    ("step_inputs", "device_copy", "cuda_graphs", "cuda_events", "tensor_parallel"),
+from halfmoon.bench.probes.path_trace_serve import (
+    descendants,
+    serve_command,
+    serve_env,
+    stop_serve,
+    wait_for_api,
+    wait_until_quiet,
 )
-MODEL_FILES = frozenset(f"engine/{name}.py" for names in MODEL_STEP for name in names)
+from halfmoon.bench.probes.path_walks import (
+    DOC,
+    THE_MODEL,
+    WALK_SECTION,
+    collapse_model,
+    count_folder_changes,
+    doc_walks,
+    walk_report_lines,
+)
+
+# Each API's epochs, after the 4 * (its place in the run) of those before it; 0: start-up.
 EPOCH_REQUEST, EPOCH_SETTLE, EPOCH_IDLE, EPOCH_END = 1, 2, 3, 4
+APIS = ("openai", "grpc")
 SETTLE_BEFORE_S, TRAIL_S, SETTLE_AFTER_S = 0.3, 1.0, 0.5
 # Different words: the measured prompt finds no warm-up prefix beyond the chat template's.
 WARM_UP_TEXT, MEASURED_TEXT = "Warm up, please.", "Say hello."
 MAX_TOKENS = 8
-# Ray's GCS and raylet and the actors' pollers, idle, use a few % of a core together.
-QUIET_CPU_S, QUIET_SPAN_S, QUIET_TIMEOUT_S = 0.15, 1.0, 90.0
-
-
-def folder_of(path: str) -> str:
-    """The folder of a repo-relative file (`cluster/serving`, `engine`; `.` at the root)."""
-    return str(Path(path).parent) if path != THE_MODEL else THE_MODEL
-
-
-def collapse_model(path: str) -> str:
-    """`the model` for a file of the model's step or a kernel; any other path as it is."""
-    return THE_MODEL if path in MODEL_FILES or path.startswith(MODEL_PREFIXES) else path
-
-
-def count_folder_changes(paths: list[str]) -> int:
-    """How many adjacent entries of `paths` lie in different folders."""
-    folders = [folder_of(path) for path in paths]
-    return sum(1 for left, right in zip(folders, folders[1:], strict=False) if left != right)
 
 
 def process_role(title: str) -> str:
@@ -120,112 +112,6 @@ def load_records(trace_dir: Path, epoch: int) -> list[dict]:
     return records
 
 
-def serve_command(model: str | None, config: Path | None) -> list[str]:
-    """`halfmoon serve` as a user runs it: 1 prefill + 1 decode on ports it picks free."""
-    script = Path(sys.executable).parent / "halfmoon"
-    start = [str(script)] if script.exists() else [sys.executable, "-m", "halfmoon.cluster.cli"]
-    ports = ["--port", "0", "--metrics-port", "0", "--http-port", "0"]
-    shape = ["--mode", "disaggregated", "--prefill", "1", "--decode", "1"]
-    options = ["--model", model] if model else []
-    options += ["--config", str(config)] if config else []
-    return start + ["serve", *ports, *shape, *options]
-
-
-def serve_env(trace_dir: Path) -> dict[str, str]:
-    """This environment, with the tracer first on PYTHONPATH and a Ray of the server's own."""
-    path = os.pathsep.join(p for p in (str(SITE_DIR), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "PYTHONPATH": path, "RAY_AUTH_MODE": "disabled", "RAY_ADDRESS": "local"}
-    env["HALFMOON_PATH_TRACE_DIR"], env["HALFMOON_PATH_TRACE_ROOT"] = str(trace_dir), str(REPO_ROOT)
-    env.setdefault("RAY_gcs_server_port_wait_time_s", "120")  # a busy 2-core machine is slow
-    return env
-
-
-def wait_for_api(process: subprocess.Popen, log: Path, timeout_s: float) -> str:
-    """The API's base URL once serve prints it (after its calibration requests) and
-    `GET /v1/models` answers; fails with the server's log if it exits or times out."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"halfmoon serve exited ({process.returncode}):\n{_tail(log)}")
-        found = re.search(r"OpenAI\s+(http://\S+/v1)", _tail(log))
-        if found and _answers(f"{found[1]}/models"):
-            return found[1]
-        time.sleep(1.0)
-    raise RuntimeError(f"halfmoon serve did not answer in {timeout_s:g} s:\n{_tail(log)}")
-
-
-def _answers(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as answer:
-            return answer.status == 200
-    except OSError:
-        return False
-
-
-def _stat(pid: int) -> list[str]:
-    """The fields of /proc/PID/stat after the command name (none once the process is gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return []
-
-
-def cpu_s(pids: list[int]) -> float:
-    """The CPU time (user + system) the processes `pids` have used so far."""
-    ticks = sum(int(f[11]) + int(f[12]) for f in map(_stat, pids) if len(f) > 12)
-    return ticks / os.sysconf("SC_CLK_TCK")
-
-
-def wait_until_quiet(parent: int, timeout_s: float = QUIET_TIMEOUT_S) -> bool:
-    """Until the server's processes use under `QUIET_CPU_S` in a `QUIET_SPAN_S` (start-up work
-    such as the grammar builder's imports is over); False if never within `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        pids = descendants(parent) + [parent]
-        before_s = cpu_s(pids)
-        time.sleep(QUIET_SPAN_S)
-        if cpu_s(pids) - before_s < QUIET_CPU_S:
-            return True
-    return False
-
-
-def _tail(log: Path, num_chars: int = 4000) -> str:
-    return log.read_text(errors="replace")[-num_chars:] if log.exists() else ""
-
-
-def descendants(parent: int) -> list[int]:
-    """Every process `parent` started, and theirs (Ray's GCS, raylet, workers, Redis)."""
-    found, todo = [], [parent]
-    while todo:
-        out = subprocess.run(["pgrep", "-P", str(todo.pop())], capture_output=True, text=True)
-        children = [int(pid) for pid in out.stdout.split()]
-        found, todo = found + children, todo + children
-    return found
-
-
-def stop_serve(process: subprocess.Popen, started: list[int], timeout_s: float = 120) -> None:
-    """SIGINT and a clean exit; past `timeout_s` a kill, then any of its processes left."""
-    if process.poll() is None:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=30)
-    deadline = time.monotonic() + 30
-    while any(map(_alive, started)) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    for pid in filter(_alive, started):  # only this server's own: other Rays may be running
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-
-
-def _alive(pid: int) -> bool:
-    """Running (a zombie waiting for init to reap it counts as gone)."""
-    return _stat(pid)[:1] not in ([], ["Z"])
-
-
 def stream_chat(client, model: str, text: str) -> int:
     """One streaming chat completion of `text` read to its end; the number of chunks."""
     stream = client.chat.completions.create(
@@ -239,6 +125,14 @@ def stream_chat(client, model: str, text: str) -> int:
     return sum(1 for _ in stream)
 
 
+def stream_generate(client, text: str, timeout_s: float) -> int:
+    """One streaming gRPC `Generate` of `text` (as `halfmoon generate` sends it) read to its
+    end with the project's own client; the number of deltas."""
+    sampling = {"max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True}
+    with client.generate(text, timeout=timeout_s, **sampling) as stream:
+        return sum(1 for _ in stream)
+
+
 def set_epoch(trace_dir: Path, epoch: int) -> float:
     """Start epoch `epoch` in every traced process (their pollers read it); when, wall time."""
     tmp = trace_dir / "epoch.tmp"
@@ -247,9 +141,9 @@ def set_epoch(trace_dir: Path, epoch: int) -> float:
     return time.time()
 
 
-def wait_for_dumps(trace_dir: Path, epoch: int, timeout_s: float = 10.0) -> None:
-    """Until every process that wrote the request window has written `epoch` too."""
-    pids = {path.name.split("-")[0] for path in trace_dir.glob(f"*-{EPOCH_REQUEST}.jsonl")}
+def wait_for_dumps(trace_dir: Path, first: int, epoch: int, timeout_s: float = 10.0) -> None:
+    """Until every process that wrote epoch `first` (a request window) has written `epoch`."""
+    pids = {path.name.split("-")[0] for path in trace_dir.glob(f"*-{first}.jsonl")}
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if pids <= {path.name.split("-")[0] for path in trace_dir.glob(f"*-{epoch}.jsonl")}:
@@ -257,30 +151,56 @@ def wait_for_dumps(trace_dir: Path, epoch: int, timeout_s: float = 10.0) -> None
         time.sleep(0.1)
 
 
-def measure(client, trace_dir: Path, serve_pid: int) -> dict:
-    """The warm-up, then the measured request's window and the idle one (wall times)."""
-    model = client.models.list().data[0].id
-    stream_chat(client, model, WARM_UP_TEXT)
+def measure(send, trace_dir: Path, serve_pid: int, base: int = 0) -> dict:
+    """The warm-up, then the measured request's window and the idle one (wall times), in
+    epochs `base` + 1..4; `send(text)` streams one request and returns its chunks."""
+    send(WARM_UP_TEXT)
     quiet = wait_until_quiet(serve_pid)
-    request_at = set_epoch(trace_dir, EPOCH_REQUEST)
+    request_at = set_epoch(trace_dir, base + EPOCH_REQUEST)
     time.sleep(SETTLE_BEFORE_S)
     sent_at = time.time()
-    chunks = stream_chat(client, model, MEASURED_TEXT)
+    chunks = send(MEASURED_TEXT)
     time.sleep(TRAIL_S)
-    request_s = set_epoch(trace_dir, EPOCH_SETTLE) - request_at
+    request_s = set_epoch(trace_dir, base + EPOCH_SETTLE) - request_at
     time.sleep(SETTLE_AFTER_S)
-    idle_at = set_epoch(trace_dir, EPOCH_IDLE)
+    idle_at = set_epoch(trace_dir, base + EPOCH_IDLE)
     time.sleep(request_s)
-    idle_s = set_epoch(trace_dir, EPOCH_END) - idle_at
-    wait_for_dumps(trace_dir, EPOCH_IDLE)
-    run = {"model": model, "chunks": chunks, "quiet_before": quiet, "sent_at": sent_at}
+    idle_s = set_epoch(trace_dir, base + EPOCH_END) - idle_at
+    wait_for_dumps(trace_dir, base + EPOCH_REQUEST, base + EPOCH_IDLE)
+    run = {"chunks": chunks, "quiet_before": quiet, "sent_at": sent_at, "base_epoch": base}
     return {**run, "idle_at": idle_at, "request_window_s": request_s, "idle_window_s": idle_s}
 
 
-def run_cluster(trace_dir: Path, model: str | None, timeout_s: float, bypass: bool) -> dict:
-    """Serve, measure, stop: the run's facts and both windows' records."""
+def measure_apis(apis, base_url: str, grpc_at: str, trace_dir: Path, pid: int, timeout_s: float):
+    """Each API's facts (`measure`), one after the other on the one server."""
     import openai
 
+    from halfmoon.cluster.client.grpc_client import Client
+    from halfmoon.cluster.frontend.auth import API_KEY_ENV
+
+    api_key = os.environ.get(API_KEY_ENV)
+    http_key = api_key or "unused"  # the openai client needs one; serve's default asks none
+    with (
+        openai.OpenAI(base_url=base_url, api_key=http_key, max_retries=0) as http,
+        Client(grpc_at, api_key=api_key) as rpc,
+    ):
+        http = http.with_options(timeout=timeout_s)
+        model = http.models.list().data[0].id
+        senders = {
+            "openai": lambda text: stream_chat(http, model, text),
+            "grpc": lambda text: stream_generate(rpc, text, timeout_s),
+        }
+        runs = []
+        for index, api in enumerate(apis):
+            facts = measure(senders[api], trace_dir, pid, base=index * EPOCH_END)
+            runs.append({"api": api, "model": model, **facts})
+        return runs
+
+
+def run_cluster(
+    trace_dir: Path, model: str | None, timeout_s: float, bypass: bool, apis=("openai",)
+) -> list[dict]:
+    """Serve, measure each API, stop: each run's facts and both its windows' records."""
     log = trace_dir / "serve.log"
     set_epoch(trace_dir, 0)
     config = None if bypass else trace_dir / "no-bypass.yaml"
@@ -290,17 +210,16 @@ def run_cluster(trace_dir: Path, model: str | None, timeout_s: float, bypass: bo
         command, env = serve_command(model, config), serve_env(trace_dir)
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
     started: list[int] = []
-    api_key = os.environ.get("HALFMOON_API_KEY") or "unused"  # serve's own default key
     try:
-        base_url = wait_for_api(process, log, timeout_s)
+        base_url, grpc_at = wait_for_api(process, log, timeout_s)
         started = descendants(process.pid)
-        with openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client:
-            facts = measure(client.with_options(timeout=timeout_s), trace_dir, process.pid)
+        runs = measure_apis(apis, base_url, grpc_at, trace_dir, process.pid, timeout_s)
     finally:
         stop_serve(process, sorted({*started, *descendants(process.pid)}))
-    facts["request"] = load_records(trace_dir, EPOCH_REQUEST)
-    facts["idle"] = load_records(trace_dir, EPOCH_IDLE)
-    return facts
+    for facts in runs:
+        facts["request"] = load_records(trace_dir, facts["base_epoch"] + EPOCH_REQUEST)
+        facts["idle"] = load_records(trace_dir, facts["base_epoch"] + EPOCH_IDLE)
+    return runs
 
 
 def summarize(facts: dict) -> dict:
@@ -310,9 +229,10 @@ def summarize(facts: dict) -> dict:
     idle_files = {entry["file"] for entry in idle["entries"]}
     only = [entry["file"] for entry in request["entries"] if entry["file"] not in idle_files]
     records = facts["request"] + facts["idle"]
-    keys = ("model", "chunks", "quiet_before", "request_window_s", "idle_window_s")
+    keys = ("api", "model", "chunks", "quiet_before", "request_window_s", "idle_window_s")
     model_files = {r["file"] for r in records if collapse_model(r["file"]) != r["file"]}
     return {
+        "api": facts["api"],
         "run": {key: facts[key] for key in keys},
         "request": request,
         "idle": idle,
@@ -322,11 +242,15 @@ def summarize(facts: dict) -> dict:
     }
 
 
+API_REQUESTS = {"openai": "streaming chat completion (HTTP)", "grpc": "streaming gRPC Generate"}
+
+
 def render(report: dict) -> str:
     """The human-readable summary: the ordered list, then the figures."""
     request, idle, run = report["request"], report["idle"], report["run"]
+    what = API_REQUESTS[report["api"]]
     lines = [
-        f"Request window: one streaming chat completion ({run['model']}, {run['chunks']} chunks),",
+        f"Request window: one {what} ({run['model']}, {run['chunks']} chunks),",
         "1 prefill + 1 decode; ms: after the request was sent",
         f"{'#':>3} {'ms':>7}  {'file':<40} {'thread':<24} process",
         *_entry_lines(request),
@@ -364,6 +288,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description=__doc__.split("\n\n")[0].replace("\n", " "),
         epilog=__doc__.split("\n\n")[1].replace("\n", " "),
     )
+    parser.add_argument(
+        "--api",
+        choices=(*APIS, "both"),
+        default="openai",
+        help="the measured request: an OpenAI streaming chat completion (default), a streaming "
+        "gRPC Generate with the project's client, or both on one server ({api: report})",
+    )
     parser.add_argument("--json", metavar="FILE", help="write the full result here")
     parser.add_argument("--model", help="passed to `halfmoon serve --model` (default: its own)")
     parser.add_argument(
@@ -377,15 +308,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    apis = APIS if args.api == "both" else (args.api,)
     trace_dir = Path(tempfile.mkdtemp(prefix="halfmoon-path-trace-"))
     try:
-        report = summarize(run_cluster(trace_dir, args.model, args.timeout_s, args.bypass))
+        runs = run_cluster(trace_dir, args.model, args.timeout_s, args.bypass, apis)
+        reports = {facts["api"]: summarize(facts) for facts in runs}
     except BaseException:
         print(f"path trace failed; its trace and serve.log: {trace_dir}", file=sys.stderr)
         raise
-    print(render(report))
+    print("\n\n".join(render(report) for report in reports.values()))
+    if DOC.is_file() and WALK_SECTION in DOC.read_text():
+        print("\n" + "\n".join(walk_report_lines(reports, doc_walks(DOC.read_text()))))
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        result = reports if len(reports) > 1 else reports[apis[0]]
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     if args.keep_trace:
         print(f"\nraw trace: {trace_dir}")
     else:

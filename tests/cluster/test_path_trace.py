@@ -1,5 +1,6 @@
 """The path trace (`python -m halfmoon.bench.probes.path_trace`): its counting functions, its
-per-process tracer in a plain subprocess, and one end-to-end run on a live 1 + 1 cluster."""
+per-process tracer in a plain subprocess, and one end-to-end run of each API on one live 1 + 1
+cluster, held against docs/architecture.md's walks of the two requests."""
 
 from __future__ import annotations
 
@@ -10,15 +11,13 @@ import sys
 
 import pytest
 
-from halfmoon.bench.probes import path_trace
-from halfmoon.bench.probes.path_trace import (
+from halfmoon.bench.probes import path_trace, path_trace_serve, path_walks
+from halfmoon.bench.probes.path_trace import first_entries, process_role, window_figures
+from halfmoon.bench.probes.path_walks import (
     THE_MODEL,
     collapse_model,
     count_folder_changes,
-    first_entries,
     folder_of,
-    process_role,
-    window_figures,
 )
 
 
@@ -79,17 +78,17 @@ def test_the_tracer_writes_each_epoch_of_a_process_when_the_epoch_changes(tmp_pa
     (tmp_path / "epoch").write_text("0\n")
     env = {
         **os.environ,
-        "PYTHONPATH": str(path_trace.SITE_DIR),
+        "PYTHONPATH": str(path_trace_serve.SITE_DIR),
         "HALFMOON_PATH_TRACE_DIR": str(tmp_path),
-        "HALFMOON_PATH_TRACE_ROOT": str(path_trace.REPO_ROOT),
+        "HALFMOON_PATH_TRACE_ROOT": str(path_trace_serve.REPO_ROOT),
     }
     script = f"""
 import pathlib, time
 epoch = pathlib.Path({str(tmp_path / "epoch")!r})
 epoch.write_text("1"); time.sleep(0.3)
 from halfmoon.router import conductor
-from halfmoon.bench.probes import path_trace
-path_trace.folder_of("engine/a.py")
+from halfmoon.bench.probes import path_walks
+path_walks.folder_of("engine/a.py")
 epoch.write_text("2"); time.sleep(0.3)
 """
     done = subprocess.run([sys.executable, "-c", script], env=env, timeout=120)
@@ -106,27 +105,70 @@ epoch.write_text("2"); time.sleep(0.3)
     assert "router/conductor.py" not in before
 
 
+def test_a_walk_misses_request_only_files_and_lists_no_stale_ones():
+    walks = {
+        "openai": [
+            {"files": ["cluster/frontend/http_server.py"], "when": False},
+            {"files": ["engine/model.py", "kernels/ops.py"], "when": False},
+            {"files": ["router/conductor.py"], "when": True},
+            {"files": ["engine/gone_away.py"], "when": False},
+        ],
+        "background": ["cluster/serving/router_actor.py"],
+    }
+    entries = ["cluster/frontend/http_server.py", THE_MODEL, "engine/llm_engine.py"]
+    report = {
+        "api": "openai",
+        "request": {"entries": [{"file": file} for file in entries]},
+        "request_only": [*entries, "cluster/serving/router_actor.py"],
+    }
+    assert path_walks.walk_gaps(report, walks) == {
+        "missing": ["engine/llm_engine.py"],
+        "gone": ["engine/gone_away.py"],
+        "not_run": ["engine/gone_away.py"],
+    }
+
+
+# Files every walk must show: if one drops out, the trace lost the request, not the doc.
+CORE_FILES = (
+    "router/conductor.py",
+    "prefill_worker/worker.py",
+    "decode_worker/worker.py",
+    "engine/llm_engine.py",
+    THE_MODEL,
+)
+SERVERS = {"openai": "cluster/frontend/http_server.py", "grpc": "cluster/frontend/grpc_server.py"}
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_one_streaming_chat_request_on_a_live_cluster(tmp_path, capsys):
+def test_one_request_of_each_api_on_one_live_cluster_matches_the_docs_walks(tmp_path, capsys):
+    """One server, an OpenAI streaming chat and then a gRPC `Generate` in epochs of their own;
+    each API's request-only files must all be in its walk in docs/architecture.md, and the
+    walk lists no file that is gone or did not run (unless the doc marks it "when ...")."""
     out = tmp_path / "path.json"
-    assert path_trace.main(["--json", str(out)]) == 0
-    report = json.loads(out.read_text())
-    request = report["request"]
-    files = {entry["file"] for entry in request["entries"]}
-    expected = {
-        "cluster/frontend/http_server.py",
-        "router/conductor.py",
-        "prefill_worker/worker.py",
-        "decode_worker/worker.py",
-        "engine/llm_engine.py",
-        THE_MODEL,
-    }
-    assert expected <= files, sorted(expected - files)
-    assert all(isinstance(e["thread"], str) and e["thread"] for e in request["entries"])
-    assert {"PrefillWorker", "DecodeWorker", "RouterActor"} <= set(report["processes"])
-    for window in (request, report["idle"]):
-        assert isinstance(window["folder_changes"], int) and window["folder_changes"] >= 0
-    assert report["idle"]["files"] < request["files"] <= request["files_uncollapsed"]
-    assert "cluster/frontend/http_server.py" in report["request_only"]
-    assert "folder changes" in capsys.readouterr().out
+    assert path_trace.main(["--api", "both", "--json", str(out)]) == 0
+    reports = json.loads(out.read_text())
+    walks = path_walks.doc_walks(path_walks.DOC.read_text())
+    assert set(reports) == set(path_trace.APIS)
+    for api, report in reports.items():
+        request = report["request"]
+        assert report["api"] == report["run"]["api"] == api and report["run"]["chunks"] > 1
+        files = {entry["file"] for entry in request["entries"]}
+        expected = {SERVERS[api], *CORE_FILES}
+        assert expected <= files, (api, sorted(expected - files))
+        assert all(isinstance(e["thread"], str) and e["thread"] for e in request["entries"])
+        assert {"PrefillWorker", "DecodeWorker", "RouterActor"} <= set(report["processes"])
+        for window in (request, report["idle"]):
+            assert isinstance(window["folder_changes"], int) and window["folder_changes"] >= 0
+        assert report["idle"]["files"] < request["files"] <= request["files_uncollapsed"]
+        idle_files = {entry["file"] for entry in report["idle"]["entries"]}
+        assert SERVERS["openai"] not in idle_files  # no poll runs the HTTP API
+        if api == "grpc":  # the gRPC request did not go through HTTP
+            assert SERVERS["openai"] not in files
+        gaps = path_walks.walk_gaps(report, walks)
+        assert gaps == {"missing": [], "gone": [], "not_run": []}, (
+            f"docs/architecture.md {path_walks.WALK_HEADINGS[api]!r} and the trace disagree "
+            f"(re-measure: halfmoon bench path-trace --api both): {gaps}"
+        )
+    printed = capsys.readouterr().out
+    assert "folder changes" in printed and "gRPC Generate" in printed
