@@ -201,6 +201,9 @@ def test_an_abort_that_overtakes_its_reserve_or_prefill_still_frees_them(default
     task = DecodeTask("late", token_ids, params, keys, store_name=store_name, ticket="ticket-2")
     pages = ray.get(decode.reserve.remote(task))
     assert ray.get(decode.abort.remote("late", "ticket-2")) is True
+    # The counters are the engine's as of the end of its last step or call (never waiting for
+    # the one in progress), published just after the abort's answer: under load, a moment later.
+    _wait_until(lambda: counters(cluster, "decode-1")["num_used_pages"] == 0, 10, "pages freed")
     freed = counters(cluster, "decode-1")["num_used_pages"]
     assert late_reserve == WorkerError("CANCELLED", "request late was aborted")
     assert late_prefill == WorkerError("CANCELLED", "request late was aborted")
