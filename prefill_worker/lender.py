@@ -77,14 +77,16 @@ class Lender:
 
     def try_notify_now(self, job: Job, notice) -> bool:
         """Step thread: send `notice` now if that never blocks; False to queue it instead."""
-        return self.notices.try_send(job.peer, notice)
+        peer = job.peer  # read once: another thread drops it when the socket fails
+        return peer is not None and self.notices.try_send(peer, notice)
 
     def notify(self, job: Job, notice) -> bool:
         """Tell the decode worker; False (logged once per request) when it cannot be reached."""
-        if job.peer is None:
+        peer = job.peer  # read once: another thread drops it when the socket fails
+        if peer is None:
             return False
         try:
-            self.notices.send(job.peer, notice)
+            self.notices.send(peer, notice)
             return True
         except OSError as error:
             self.num_failed_notices += 1

@@ -178,8 +178,8 @@ class Publisher:
         release = lease_id if last else None
         if item.offered is not None:  # its page notice first (the lender is rarely behind)
             item.offered.wait(OFFER_WAIT_S)
-        if job.peer is not None:
-            peer = job.peer
+        peer = job.peer  # read once: the lender drops it when the socket fails
+        if peer is not None:
             notice = LayerNotice(job.key, item.unit, layer, lease_id if last else 0, tuple(slots))
             if self.lender.notify(job, notice):
                 release = None
