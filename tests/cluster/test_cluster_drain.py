@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 
@@ -14,6 +13,7 @@ import pytest
 from cache_testkit import cache_with_built_kernels
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_testkit import wait_for
+from serve_testkit import start_serve
 from test_cluster_process import _alive, _descendants, _name, _wait_for_line
 
 from halfmoon.cluster.client.grpc_client import Client, ServerError
@@ -39,24 +39,14 @@ def test_sigterm_lets_long_streams_finish_and_refuses_new_requests(tiny_model_di
     unset = ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
     env = {key: value for key, value in os.environ.items() if key not in unset}
     env |= {"HALFMOON_CACHE": str(cache_with_built_kernels(tmp_path / "cache")), "HOME": str(home)}
-    serve = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "halfmoon.cluster.cli",
-            "serve",
-            "--model",
-            str(tiny_model_dir),
-            "--port",
-            str(port),
-            "--metrics-port",
-            str(metrics_port),
-            "--drain-timeout",
-            "300",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+    serve = start_serve(
+        tiny_model_dir,
+        "--port",
+        str(port),
+        "--metrics-port",
+        str(metrics_port),
+        "--drain-timeout",
+        "300",
         env=env,
     )
     address = f"127.0.0.1:{port}"

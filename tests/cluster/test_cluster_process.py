@@ -11,6 +11,7 @@ import time
 
 import pytest
 from cache_testkit import cache_with_built_kernels
+from serve_testkit import start_serve
 
 pytestmark = pytest.mark.slow
 
@@ -76,24 +77,14 @@ def test_serve_generate_and_shutdown_leave_no_ray_processes(tiny_model_dir, tmp_
     port, metrics_port, http_port = free_port(), free_port(), free_port()
     cache = cache_with_built_kernels(tmp_path / "cache")
     env = {**os.environ, "RAY_ADDRESS": "local", "HALFMOON_CACHE": str(cache)}
-    serve = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "halfmoon.cluster.cli",
-            "serve",
-            "--model",
-            str(tiny_model_dir),
-            "--port",
-            str(port),
-            "--metrics-port",
-            str(metrics_port),
-            "--http-port",
-            str(http_port),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+    serve = start_serve(
+        tiny_model_dir,
+        "--port",
+        str(port),
+        "--metrics-port",
+        str(metrics_port),
+        "--http-port",
+        str(http_port),
         env=env,
     )
     try:
@@ -173,27 +164,16 @@ def test_ctrl_c_while_starting_stops_what_started_and_exits_130(tiny_model_dir, 
     and none of the processes it had started left behind."""
     cache = cache_with_built_kernels(tmp_path / "cache")
     env = {**os.environ, "RAY_ADDRESS": "local", "HALFMOON_CACHE": str(cache)}
-    serve = subprocess.Popen(
-        [
-            sys.executable,
-            "-X",
-            "faulthandler",
-            "-m",
-            "halfmoon.cluster.cli",
-            "serve",
-            "--model",
-            str(tiny_model_dir),
-            "--port",
-            "0",
-            "--metrics-port",
-            "0",
-            "--http-port",
-            "off",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+    serve = start_serve(
+        tiny_model_dir,
+        "--port",
+        "0",
+        "--metrics-port",
+        "0",
+        "--http-port",
+        "off",
         env=env,
+        faulthandler=True,
     )
     try:
         # Logged once ray.init has returned (a SIGINT inside ray.init's last moments can hang

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 from cache_testkit import cache_with_built_kernels
+from serve_testkit import start_serve
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "deploy" / "gpu"))
@@ -265,25 +266,16 @@ def test_rehearsal_halfmoon_serves_from_the_wheelhouse_on_an_image_only_python(
         assert "Redis server" in _ok([redis, "--version"], env=env)
 
     port, metrics_port, http_port = free_port(), free_port(), free_port()
-    serve = subprocess.Popen(
-        [
-            python,
-            "-m",
-            "halfmoon.cluster.cli",
-            "serve",
-            "--model",
-            str(tiny_model_dir),
-            "--port",
-            str(port),
-            "--metrics-port",
-            str(metrics_port),
-            "--http-port",
-            str(http_port),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+    serve = start_serve(
+        tiny_model_dir,
+        "--port",
+        str(port),
+        "--metrics-port",
+        str(metrics_port),
+        "--http-port",
+        str(http_port),
         env=env,
+        python=python,
     )
     try:
         _read_until(serve, "gRPC", timeout_s=240)
