@@ -59,6 +59,11 @@ class Reservation:
     fence: object | None = None
     arrived: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     join_error: HalfmoonError | None = None
+    # From a prefill worker on another node (decode_worker/engine_receive.py): its word, a
+    # staging `Grant` or None (the store's stream), and the (unit, layer)s that landed.
+    num_tokens: int = 0
+    engine: asyncio.Future | None = None
+    landed: set[tuple[int, int]] = dataclasses.field(default_factory=set)
 
 
 class Notices:
@@ -107,6 +112,10 @@ class Notices:
         for notice, conn in self.early.pop(key, []):
             self._on_notice(notice, conn)
         return reservation
+
+    def find(self, key: str) -> Reservation | None:
+        """The live reservation that notices call `key`, if any."""
+        return self.by_key.get(key)
 
     def reservation(self, request_id: str) -> Reservation:
         """The reservation of `request_id` (KeyError if it has none)."""

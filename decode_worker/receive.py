@@ -1,6 +1,7 @@
 """The receive: a prompt's KV pulled into the pages reserved for it, unit by unit and layer
-by layer as the prefill worker publishes it, from the store's stream or, on its node, out of
-the arena slots or lent pages its notices name."""
+by layer as the prefill worker publishes it: from the store's stream; on its node, out of the
+arena slots or lent pages its notices name; from another node, out of the staging slots it
+wrote into on the transfer engine (decode_worker/engine_receive.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from collections import OrderedDict
 
 import ray
 
+from halfmoon.decode_worker.engine_receive import EngineReceiver
 from halfmoon.decode_worker.notices import Notices, Reservation
 from halfmoon.engine.kv_cache import PagedKvCache
 from halfmoon.kvstore.locate import local_store
@@ -19,6 +21,7 @@ from halfmoon.kvstore.shared_arena import MappedArena, map_arena
 from halfmoon.kvstore.transfer.channel import NoticeConn
 from halfmoon.kvstore.transfer.notice_format import LayerNotice, PagesNotice
 from halfmoon.kvstore.transfer.plan import TransferUnit
+from halfmoon.kvstore.transfer.staging import Grant
 
 RECENT_TIMINGS = 1024
 # Until the router hands the request over (its prefill returned), the reads wait for the
@@ -43,9 +46,17 @@ class ReceiveTimings:
 class Receiver:
     """Copies prompts' KV into reserved pages; keeps each receive's timings."""
 
-    def __init__(self, kv_cache: PagedKvCache, notices: Notices, store, get_timeout_s: float):
+    def __init__(
+        self,
+        kv_cache: PagedKvCache,
+        notices: Notices,
+        store,
+        get_timeout_s: float,
+        engine: EngineReceiver,
+    ):
         self.kv_cache = kv_cache  # the engine's: the reserved pages are written through it
         self.notices = notices
+        self.engine = engine
         self.store = store
         self.get_timeout_s = get_timeout_s
         self.stores: dict[str, object] = {}
@@ -55,12 +66,17 @@ class Receiver:
         self.num_shared_reads = 0
         self.num_direct_receives = 0
         self.num_page_copies = 0  # layers copied out of a prefill worker's lent pages
+        self.num_engine_receives = 0  # from another node, on the transfer engine
+        self.num_streamed_layers = 0  # layers that came as Ray objects of the store's stream
 
     def counters(self) -> dict:
         return {
             "num_shared_reads": self.num_shared_reads,
             "num_direct_receives": self.num_direct_receives,
             "num_page_copies": self.num_page_copies,
+            "num_engine_receives": self.num_engine_receives,
+            "num_streamed_layers": self.num_streamed_layers,
+            **self.engine.counters(),
         }
 
     def store_named(self, name: str | None):
@@ -96,7 +112,12 @@ class Receiver:
         reservation: Reservation,
     ) -> None:
         """Copy the prompt's KV into `pages`: as the notices say when told directly and the
-        store is on this node, else from the store's stream."""
+        store is on this node; from another node, out of the staging slots its prefill worker
+        wrote into when it took a grant; else from the store's stream."""
+        if reservation.engine is not None and (grant := await reservation.engine) is not None:
+            self.num_engine_receives += 1
+            await self._engine_received(request_id, units, pages, reservation, grant)
+            return
         arena = await self._arena(store, store_name)
         if reservation.direct and arena is not None:
             self.num_direct_receives += 1
@@ -182,6 +203,37 @@ class Receiver:
         timings.num_bytes += kv.nbytes
         return kv_cache.write_layer(layer, unit_pages, kv, ordered=False, after=after)
 
+    async def _engine_received(
+        self, request_id: str, units, pages: list[int], reservation: Reservation, grant: Grant
+    ) -> None:
+        """Each layer of each unit out of the staging slots, once its landed notice came."""
+        kv_cache, staging = self.kv_cache, self.engine.staging
+        timings = self.timings[request_id]
+        written, clean = None, False
+        self.engine.opened()
+        try:
+            async with asyncio.timeout(PREFILL_WAIT_S):  # the router aborts long before
+                for index, unit in enumerate(units):
+                    first, count = unit.first_block, len(unit.keys)
+                    for layer in range(kv_cache.num_layers):
+                        while (index, layer) not in reservation.landed:
+                            reservation.arrived.clear()
+                            await reservation.arrived.wait()
+                        kv = staging.layer(grant, layer, first, count)
+                        written = kv_cache.write_layer(
+                            layer,
+                            pages[first : first + count],
+                            kv,
+                            ordered=False,
+                            after=reservation.fence,
+                        )
+                        timings.num_bytes += kv.nbytes
+                        _first_layer(timings)
+            await self._all_written(written, timings)
+            clean = True
+        finally:
+            self.engine.closed(grant, clean)
+
     async def _streamed(
         self, store, request_id: str, units, pages: list[int], arena: MappedArena | None, after
     ) -> None:
@@ -215,6 +267,7 @@ class Receiver:
                     written = kv_cache.write_layer(
                         layer, unit_pages, kv, ordered=False, after=after
                     )
+                    self.num_streamed_layers += arena is None
                     timings.num_bytes += kv.nbytes
                     _first_layer(timings)
         except BaseException:

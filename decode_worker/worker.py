@@ -11,20 +11,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 
+import ray
+
 from halfmoon.cluster.worker.actor import EngineWorker
 from halfmoon.cluster.worker.errors import WorkerError, aborted
+from halfmoon.decode_worker.engine_receive import EngineReceiver
 from halfmoon.decode_worker.notices import EARLY_NOTICE_S, Notices, Reservation
 from halfmoon.decode_worker.receive import Receiver, ReceiveTimings
 from halfmoon.decode_worker.task import DecodeTask
 from halfmoon.engine.config import EngineConfig
 from halfmoon.engine.errors import HalfmoonError
 from halfmoon.engine.llm_engine import LLMEngine, RequestOutput
+from halfmoon.kvstore.config import TransferSettings
+from halfmoon.kvstore.locate import local_store_name
 from halfmoon.kvstore.transfer.channel import KvPeer
+from halfmoon.kvstore.transfer.staging import Grant
 
 log = logging.getLogger(__name__)
 # A reservation whose KV has landed (or whose receive failed) and that no `generate` claims
@@ -48,6 +55,7 @@ class DecodeWorker(EngineWorker):
         get_timeout_s: float = 30.0,
         handoff_timeout_s: float = HANDOFF_TIMEOUT_S,
         early_notice_s: float = EARLY_NOTICE_S,
+        transfer: TransferSettings | None = None,
     ):
         super().__init__(name, LLMEngine(config))
         self.kv_cache = self.engine.kv_cache
@@ -62,7 +70,9 @@ class DecodeWorker(EngineWorker):
         self.num_expired_reservations = 0
         self.num_early_joins = 0
         self.notices = Notices(self.kv_cache, store, early_notice_s)
-        self.receiver = Receiver(self.kv_cache, self.notices, store, get_timeout_s)
+        host = ray.util.get_node_ip_address()
+        engine = EngineReceiver(self.kv_cache, self.notices, transfer or TransferSettings(), host)
+        self.receiver = Receiver(self.kv_cache, self.notices, store, get_timeout_s, engine)
 
     def _extra_counters(self) -> dict:
         return {
@@ -74,8 +84,16 @@ class DecodeWorker(EngineWorker):
         }
 
     async def kv_peer(self) -> KvPeer:
-        """Where prefill workers on this node send their notices (kvstore/transfer/channel.py)."""
-        return self.notices.peer()
+        """Where prefill workers on this node send their notices (kvstore/transfer/channel.py),
+        and how those on other nodes reach this worker's transfer engine, if it has one."""
+        actor_name = ray.get_runtime_context().get_actor_name()
+        engine = self.receiver.engine.address(actor_name)
+        return dataclasses.replace(self.notices.peer(), engine=engine)
+
+    async def kv_grant(self, key: str, accept: bool) -> Grant | None:
+        """A prefill worker on another node starts the receive `key`: staging slots to write
+        its KV into when it can (`accept`) and they are free, else None (the store's stream)."""
+        return await self.receiver.engine.grant(key, accept, self.notices.early_notice_s)
 
     async def reserve(self, task: DecodeTask) -> int | WorkerError:
         """Hold pages for the prompt and start pulling its KV from the store node the prefill
@@ -103,6 +121,9 @@ class DecodeWorker(EngineWorker):
         key = task.ticket or task.request_id
         reservation = self.notices.add(task.request_id, key, task.direct, task.first_token_id)
         reservation.fence = self.kv_cache.mark()  # the reserved pages' last readers are before it
+        reservation.num_tokens = len(task.token_ids)
+        remote = task.direct and (task.store_name or local_store_name()) != local_store_name()
+        self.receiver.engine.expect(reservation, remote)
         timings = self.receiver.start(task.request_id)
         reservation.first_token.add_done_callback(
             lambda _: setattr(timings, "first_token_at", time.time())

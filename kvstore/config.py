@@ -2,11 +2,32 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 MiB = 1 << 20
 # Tokens per KV block, and so per block key: the engine's and the router's default.
 BLOCK_SIZE = 16
+
+
+class TransferSettings(BaseModel):
+    """How KV crosses nodes (kvstore/transfer/engine.py): on Mooncake's Transfer Engine, the
+    prefill worker writing each layer straight into the decode worker's registered staging
+    memory, or (`ray`, and the fallback where the engine cannot start) as Ray objects through
+    the store's stream. `auto`: the engine where the worker's Ray node address is not loopback
+    (a cluster that spans machines); on one machine nothing crosses a network, and this
+    Mooncake release listens on every interface whatever address it is given."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    engine: Literal["auto", "mooncake", "ray"] = "auto"
+    protocol: Literal["tcp", "rdma"] = "tcp"
+    # RDMA devices to use (comma-separated, e.g. "mlx5_0,mlx5_1"); "auto": every one found.
+    devices: str = "auto"
+    # Host memory each decode worker registers for prefill workers on other nodes to write
+    # into; a prompt that does not fit comes through the store's stream instead.
+    staging_bytes: int = Field(256 * MiB, gt=0)
 
 
 class StoreSettings(BaseModel):

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from halfmoon.kvstore.transfer.channel import KvPeer
 from halfmoon.kvstore.transfer.plan import TransferUnit
+from halfmoon.prefill_worker.remote_send import RemoteSend
 
 
 @dataclass(slots=True)
@@ -65,6 +66,8 @@ class Job:
     unreported: dict = field(default_factory=dict)
     last_layer_published_at: float = 0.0
     lend: Lend | None = None
+    # The decode worker on another node writes land in, on the transfer engine (remote_send.py).
+    remote: RemoteSend | None = None
 
 
 @dataclass(slots=True)

@@ -23,6 +23,7 @@ from halfmoon.kvstore.transfer.notice_format import LayerNotice, TokenNotice
 from halfmoon.prefill_worker.job import EndOut, FlushOut, Job, LayerOut, TokenOut
 from halfmoon.prefill_worker.lender import Lender
 from halfmoon.prefill_worker.node_store import NodeStore
+from halfmoon.prefill_worker.remote_send import RemoteSender
 
 log = logging.getLogger(__name__)
 RECENT_REQUESTS = 1024
@@ -40,12 +41,14 @@ class Publisher:
         engine: LLMEngine,
         store: NodeStore,
         lender: Lender,
+        remote: RemoteSender,
         send: Callable[[LayerOut], object] | None = None,
     ) -> None:
         self.engine = engine
         self.kv_cache = engine.kv_cache
         self.store = store
         self.lender = lender
+        self.remote = remote
         self.send_layer = send or self.send
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()
         self.published_at: OrderedDict[str, float] = OrderedDict()
@@ -145,12 +148,18 @@ class Publisher:
 
     def send(self, item: LayerOut):
         """Send one layer of some blocks to the store; returns the store call's ObjectRef
-        (None: the store is told later, see `_write_shared`).
-        A lent layer is read from the (held) pages here, off the step thread."""
+        (None: the store is told later, see `_write_shared`). For a decode worker on another
+        node it is first written into the staging slots it granted (the store's copy then
+        only feeds the cache). A lent layer is read from the (held) pages here, off the step
+        thread."""
         if item.pages is None:
             kv = item.snapshot.wait()
         else:
             kv = self.kv_cache.read_layer(item.layer, item.pages, after=item.ready).wait()
+        job = item.job
+        if job.remote is not None:
+            first_block = job.units[item.unit].first_block
+            self.remote.send(job.remote, job.key, item.unit, first_block, item.layer, kv)
         arena = self.store.arena()
         if arena is None:
             return self.store.handle.put_layer.remote(item.keys, item.layer, kv)

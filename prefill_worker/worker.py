@@ -21,6 +21,7 @@ from halfmoon.engine.llm_engine import LLMEngine
 from halfmoon.engine.outputs import RequestOutput
 from halfmoon.engine.scheduler import ScheduledSeq
 from halfmoon.engine.sequence import Sequence
+from halfmoon.kvstore.config import TransferSettings
 from halfmoon.kvstore.locate import local_store_name
 from halfmoon.kvstore.transfer.notice_format import TokenNotice
 from halfmoon.prefill_worker.job import Job, LayerOut
@@ -28,6 +29,7 @@ from halfmoon.prefill_worker.lender import Lender
 from halfmoon.prefill_worker.node_store import NodeStore
 from halfmoon.prefill_worker.prefix_load import PrefixLoader
 from halfmoon.prefill_worker.publisher import Publisher
+from halfmoon.prefill_worker.remote_send import RemoteSender
 from halfmoon.prefill_worker.task import PrefillResult, PrefillTask
 
 
@@ -36,7 +38,14 @@ class PrefillWorker(EngineWorker, KVHooks):
 
     kind = "prefill"
 
-    def __init__(self, name: str, config: EngineConfig, store=None, get_timeout_s: float = 30.0):
+    def __init__(
+        self,
+        name: str,
+        config: EngineConfig,
+        store=None,
+        get_timeout_s: float = 30.0,
+        transfer: TransferSettings | None = None,
+    ):
         if config.prefill_chunk_size is None:
             raise ValueError("a prefill worker needs EngineConfig.prefill_chunk_size")
         super().__init__(name, LLMEngine(config, hooks=self))
@@ -46,7 +55,9 @@ class PrefillWorker(EngineWorker, KVHooks):
         # Made now, before the step thread runs: a decode worker's first request waits on it.
         actor_name = ray.get_runtime_context().get_actor_name() or None
         self.lender = Lender(self.engine, actor_name, config.share_kv)
-        self.publisher = Publisher(self.engine, self.store, self.lender, self._send)
+        host = ray.util.get_node_ip_address()
+        self.remote = RemoteSender(transfer or TransferSettings(), host)
+        self.publisher = Publisher(self.engine, self.store, self.lender, self.remote, self._send)
         self.prefix = PrefixLoader(self.engine, self.store, get_timeout_s)
 
     async def store_name(self) -> str:
@@ -54,7 +65,12 @@ class PrefillWorker(EngineWorker, KVHooks):
         return local_store_name()
 
     def _extra_counters(self) -> dict:
-        own = (self.prefix.counters(), self.publisher.counters(), self.lender.counters())
+        own = (
+            self.prefix.counters(),
+            self.publisher.counters(),
+            self.lender.counters(),
+            self.remote.counters(),
+        )
         return {key: value for counters in own for key, value in counters.items()}
 
     async def prefill(self, task: PrefillTask) -> PrefillResult | WorkerError:
@@ -90,12 +106,18 @@ class PrefillWorker(EngineWorker, KVHooks):
         return _result(task, job, firsts, arrived_at, computed_at)
 
     def _new_job(self, task: PrefillTask) -> Job:
+        """The job; a decode worker on this node is told directly, one on another node with a
+        transfer engine is asked where the layers go (prefill_worker/remote_send.py)."""
         units = self._plan_transfer(task.request_id, task.token_ids, task.block_keys)
-        peer = (
-            task.kv_peer if task.kv_peer is not None and task.kv_peer.node_id == self.node else None
-        )
+        peer, remote = task.kv_peer, None
         key = task.ticket or task.request_id
-        return Job(units, task.block_keys, key, peer, task.layerwise, task.arena_loads)
+        if peer is not None and peer.node_id != self.node:
+            if peer.engine is not None:
+                remote = self.remote.start(key, peer.engine)
+            peer = None
+        job = Job(units, task.block_keys, key, peer, task.layerwise, task.arena_loads)
+        job.remote = remote
+        return job
 
     async def _first_outputs(self, task: PrefillTask) -> list[RequestOutput]:
         """The output of each of the request's `n` sequences, each its first token (or the

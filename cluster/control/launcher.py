@@ -223,7 +223,13 @@ class Cluster:
                 max_concurrency=10_000,
                 max_restarts=0,
             )
-            .remote(name, self._engine_config(kind), None, self.config.store.get_timeout_s)
+            .remote(
+                name,
+                self._engine_config(kind),
+                None,
+                self.config.store.get_timeout_s,
+                transfer=self.config.store.transfer,
+            )
         )
         worker = self.workers[name] = WorkerHandle(name, kind, actor)
         return worker

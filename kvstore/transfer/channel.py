@@ -39,6 +39,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from halfmoon.kvstore.transfer.engine import EngineAddress
 from halfmoon.kvstore.transfer.notice_format import (
     MAX_MESSAGE,
     Hello,
@@ -58,10 +59,12 @@ TRY_LOCK_S = 0.002
 @dataclass(frozen=True, slots=True)
 class KvPeer:
     """Where a decode worker takes notices: its Ray node and its socket's abstract name
-    (`path`, starting with a NUL byte)."""
+    (`path`, starting with a NUL byte); from other nodes, its transfer engine (`engine`,
+    kvstore/transfer/engine.py; None: they send KV through the store)."""
 
     node_id: str
     path: str
+    engine: EngineAddress | None = None
 
     def __str__(self) -> str:
         return "@" + self.path.lstrip("\0")  # as `ss -x` shows an abstract socket

@@ -1,0 +1,128 @@
+"""The decode half of the transfer-engine path (kvstore/transfer/engine.py): the worker's
+endpoint and staging region, the grants it gives prefill workers on other nodes, and the
+landed notices it hears from them.
+
+At reserve, a receive whose prefill worker is on another node waits for that worker's word
+(`kv_grant`): a grant of staging slots it will write each layer into, or none (it has no
+endpoint, or the staging is full), and then the layers come through the store's stream as
+before. The engine's notifications are read on a thread of their own while any receive is in
+flight and handed to the event loop; each is checked against the receive it names (its
+grant's token, a unit and a layer of its plan) and refused and counted otherwise."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+
+from halfmoon.decode_worker.notices import Notices, Reservation
+from halfmoon.engine.kv_cache import PagedKvCache
+from halfmoon.kvstore.config import TransferSettings
+from halfmoon.kvstore.transfer.engine import EngineAddress, open_endpoint, parse_landed
+from halfmoon.kvstore.transfer.staging import Grant, StagingArea
+
+log = logging.getLogger(__name__)
+POLL_S = 0.0002  # between two reads of the engine's notifications while receives are open
+
+
+class EngineReceiver:
+    """Grants staging slots to remote prefill workers and takes their landed notices."""
+
+    def __init__(
+        self, kv_cache: PagedKvCache, notices: Notices, settings: TransferSettings, host: str
+    ) -> None:
+        self.notices = notices
+        self.endpoint, self.path = open_endpoint(settings, host)
+        self.staging = None
+        if self.endpoint is not None:
+            self.staging = StagingArea(kv_cache.layout, settings.staging_bytes, self.endpoint)
+        self.num_layers = kv_cache.num_layers
+        self.block_size = kv_cache.layout.block_size
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.advertised = False  # prefill workers were told how to reach the endpoint
+        self.open = 0  # receives waiting for landed notices
+        self.wake = threading.Event()
+        self.num_landed = 0
+        self.num_refused = 0  # notices naming no grant of ours, a wrong token or place
+        if self.endpoint is not None:
+            threading.Thread(target=self._poll_forever, name="kv-engine", daemon=True).start()
+
+    def counters(self) -> dict:
+        own = {
+            "kv_transfer_path": self.path,
+            "num_landed_notices": self.num_landed,
+            "num_refused_landed_notices": self.num_refused,
+        }
+        if self.staging is not None:
+            own |= self.staging.counters() | self.endpoint.counters()
+        return own
+
+    def address(self, actor_name: str | None) -> EngineAddress | None:
+        """How prefill workers elsewhere reach this worker (None: they use the store)."""
+        if self.endpoint is None or not actor_name:
+            return None
+        self.advertised = True
+        return EngineAddress(self.endpoint.session, actor_name)
+
+    def expect(self, reservation: Reservation, remote: bool) -> None:
+        """At reserve: a receive from another node, whose prefill worker was given this
+        worker's address, waits for that worker's word."""
+        if remote and self.advertised:
+            reservation.engine = asyncio.get_running_loop().create_future()
+
+    async def grant(self, key: str, accept: bool, wait_s: float) -> Grant | None:
+        """A prefill worker's word on the receive `key` (it can write: `accept`): the slots it
+        writes into, or None (through the store). Waits `wait_s` for the reserve it may have
+        overtaken."""
+        reservation = await self._reservation(key, wait_s)
+        if reservation is None or reservation.engine is None or reservation.engine.done():
+            return None
+        num_blocks = -(-reservation.num_tokens // self.block_size)
+        grant = self.staging.grant(num_blocks) if accept else None
+        reservation.engine.set_result(grant)
+        return grant
+
+    async def _reservation(self, key: str, wait_s: float) -> Reservation | None:
+        deadline = time.monotonic() + wait_s
+        while (reservation := self.notices.find(key)) is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.001)  # the reserve, sent with the prefill, is a moment away
+        return reservation
+
+    def opened(self) -> None:
+        """A receive now waits for landed notices: read them until it ends (`closed`)."""
+        self.loop = asyncio.get_running_loop()
+        self.open += 1
+        self.wake.set()
+
+    def closed(self, grant: Grant, clean: bool) -> None:
+        self.open -= 1
+        if not self.open:
+            self.wake.clear()
+        self.staging.release(grant, clean)
+
+    def _poll_forever(self) -> None:
+        while True:
+            self.wake.wait()
+            notes = self.endpoint.notifies()
+            if notes:
+                self.loop.call_soon_threadsafe(self._on_notes, notes)
+            else:
+                time.sleep(POLL_S)
+
+    def _on_notes(self, notes: list[tuple[str, str]]) -> None:
+        for name, message in notes:
+            landed = parse_landed(name, message)
+            reservation = self.notices.find(name) if landed is not None else None
+            grant = None
+            if reservation is not None and reservation.engine is not None:
+                engine = reservation.engine
+                grant = engine.result() if engine.done() and not engine.cancelled() else None
+            if grant is None or landed.token != grant.token or landed.layer >= self.num_layers:
+                if reservation is not None or landed is None:  # else: a receive that ended
+                    self.num_refused += 1
+                    log.warning("refused a landed notice %r for %r", message[:64], name[:64])
+                continue
+            self.num_landed += 1
+            reservation.landed.add((landed.unit, landed.layer))
+            reservation.arrived.set()

@@ -1,0 +1,53 @@
+"""KV across Ray nodes on Mooncake's Transfer Engine (engine_transfer_scenario.py, in a process of
+its own): outputs equal the offline engine's, the bytes the engine moved are the requests' KV,
+no layer came as a Ray object, and a prefill node killed mid-transfer is a retry that
+completes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from scenario_kit import run_scenario
+
+SCENARIO = Path(__file__).with_name("engine_transfer_scenario.py")
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+@pytest.fixture(scope="module")
+def report(tiny_model_dir, tmp_path_factory) -> dict:
+    pytest.importorskip("mooncake.engine", reason="mooncake-transfer-engine is not installed")
+    return run_scenario(SCENARIO, tiny_model_dir, tmp_path_factory.mktemp("engine"), 840)
+
+
+def test_outputs_equal_the_offline_engine(report):
+    assert report["outputs"] == report["expected"][:3]
+
+
+def test_the_engine_moved_exactly_the_requests_kv_and_no_ray_object_carried_any(report):
+    prefills, decode = report["prefill"], report["decode"]
+    assert {p["kv_transfer_path"] for p in prefills} == {"mooncake tcp"}
+    assert decode["kv_transfer_path"] == "mooncake tcp"
+
+    def grew(key: str) -> int:
+        before = sum(p[key] for p in report["prefill_before"])
+        return sum(p[key] for p in prefills) - before
+
+    kv_bytes = sum(report["num_blocks"][:3]) * report["block_bytes"]
+    assert grew("engine_bytes_written") == kv_bytes
+    assert grew("num_failed_engine_writes") == 0
+    assert decode["num_engine_receives"] - report["decode_before"]["num_engine_receives"] == 3
+    assert decode["num_streamed_layers"] == 0  # start-up's requests included
+    assert decode["num_refused_landed_notices"] == 0
+
+
+def test_a_prefill_node_killed_mid_transfer_is_retried_and_completes(report):
+    assert report["killed"] is not None  # a prefill worker was writing its layers
+    # The router retries the cut request on the other prefill worker, at once.
+    assert report["outcome_after_kill"] == report["expected"][3]
+    assert report["output_again"] == report["expected"][3]
+    # The cut receive's slots wait out their quarantine; the rest came back.
+    after = report["decode_after"]
+    assert after["num_staging_grants"] >= 5
+    assert after["num_engine_receives"] >= 4
