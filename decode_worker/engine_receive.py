@@ -19,7 +19,7 @@ import time
 from halfmoon.decode_worker.notices import Notices, Reservation
 from halfmoon.engine.kv_cache import PagedKvCache
 from halfmoon.kvstore.config import TransferSettings
-from halfmoon.kvstore.transfer.engine import EngineAddress, open_endpoint, parse_landed
+from halfmoon.kvstore.transfer.engine import EngineAddress, FirstToken, open_endpoint, parse_notice
 from halfmoon.kvstore.transfer.staging import Grant, StagingArea
 
 log = logging.getLogger(__name__)
@@ -29,11 +29,9 @@ POLL_S = 0.0002  # between two reads of the engine's notifications while receive
 class EngineReceiver:
     """Grants staging slots to remote prefill workers and takes their landed notices."""
 
-    def __init__(
-        self, kv_cache: PagedKvCache, notices: Notices, settings: TransferSettings, host: str
-    ) -> None:
+    def __init__(self, kv_cache: PagedKvCache, notices: Notices, settings: TransferSettings):
         self.notices = notices
-        self.endpoint, self.path = open_endpoint(settings, host)
+        self.endpoint, self.path = open_endpoint(settings)
         self.staging = None
         if self.endpoint is not None:
             self.staging = StagingArea(kv_cache.layout, settings.staging_bytes, self.endpoint)
@@ -112,17 +110,24 @@ class EngineReceiver:
 
     def _on_notes(self, notes: list[tuple[str, str]]) -> None:
         for name, message in notes:
-            landed = parse_landed(name, message)
-            reservation = self.notices.find(name) if landed is not None else None
+            notice = parse_notice(name, message)
+            reservation = self.notices.find(name) if notice is not None else None
             grant = None
             if reservation is not None and reservation.engine is not None:
                 engine = reservation.engine
                 grant = engine.result() if engine.done() and not engine.cancelled() else None
-            if grant is None or landed.token != grant.token or landed.layer >= self.num_layers:
-                if reservation is not None or landed is None:  # else: a receive that ended
+            if grant is None or notice.token != grant.token or not self._fits(notice):
+                if reservation is not None or notice is None:  # else: a receive that ended
                     self.num_refused += 1
-                    log.warning("refused a landed notice %r for %r", message[:64], name[:64])
+                    log.warning("refused a transfer notice %r for %r", message[:64], name[:64])
+                continue
+            if isinstance(notice, FirstToken):
+                if not reservation.first_token.done():
+                    reservation.first_token.set_result(notice.token_id)
                 continue
             self.num_landed += 1
-            reservation.landed.add((landed.unit, landed.layer))
+            reservation.landed.add((notice.unit, notice.layer))
             reservation.arrived.set()
+
+    def _fits(self, notice) -> bool:
+        return isinstance(notice, FirstToken) or notice.layer < self.num_layers

@@ -70,8 +70,7 @@ class DecodeWorker(EngineWorker):
         self.num_expired_reservations = 0
         self.num_early_joins = 0
         self.notices = Notices(self.kv_cache, store, early_notice_s)
-        host = ray.util.get_node_ip_address()
-        engine = EngineReceiver(self.kv_cache, self.notices, transfer or TransferSettings(), host)
+        engine = EngineReceiver(self.kv_cache, self.notices, transfer or TransferSettings())
         self.receiver = Receiver(self.kv_cache, self.notices, store, get_timeout_s, engine)
 
     def _extra_counters(self) -> dict:
@@ -82,6 +81,9 @@ class DecodeWorker(EngineWorker):
             **self.receiver.counters(),
             **self.notices.counters(),
         }
+
+    def _kv_transfer(self) -> str:
+        return self.receiver.engine.path
 
     async def kv_peer(self) -> KvPeer:
         """Where prefill workers on this node send their notices (kvstore/transfer/channel.py),

@@ -15,9 +15,10 @@ class TransferSettings(BaseModel):
     """How KV crosses nodes (kvstore/transfer/engine.py): on Mooncake's Transfer Engine, the
     prefill worker writing each layer straight into the decode worker's registered staging
     memory, or (`ray`, and the fallback where the engine cannot start) as Ray objects through
-    the store's stream. `auto`: the engine where the worker's Ray node address is not loopback
-    (a cluster that spans machines); on one machine nothing crosses a network, and this
-    Mooncake release listens on every interface whatever address it is given."""
+    the store's stream. `auto`: the engine where the Ray cluster spans machines (its nodes
+    have more than one address when the worker starts); on one machine nothing crosses a
+    network, and this Mooncake release listens on every interface whatever address it is
+    given."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -25,6 +26,8 @@ class TransferSettings(BaseModel):
     protocol: Literal["tcp", "rdma"] = "tcp"
     # RDMA devices to use (comma-separated, e.g. "mlx5_0,mlx5_1"); "auto": every one found.
     devices: str = "auto"
+    # The address peers reach this node's engine at; None: the worker's Ray node address.
+    host: str | None = None
     # Host memory each decode worker registers for prefill workers on other nodes to write
     # into; a prompt that does not fit comes through the store's stream instead.
     staging_bytes: int = Field(256 * MiB, gt=0)

@@ -69,6 +69,11 @@ class Job:
     # The decode worker on another node writes land in, on the transfer engine (remote_send.py).
     remote: RemoteSend | None = None
 
+    def remote_granted(self) -> bool:
+        """Publisher thread: the layers go to another node's staging slots (read once the
+        first layer was sent there)."""
+        return self.remote is not None and self.remote.grant is not None
+
 
 @dataclass(slots=True)
 class LayerOut:

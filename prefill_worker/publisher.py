@@ -197,8 +197,8 @@ class Publisher:
                 job.puts.append(_failed(ConnectionError(unreachable)))
         layers = job.unreported.setdefault(item.unit, [])
         layers.append(layer)
-        if job.peer is not None and not last:
-            return None
+        if (job.peer is not None or job.remote_granted()) and not last:
+            return None  # nobody streams the unit out of the store before it is whole
         del job.unreported[item.unit]
         self.num_store_reports += 1
         return store.layer_written.remote(keys, layers, slots, release)

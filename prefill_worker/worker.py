@@ -55,10 +55,12 @@ class PrefillWorker(EngineWorker, KVHooks):
         # Made now, before the step thread runs: a decode worker's first request waits on it.
         actor_name = ray.get_runtime_context().get_actor_name() or None
         self.lender = Lender(self.engine, actor_name, config.share_kv)
-        host = ray.util.get_node_ip_address()
-        self.remote = RemoteSender(transfer or TransferSettings(), host)
+        self.remote = RemoteSender(transfer or TransferSettings())
         self.publisher = Publisher(self.engine, self.store, self.lender, self.remote, self._send)
         self.prefix = PrefixLoader(self.engine, self.store, get_timeout_s)
+
+    def _kv_transfer(self) -> str:
+        return self.remote.path
 
     async def store_name(self) -> str:
         """Name of the store node this worker publishes to (decode pulls from it)."""
@@ -205,9 +207,13 @@ class PrefillWorker(EngineWorker, KVHooks):
         (the decode worker joins once it and every layer are in, in either order): sent from
         here when that cannot wait, else by a publishing thread."""
         job = self.jobs.get(seq.request_id)
-        if job is None or job.peer is None or seq.params.n > 1:  # a notice carries one token
+        if job is None or seq.params.n > 1:  # a notice carries one token
             return
-        if not self.lender.try_notify_now(job, TokenNotice(job.key, token_id)):
+        if job.remote is not None:  # to another node, from the sender's token thread
+            self.remote.token(job.remote, job.key, token_id)
+            return
+        notice = TokenNotice(job.key, token_id)
+        if job.peer is not None and not self.lender.try_notify_now(job, notice):
             self.publisher.token(job, token_id)
 
 

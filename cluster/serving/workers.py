@@ -208,6 +208,7 @@ class WorkerPool:
                 "kind": worker.kind,
                 "tensor_parallel_size": worker.info.tensor_parallel_size,
                 "kernels": worker.info.kernels,
+                "kv_transfer": worker.info.kv_transfer,
                 "draining": worker.draining,
                 "running": load.num_running,
                 "waiting": load.num_waiting,

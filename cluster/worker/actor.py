@@ -69,7 +69,7 @@ class EngineWorker:
         return self.async_engine
 
     async def info(self) -> WorkerInfo:
-        return worker_info(self.name, self.kind, self.engine)
+        return worker_info(self.name, self.kind, self.engine, self._kv_transfer())
 
     async def load(self) -> WorkerLoad:
         """As of the end of the engine's last step (never waiting for the one in progress)."""
@@ -120,6 +120,10 @@ class EngineWorker:
 
     def _extra_counters(self) -> dict:
         return {}
+
+    def _kv_transfer(self) -> str:
+        """How this worker's KV crosses nodes (kvstore/transfer/engine.py); "": it does not."""
+        return ""
 
     def _plan_transfer(
         self, request_id: str, token_ids: list[int], block_keys: list[bytes]

@@ -30,9 +30,11 @@ class WorkerInfo:
     device: str = "cpu"  # the device type its weights and KV are on: cpu or cuda
     tensor_parallel_size: int = 1  # ranks it splits the model across; its KV moves whole-head
     kernels: str = ""  # what runs the model (cpu_linear.describe): "avx2 kernels, linear blocks"
+    # How its KV crosses nodes: "mooncake tcp", or "ray (why not the engine)"; "" for none.
+    kv_transfer: str = ""
 
 
-def worker_info(name: str, kind: str, engine: LLMEngine) -> WorkerInfo:
+def worker_info(name: str, kind: str, engine: LLMEngine, kv_transfer: str = "") -> WorkerInfo:
     cfg = engine.model_config
     return WorkerInfo(
         name=name,
@@ -51,6 +53,7 @@ def worker_info(name: str, kind: str, engine: LLMEngine) -> WorkerInfo:
         device=engine.device.type,
         tensor_parallel_size=engine.config.tensor_parallel_size,
         kernels=describe(engine.device, engine.dtype),
+        kv_transfer=kv_transfer,
     )
 
 

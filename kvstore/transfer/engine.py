@@ -14,8 +14,9 @@ write at 2.1-2.4 GB/s once connected (the first write to a peer also sets up its
 ("not within any registered buffer").
 
 Mooncake 0.3.13's listeners (the handshake port and the TCP transport's) bind every interface
-whatever host the engine is given (`ss -ltn` shows 0.0.0.0 and *), so halfmoon starts an
-endpoint only where KV must cross machines (`store.transfer.engine`, kvstore/config.py).
+whatever host the engine is given (`ss -ltn` shows 0.0.0.0 and *), so by default halfmoon
+starts an endpoint only where KV must cross machines (`store.transfer.engine`,
+kvstore/config.py).
 """
 
 from __future__ import annotations
@@ -25,11 +26,15 @@ import re
 import threading
 from dataclasses import dataclass
 
+import numpy as np
+
 from halfmoon.kvstore.config import TransferSettings
 
 log = logging.getLogger(__name__)
-# A landed notice: the grant's token, the unit and the layer ("<token>:<unit>:<layer>").
+# A notice: the grant's token, then the unit and the layer that landed ("<token>:<unit>:<layer>")
+# or the first token sampled ("<token>:t:<token id>").
 _LANDED = re.compile(r"([0-9a-f]{16}):([0-9]{1,6}):([0-9]{1,5})")
+_FIRST_TOKEN = re.compile(r"([0-9a-f]{16}):t:([0-9]{1,10})")
 
 
 class TransferFailed(ConnectionError):
@@ -55,16 +60,32 @@ class Landed:
     layer: int
 
 
+@dataclass(frozen=True, slots=True)
+class FirstToken:
+    """The first token of the receive `key`, sampled by its prefill (carried by no write)."""
+
+    key: str
+    token: str
+    token_id: int
+
+
 def landed_message(token: str, unit: int, layer: int) -> str:
     return f"{token}:{unit}:{layer}"
 
 
-def parse_landed(key: str, message: str) -> Landed | None:
-    """A notification's fields, checked; None for anything that is not a landed notice."""
-    match = _LANDED.fullmatch(message)
-    if match is None or not 0 < len(key) <= 512:
+def first_token_message(token: str, token_id: int) -> str:
+    return f"{token}:t:{token_id}"
+
+
+def parse_notice(key: str, message: str) -> Landed | FirstToken | None:
+    """A notification's fields, checked; None for anything that is not one of ours."""
+    if not 0 < len(key) <= 512:
         return None
-    return Landed(key, match[1], int(match[2]), int(match[3]))
+    if (match := _LANDED.fullmatch(message)) is not None:
+        return Landed(key, match[1], int(match[2]), int(match[3]))
+    if (match := _FIRST_TOKEN.fullmatch(message)) is not None and int(match[2]) < 2**31:
+        return FirstToken(key, match[1], int(match[2]))
+    return None
 
 
 class TransferEndpoint:
@@ -75,6 +96,7 @@ class TransferEndpoint:
         self.protocol = protocol
         self.session = f"{host}:{engine.get_rpc_port()}"
         self.registered: list[int] = []
+        self.scratch = np.zeros(64, dtype=np.uint8)  # the source of notifications alone
         self.lock = threading.Lock()  # the counters: writes come from several threads
         self.num_writes = 0
         self.num_bytes = 0
@@ -125,6 +147,17 @@ class TransferEndpoint:
             self.num_writes += len(pieces)
             self.num_bytes += sum(p[2] for p in pieces)
 
+    def notify(self, peer: str, address: int, name: str, message: str) -> None:
+        """Send `peer` a notification alone: a write of no bytes, from memory of ours, to
+        `address` (registered there)."""
+        from mooncake.engine import TransferNotify, TransferOpcode
+
+        note = TransferNotify(name, message)
+        source = self.scratch.ctypes.data
+        self._check(
+            self.engine.transfer_sync(peer, source, address, 0, TransferOpcode.Write, note), peer
+        )
+
     def _check(self, status: int, peer: str) -> None:
         if status != 0:
             with self.lock:
@@ -142,22 +175,31 @@ class TransferEndpoint:
         self.registered.clear()
 
 
-def wanted(settings: TransferSettings, host: str) -> bool:
-    """Whether this worker should have an endpoint: asked for, or `auto` off loopback."""
-    if settings.engine == "auto":
-        return not host.startswith("127.") and host not in ("localhost", "::1")
-    return settings.engine == "mooncake"
+def cluster_spans_machines() -> bool:
+    """Whether the live Ray nodes have more than one address (one GCS call)."""
+    import ray
+
+    return len({node["NodeManagerAddress"] for node in ray.nodes() if node["Alive"]}) > 1
 
 
-def open_endpoint(settings: TransferSettings, host: str) -> tuple[TransferEndpoint | None, str]:
-    """This process's endpoint on `host` (the Ray node address), and the path KV takes from
-    here: "mooncake tcp" (or rdma), or "ray (why not the engine)"."""
-    if not wanted(settings, host):
-        return None, f"ray (store.transfer.engine: {settings.engine}, node {host})"
+def open_endpoint(
+    settings: TransferSettings, host: str | None = None
+) -> tuple[TransferEndpoint | None, str]:
+    """This process's endpoint, reached at `settings.host`, else `host`, else the Ray node
+    address; and the path KV takes from here: "mooncake tcp" (or rdma), or "ray (why not
+    the engine)"."""
+    if settings.engine == "ray":
+        return None, "ray (store.transfer.engine: ray)"
+    if settings.engine == "auto" and not cluster_spans_machines():
+        return None, "ray (store.transfer.engine: auto, and the cluster is on one machine)"
     try:
         from mooncake.engine import TransferEngine
     except ImportError as error:  # the package, or the libibverbs/librdmacm it links
         return _fallback(f"the transfer engine cannot be imported: {error}")
+    if (host := settings.host or host) is None:
+        import ray
+
+        host = ray.util.get_node_ip_address()
     engine = TransferEngine()
     devices = "" if settings.devices == "auto" else settings.devices
     if engine.initialize(host, "P2PHANDSHAKE", settings.protocol, devices) != 0:

@@ -30,6 +30,7 @@ SETTINGS = {
     "engine.max_num_batched_tokens": 64,
     "store.get_timeout_s": 10.0,
     "store.transfer.engine": "mooncake",
+    "store.transfer.host": "127.0.0.1",  # the nodes are on this machine: loopback only
     "store.transfer.staging_bytes": 64 << 20,
     "health.timeout_s": 5.0,
     "health.unresponsive_s": 10.0,
@@ -96,6 +97,8 @@ def main(model: str, out_path: str) -> None:
             report["prefill_before"] = [counters(cluster, name) for name in prefills]
             report["decode_before"] = counters(cluster, decode)
             report["outputs"] = [greedy(client, p) for p in PROMPTS]
+            workers = client.server_info().details["workers"]
+            report["status"] = {name: load["kv_transfer"] for name, load in workers.items()}
             report["prefill"] = [counters(cluster, name) for name in prefills]
             report["decode"] = counters(cluster, decode)
             outcome: list = []

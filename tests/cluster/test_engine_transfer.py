@@ -29,6 +29,7 @@ def test_the_engine_moved_exactly_the_requests_kv_and_no_ray_object_carried_any(
     prefills, decode = report["prefill"], report["decode"]
     assert {p["kv_transfer_path"] for p in prefills} == {"mooncake tcp"}
     assert decode["kv_transfer_path"] == "mooncake tcp"
+    assert set(report["status"].values()) == {"mooncake tcp"}  # as `halfmoon status` shows
 
     def grew(key: str) -> int:
         before = sum(p[key] for p in report["prefill_before"])
@@ -40,6 +41,9 @@ def test_the_engine_moved_exactly_the_requests_kv_and_no_ray_object_carried_any(
     assert decode["num_engine_receives"] - report["decode_before"]["num_engine_receives"] == 3
     assert decode["num_streamed_layers"] == 0  # start-up's requests included
     assert decode["num_refused_landed_notices"] == 0
+    # Each first token went on the engine too (the decode worker joins on it or on the
+    # router's hand-off, whichever comes first: tests/cluster/test_decode_engine_receive.py).
+    assert grew("num_engine_token_notices") == 3
 
 
 def test_a_prefill_node_killed_mid_transfer_is_retried_and_completes(report):
