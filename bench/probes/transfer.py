@@ -166,7 +166,20 @@ def degree_settings(prefill_tp: int, decode_tp: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--across-nodes" in argv:
+        from halfmoon.bench.probes import transfer_nodes
+
+        return transfer_nodes.main([arg for arg in argv if arg != "--across-nodes"])
     parser = bench_parser("transfer", __doc__)
+    parser.add_argument(
+        "--across-nodes",
+        action="store_true",
+        help="instead: KV moved between two Ray nodes made on this machine, side by side as Ray "
+        "objects, on Mooncake's Transfer Engine over TCP and on a raw socket: a unit's bytes/s "
+        "and the stall after the last layer (issue 48; its options: `halfmoon bench transfer "
+        "--across-nodes --help`)",
+    )
     parser.add_argument("--chunks", default="1,2,4,8", help="chunk counts (1,2,4,8)")
     parser.add_argument(
         "--chunk-tokens", type=int, help="prefill chunk size (64 on cpu, 256 on cuda)"

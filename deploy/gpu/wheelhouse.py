@@ -7,7 +7,9 @@ internet is; `make install-wheelhouse` runs `install` there, from the copied fol
     build    downloads, for one Python version and platform, a wheel of every distribution
              halfmoon needs (with its `dev` extra, for the test suite) that the host's image
              does not hold, each at the version this checkout's environment runs; slims Ray's
-             wheel to fit a 64 MiB carry; adds redis-server's .debs; writes wheelhouse.json
+             wheel to fit a 64 MiB carry; adds redis-server's .debs; writes wheelhouse.json.
+             Not the `transfer-*` extras: Mooncake's Transfer Engine wheel (93 MiB for CUDA,
+             44 MiB without) does not fit the carry, and one node sends no KV across machines
     install  checks wheelhouse.json against the Python running it, installs the wheels into
              PREFIX/site with `pip --no-index --no-deps` (once: a stamp in PREFIX holds the
              installed wheelhouse.json's digest), unpacks redis-server into
