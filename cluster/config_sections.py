@@ -15,7 +15,7 @@ from halfmoon.cluster.control.autoscaling_policy import invalid
 from halfmoon.cluster.frontend.auth import API_KEY_ENV, loopback
 from halfmoon.cluster.frontend.http_limits import HttpLimits
 from halfmoon.engine.config import EngineConfig, EngineSettings
-from halfmoon.kvstore.config import StoreConfig, StoreSettings, TransferSettings
+from halfmoon.kvstore.config import StoreConfig, StoreSettings
 from halfmoon.router.config import RouterConfig
 from halfmoon.router.policies import POLICIES
 from halfmoon.router.profile import PROFILE_DIR
@@ -120,8 +120,6 @@ class StoreSection(StoreSettings):
     # decode worker copies each layer straight out of them (on a GPU, device to device through
     # CUDA IPC), and the store's copy only feeds the cache; off: out of the store's arena.
     lend_pages: bool = True
-    # Between nodes: KV on Mooncake's Transfer Engine, or as Ray objects (kvstore/config.py).
-    transfer: TransferSettings = TransferSettings()
 
     @field_validator("redis_hmac_key")
     @classmethod

@@ -163,6 +163,10 @@ class BlockStore:
         path = self._host.arena_path
         return None if path is None else ArenaInfo(path, node_id, self._host.num_slots, self.layout)
 
+    def arena_memory(self) -> tuple[int, int]:
+        """The host tier's arena: its address and size in bytes."""
+        return self._host.memory()
+
     def drain_events(self) -> list[BlockEvent]:
         """Stored/evicted events since the last drain, oldest first."""
         events, self._events = self._events, []

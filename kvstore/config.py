@@ -50,6 +50,8 @@ class StoreSettings(BaseModel):
     redis_max_connections: int = Field(64, ge=1)
     redis_pool_timeout_s: float = Field(5.0, gt=0)
     redis_ttl_s: int = Field(3600, gt=0)
+    # Between nodes: KV on Mooncake's Transfer Engine, or as Ray objects.
+    transfer: TransferSettings = TransferSettings()
 
 
 class StoreConfig(StoreSettings):

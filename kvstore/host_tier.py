@@ -90,6 +90,10 @@ class HostTier:
         self._leases = LeaseTable(self._lru, clock)
         self._pending: dict[bytes, int] = {}
 
+    def memory(self) -> tuple[int, int]:
+        """The arena's address and size in bytes (for a transfer engine to register)."""
+        return self._arena.data_ptr(), self._arena.numel()
+
     def __contains__(self, key: object) -> bool:
         """Whether every layer of block `key` is present."""
         slot = self._slots.get(key)  # type: ignore[call-overload]

@@ -19,6 +19,7 @@ from halfmoon.kvstore.process_gc import freeze_startup_heap
 from halfmoon.kvstore.shared_arena import ArenaInfo
 from halfmoon.kvstore.stats import StoreStats
 from halfmoon.kvstore.streams import LayerStreams
+from halfmoon.kvstore.transfer.engine import EngineArena, open_endpoint
 
 # A read waits inside the actor until its layer is put, holding one of the actor's call slots;
 # a put that finds every slot taken would wait for a read to time out, and the reads wait for
@@ -60,6 +61,10 @@ class StoreNode:
         self.blocks = BlockStore(layout, config, instance)
         self.streams = LayerStreams(self.blocks)
         self.metrics_address: str | None = None
+        # Prefill workers on other nodes read stored prefixes out of the arena on the engine.
+        self.endpoint, self.transfer_path = open_endpoint(config.transfer)
+        if self.endpoint is not None:
+            self.endpoint.register(*self.blocks.arena_memory())
         freeze_startup_heap(f"store node {instance}")
 
     put_layer = _forward("blocks", BlockStore.put_layer)
@@ -76,6 +81,17 @@ class StoreNode:
     stream_layers = _forward("streams", LayerStreams.stream_layers)
     stream_slots = _forward("streams", LayerStreams.stream_slots)
     end_stream = _forward("streams", LayerStreams.end_stream)
+
+    async def engine_arena(self) -> EngineArena | None:
+        """Where peers on other nodes read this node's arena on the transfer engine (None:
+        there is no engine here, and they read stored layers as Ray objects)."""
+        if self.endpoint is None:
+            return None
+        layout = self.blocks.layout
+        base, num_bytes = self.blocks.arena_memory()
+        session = self.endpoint.session
+        num_slots = num_bytes // layout.block_bytes
+        return EngineArena(session, base, num_slots, layout.block_bytes, layout.layer_bytes)
 
     async def stats(self) -> StoreStats:
         """The block store's snapshot, with the latency of the streams' reads."""

@@ -8,7 +8,9 @@ import threading
 from dataclasses import dataclass, field
 
 from halfmoon.kvstore.transfer.channel import KvPeer
+from halfmoon.kvstore.transfer.engine import EngineArena
 from halfmoon.kvstore.transfer.plan import TransferUnit
+from halfmoon.prefill_worker.remote_prefix import RemotePrefix
 from halfmoon.prefill_worker.remote_send import RemoteSend
 
 
@@ -16,13 +18,15 @@ from halfmoon.prefill_worker.remote_send import RemoteSend
 class PrefixLoad:
     """A stored prefix on its way into our pages: each layer copied out of the store's
     shared arena (`slots`, held by `lease_id`) when the store is on this node and holds all
-    of it, else one ObjectRef per layer (`layers`) of the store's `get_layer`."""
+    of it; read out of another node's arena on the transfer engine (`remote`); else one
+    ObjectRef per layer (`layers`) of the store's `get_layer`."""
 
     first_block: int
     pages: list[int]
     layers: list | None = None
     slots: list[int] | None = None
     lease_id: int = 0
+    remote: RemotePrefix | None = None  # read from another node's arena on the engine
 
 
 @dataclass(slots=True)
@@ -58,6 +62,9 @@ class Job:
     lease_id: int | None = None
     load: PrefixLoad | None = None
     num_loaded_tokens: int = 0
+    # Another node's store read on the transfer engine: its arena and the prefix's slots there
+    # (held by `lease_id`).
+    remote_slots: tuple[EngineArena, list[int]] | None = None
     # The publisher's: units published so far, store calls in flight, arena claims per unit
     # (by its first key), layers per unit (by its index) the store has not been told of yet.
     next_unit: int = 0

@@ -1,7 +1,8 @@
 """Prefix load: finding how much of a prompt the stores hold beyond this worker's own pages
 (this node's host tier, then Redis; or another node's host tier when the router planned a
-fetch from there), and loading it into them layer by layer, each layer before that layer's
-compute; also the hot-prefix warm-up (stored blocks adopted as cached pages)."""
+fetch from there: read on the transfer engine where both ends have one, remote_prefix.py),
+and loading it into them layer by layer, each layer before that layer's compute; also the
+hot-prefix warm-up (stored blocks adopted as cached pages)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ import ray
 from halfmoon.engine.async_engine import AsyncEngine
 from halfmoon.engine.llm_engine import LLMEngine
 from halfmoon.kvstore.layout import LayerKV
+from halfmoon.kvstore.transfer.engine import EngineArena, TransferEndpoint
 from halfmoon.prefill_worker.job import Job, PrefixLoad
 from halfmoon.prefill_worker.node_store import NodeStore
+from halfmoon.prefill_worker.remote_prefix import PrefixReader, RemotePrefix
 
 log = logging.getLogger(__name__)
 REDIS = "redis"  # what a prefix loaded (in part) out of Redis is reported as
@@ -26,18 +29,31 @@ WARM_CHUNK_BLOCKS = 64
 class PrefixLoader:
     """Loads stored prefixes into the engine's pages (the engine asks through its KV hooks)."""
 
-    def __init__(self, engine: LLMEngine, store: NodeStore, get_timeout_s: float) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        store: NodeStore,
+        get_timeout_s: float,
+        endpoint: TransferEndpoint | None = None,
+    ) -> None:
         self.engine = engine
         self.kv_cache = engine.kv_cache
+        self.layout = engine.kv_cache.layout
         self.store = store
         self.get_timeout_s = get_timeout_s
+        # Other nodes' stores read on the transfer engine (remote_prefix.py), when there is one.
+        self.reader = PrefixReader(endpoint) if endpoint is not None else None
+        self.arenas: dict[str, EngineArena | None] = {}  # by store node name, asked once
         self.num_loaded_tokens = 0
         self.num_arena_loads = 0  # layers of stored prefixes copied out of the arena
+        self.num_object_loads = 0  # layers of stored prefixes that came as Ray objects
 
     def counters(self) -> dict:
         return {
             "num_loaded_tokens": self.num_loaded_tokens,
             "num_arena_loads": self.num_arena_loads,
+            "num_object_loads": self.num_object_loads,
+            "num_engine_prefix_layers": self.reader.num_layers_read if self.reader else 0,
         }
 
     async def find(self, job: Job, fetch_from: str | None = None) -> None:
@@ -50,8 +66,27 @@ class PrefixLoader:
         job.loaded_from = REDIS if shared else self.store.name
         if fetch_from is not None and fetch_from != self.store.name:
             await self._find_remote(job, fetch_from)
+            if job.source is not local and await self._lease_remote_slots(job, fetch_from):
+                return
         if job.store_blocks:
             job.lease_id = await job.source.lease.remote(job.block_keys[: job.store_blocks])
+
+    async def _lease_remote_slots(self, job: Job, name: str) -> bool:
+        """Lease the prefix's arena slots on store node `name` when both ends have a transfer
+        engine and its host tier holds all of it (then it is read on the engine)."""
+        if self.reader is None:
+            return False
+        if name not in self.arenas:
+            self.arenas[name] = await job.source.engine_arena.remote()
+        arena = self.arenas[name]
+        held = None
+        if arena is not None:
+            held = await job.source.lease_slots.remote(job.block_keys[: job.store_blocks])
+        if held is None:
+            return False
+        slots, job.lease_id = held
+        job.remote_slots = (arena, slots)
+        return True
 
     async def _find_remote(self, job: Job, name: str) -> None:
         """Take store node `name`'s copy when it is deeper (a store that is gone is skipped:
@@ -76,6 +111,12 @@ class PrefixLoader:
     def start(self, job: Job, first_block: int, pages: list[int]) -> None:
         """Step thread: start loading blocks `first_block...` of the job into `pages`."""
         keys = job.block_keys[first_block : first_block + len(pages)]
+        if job.remote_slots is not None:  # another node's arena, on the engine
+            arena, slots = job.remote_slots
+            read = RemotePrefix(arena, slots[first_block : first_block + len(pages)], self.layout)
+            self.reader.submit(read)
+            job.load = PrefixLoad(first_block, pages, remote=read)
+            return
         held = None
         local = job.source is self.store.handle
         if local and job.arena_loads and self.store.arena() is not None:
@@ -104,8 +145,11 @@ class PrefixLoader:
             cuda = self.kv_cache.device.type == "cuda"
             kv = self.store.arena().read(load.slots, layer, pin=cuda)
             self.num_arena_loads += 1
+        elif load.remote is not None:
+            kv = load.remote.layer(layer, self.get_timeout_s)
         else:
             kv: LayerKV = ray.get(load.layers[layer])
+            self.num_object_loads += 1
         self.kv_cache.write_layer(layer, load.pages, kv)
         if layer == self.engine.facts.num_layers - 1:
             if load.slots is not None:  # copied out: the slots may go

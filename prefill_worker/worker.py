@@ -57,7 +57,7 @@ class PrefillWorker(EngineWorker, KVHooks):
         self.lender = Lender(self.engine, actor_name, config.share_kv)
         self.remote = RemoteSender(transfer or TransferSettings())
         self.publisher = Publisher(self.engine, self.store, self.lender, self.remote, self._send)
-        self.prefix = PrefixLoader(self.engine, self.store, get_timeout_s)
+        self.prefix = PrefixLoader(self.engine, self.store, get_timeout_s, self.remote.endpoint)
 
     def _kv_transfer(self) -> str:
         return self.remote.path

@@ -51,6 +51,21 @@ class EngineAddress:
 
 
 @dataclass(frozen=True, slots=True)
+class EngineArena:
+    """A store node's host-tier arena as peers read it on the engine: `[slot, layer, k|v, ...]`
+    from `base` on the session `session`."""
+
+    session: str
+    base: int
+    num_slots: int
+    block_bytes: int
+    layer_bytes: int  # one block's K and V in one layer: contiguous, K first
+
+    def layer_at(self, slot: int, layer: int) -> int:
+        return self.base + slot * self.block_bytes + layer * self.layer_bytes
+
+
+@dataclass(frozen=True, slots=True)
 class Landed:
     """One landed notice as it arrived: the receive key and where it says the layer is."""
 
@@ -100,13 +115,17 @@ class TransferEndpoint:
         self.lock = threading.Lock()  # the counters: writes come from several threads
         self.num_writes = 0
         self.num_bytes = 0
-        self.num_failed_writes = 0
+        self.num_failed_writes = 0  # and reads
+        self.num_reads = 0
+        self.num_bytes_read = 0
 
     def counters(self) -> dict:
         return {
             "num_engine_writes": self.num_writes,
             "engine_bytes_written": self.num_bytes,
             "num_failed_engine_writes": self.num_failed_writes,
+            "num_engine_reads": self.num_reads,
+            "engine_bytes_read": self.num_bytes_read,
         }
 
     def register(self, address: int, num_bytes: int) -> None:
@@ -147,6 +166,16 @@ class TransferEndpoint:
             self.num_writes += len(pieces)
             self.num_bytes += sum(p[2] for p in pieces)
 
+    def read(self, peer: str, pieces: list[tuple[int, int, int]]) -> None:
+        """Read each (local address, peer address, bytes) piece from `peer`; wait for all."""
+        status = self.engine.batch_transfer_sync_read(
+            peer, [p[0] for p in pieces], [p[1] for p in pieces], [p[2] for p in pieces]
+        )
+        self._check(status, peer)
+        with self.lock:
+            self.num_reads += len(pieces)
+            self.num_bytes_read += sum(p[2] for p in pieces)
+
     def notify(self, peer: str, address: int, name: str, message: str) -> None:
         """Send `peer` a notification alone: a write of no bytes, from memory of ours, to
         `address` (registered there)."""
@@ -162,7 +191,7 @@ class TransferEndpoint:
         if status != 0:
             with self.lock:
                 self.num_failed_writes += 1
-            raise TransferFailed(f"the transfer engine's write to {peer} failed ({status})")
+            raise TransferFailed(f"a transfer engine's move with {peer} failed ({status})")
 
     def notifies(self) -> list[tuple[str, str]]:
         """The (name, message) notifications that arrived since the last call."""

@@ -14,7 +14,14 @@ import time
 
 import ray
 from ray.cluster_utils import Cluster as RayCluster
-from scenario_kit import NODE, NODES_TIMEOUT_S, pool_settings, started, write_report
+from scenario_kit import (
+    NODE,
+    NODES_TIMEOUT_S,
+    kv_block_bytes,
+    pool_settings,
+    started,
+    write_report,
+)
 
 from halfmoon.cluster.client.grpc_client import Client
 from halfmoon.cluster.frontend.grpc_errors import ServerError
@@ -87,10 +94,7 @@ def main(model: str, out_path: str) -> None:
     settings = pool_settings(model, **SETTINGS, **{"prefill.replicas": 2})
     with started(nodes, settings) as (cluster, ports):
         (decode,) = [name for name, w in cluster.workers.items() if w.kind == "decode"]
-        info = ray.get(cluster.workers[decode].actor.info.remote())
-        itemsize = 2 if info.dtype in ("bfloat16", "float16") else 4
-        page = info.block_size * info.num_kv_heads * info.head_dim * itemsize
-        report["block_bytes"] = info.num_layers * 2 * page
+        report["block_bytes"] = kv_block_bytes(cluster.workers[decode].actor)
         prefills = [name for name, w in cluster.workers.items() if w.kind == "prefill"]
         with Client(f"127.0.0.1:{ports['grpc_port']}") as client:
             # (counters before and after: the cluster's start-up served requests of its own)

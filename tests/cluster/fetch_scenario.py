@@ -6,7 +6,8 @@ Two `prefill` nodes (one prefill worker and one store node each) and the decode 
 the head. A long prompt is prefilled on one prefill node; that worker then drains, and the
 same prefix with another question goes to the other prefill node, which holds none of it: the
 Conductor plans a fetch from the first node's store, and the worker loads the prefix from
-there layer by layer. Writes what it saw as JSON for the test to judge."""
+there layer by layer (`... OUT.json engine`: with `store.transfer.engine: mooncake`, read on
+the transfer engine). Writes what it saw as JSON for the test to judge."""
 
 from __future__ import annotations
 
@@ -15,7 +16,14 @@ import time
 
 import ray
 from ray.cluster_utils import Cluster as RayCluster
-from scenario_kit import NODE, NODES_TIMEOUT_S, pool_settings, started, write_report
+from scenario_kit import (
+    NODE,
+    NODES_TIMEOUT_S,
+    kv_block_bytes,
+    pool_settings,
+    started,
+    write_report,
+)
 
 from halfmoon.cluster.client.grpc_client import Client
 from halfmoon.cluster.control.launcher import Cluster
@@ -33,7 +41,11 @@ SETTINGS = {
 }
 
 
-def main(model: str, out_path: str) -> None:
+# KV and stored prefixes between the nodes on Mooncake's Transfer Engine, on loopback.
+ENGINE = {"store.transfer.engine": "mooncake", "store.transfer.host": "127.0.0.1"}
+
+
+def main(model: str, out_path: str, *modes: str) -> None:
     offline = LLM(model, num_pages=256, max_num_batched_tokens=256)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     prompts = [PREFIX + question for question in QUESTIONS]
@@ -42,7 +54,8 @@ def main(model: str, out_path: str) -> None:
     nodes = RayCluster(initialize_head=True, head_node_args={**NODE, "resources": {"decode": 1}})
     first, second = (nodes.add_node(**NODE, resources={"prefill": 1}) for _ in range(2))
     nodes.wait_for_nodes(NODES_TIMEOUT_S)
-    with started(nodes, pool_settings(model, **SETTINGS)) as (cluster, ports):
+    settings = {**SETTINGS, **(ENGINE if "engine" in modes else {})}
+    with started(nodes, pool_settings(model, **settings)) as (cluster, ports):
         with Client(f"127.0.0.1:{ports['grpc_port']}") as client:
             report.update(serve(cluster, client, prompts))
         report["prefill_nodes"] = sorted([first.node_id, second.node_id])
@@ -66,6 +79,8 @@ def serve(cluster: Cluster, client: Client, prompts: list[str]) -> dict:
         "explain": client.explain("second"),
         "nodes": {name: ray.get(w.actor.node_id.remote()) for name, w in cluster.workers.items()},
         "stores": {name: ray.get(w.actor.store_name.remote()) for name, w in prefill(cluster)},
+        "counters": {name: ray.get(w.actor.counters.remote()) for name, w in prefill(cluster)},
+        "block_bytes": kv_block_bytes(prefill(cluster)[0][1].actor),
     }
 
 
@@ -98,4 +113,4 @@ def wait_indexed(cluster: Cluster, client: Client, timeout_s: float = 30.0) -> N
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:])

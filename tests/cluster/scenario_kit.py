@@ -34,12 +34,13 @@ SCENARIO_ENV = {
 NODES_TIMEOUT_S = 180
 
 
-def run_scenario(script: Path, model_dir, out_dir: Path, timeout_s: float) -> dict:
-    """Run `script MODEL OUT.json` and return what it wrote (its output when it fails)."""
+def run_scenario(script: Path, model_dir, out_dir: Path, timeout_s: float, *args: str) -> dict:
+    """Run `script MODEL OUT.json [ARGS]` and return what it wrote (its output when it
+    fails)."""
     out = out_dir / "report.json"
     env = {**os.environ, **SCENARIO_ENV}
     result = subprocess.run(
-        [sys.executable, str(script), str(model_dir), str(out)],
+        [sys.executable, str(script), str(model_dir), str(out), *args],
         env=env,
         capture_output=True,
         text=True,
@@ -80,6 +81,13 @@ def started(nodes: RayCluster, settings: dict) -> Iterator[tuple[Cluster, dict]]
         cluster.stop()
         ray.shutdown()
         nodes.shutdown()
+
+
+def kv_block_bytes(worker) -> int:
+    """Bytes of one block's K and V over every layer, from a worker's `info`."""
+    info = ray.get(worker.info.remote())
+    itemsize = 2 if info.dtype in ("bfloat16", "float16") else 4
+    return info.num_layers * 2 * info.block_size * info.num_kv_heads * info.head_dim * itemsize
 
 
 def write_report(path: str, report: dict) -> None:
