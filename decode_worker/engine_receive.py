@@ -99,6 +99,10 @@ class EngineReceiver:
             self.wake.clear()
         self.staging.release(grant, clean)
 
+    def close(self) -> None:
+        if self.staging is not None:
+            self.staging.close()
+
     def _poll_forever(self) -> None:
         while True:
             self.wake.wait()

@@ -85,6 +85,11 @@ class DecodeWorker(EngineWorker):
     def _kv_transfer(self) -> str:
         return self.receiver.engine.path
 
+    def __ray_shutdown__(self) -> None:
+        """On a graceful exit: unregister the staging region (a kill takes it with the process:
+        peers' writes are refused either way)."""
+        self.receiver.engine.close()
+
     async def kv_peer(self) -> KvPeer:
         """Where prefill workers on this node send their notices (kvstore/transfer/channel.py),
         and how those on other nodes reach this worker's transfer engine, if it has one."""

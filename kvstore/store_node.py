@@ -82,6 +82,11 @@ class StoreNode:
     stream_slots = _forward("streams", LayerStreams.stream_slots)
     end_stream = _forward("streams", LayerStreams.end_stream)
 
+    def __ray_shutdown__(self) -> None:
+        """On a graceful exit: peers may no longer read the arena."""
+        if self.endpoint is not None:
+            self.endpoint.close()
+
     async def engine_arena(self) -> EngineArena | None:
         """Where peers on other nodes read this node's arena on the transfer engine (None:
         there is no engine here, and they read stored layers as Ray objects)."""

@@ -21,7 +21,9 @@ kvstore/config.py).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import re
 import threading
 from dataclasses import dataclass
@@ -134,6 +136,11 @@ class TransferEndpoint:
             raise TransferFailed(f"registering {num_bytes} bytes with the transfer engine failed")
         self.registered.append(address)
 
+    def unregister(self, address: int) -> None:
+        """Peers may no longer write at `address` (registered with `register`)."""
+        self.engine.unregister_memory(address)
+        self.registered.remove(address)
+
     def write(
         self,
         peer: str,
@@ -144,6 +151,13 @@ class TransferEndpoint:
         landed; `notify` (name, message) goes with the last, once the others are in."""
         if not pieces:
             return
+        with self._sources_registered(pieces):
+            self._write(peer, pieces, notify)
+        with self.lock:
+            self.num_writes += len(pieces)
+            self.num_bytes += sum(p[2] for p in pieces)
+
+    def _write(self, peer: str, pieces, notify) -> None:
         body, (src, dst, length) = pieces[:-1], pieces[-1]
         if body:
             self._check(
@@ -162,15 +176,29 @@ class TransferEndpoint:
                 self.engine.transfer_sync(peer, src, dst, length, TransferOpcode.Write, note),
                 peer,
             )
-        with self.lock:
-            self.num_writes += len(pieces)
-            self.num_bytes += sum(p[2] for p in pieces)
+
+    @contextlib.contextmanager
+    def _sources_registered(self, pieces: list[tuple[int, int, int]]):
+        """RDMA reads and writes only memory registered on this side too (TCP needs none):
+        register the pieces' local ranges for the call. Not measured: no RDMA NIC here."""
+        if self.protocol == "tcp":
+            yield
+            return
+        ranges = merged_spans([(local, local + length) for local, _, length in pieces])
+        for start, end in ranges:
+            self.register(start, end - start)
+        try:
+            yield
+        finally:
+            for start, _ in ranges:
+                self.unregister(start)
 
     def read(self, peer: str, pieces: list[tuple[int, int, int]]) -> None:
         """Read each (local address, peer address, bytes) piece from `peer`; wait for all."""
-        status = self.engine.batch_transfer_sync_read(
-            peer, [p[0] for p in pieces], [p[1] for p in pieces], [p[2] for p in pieces]
-        )
+        with self._sources_registered(pieces):
+            status = self.engine.batch_transfer_sync_read(
+                peer, [p[0] for p in pieces], [p[1] for p in pieces], [p[2] for p in pieces]
+            )
         self._check(status, peer)
         with self.lock:
             self.num_reads += len(pieces)
@@ -204,6 +232,17 @@ class TransferEndpoint:
         self.registered.clear()
 
 
+def merged_spans(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The (start, end) ranges merged where they touch or overlap."""
+    merged: list[tuple[int, int]] = []
+    for start, end in sorted(ranges):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
 def cluster_spans_machines() -> bool:
     """Whether the live Ray nodes have more than one address (one GCS call)."""
     import ray
@@ -229,6 +268,9 @@ def open_endpoint(
         import ray
 
         host = ray.util.get_node_ip_address()
+    # Bytes per socket read or write of the TCP transport (its default 64 KiB): 1 MiB moved a
+    # 64 MiB write at 2.2-2.4 GB/s instead of 1.7-1.9 on the development machine (loopback).
+    os.environ.setdefault("MC_TCP_SLICE_SIZE", str(1 << 20))
     engine = TransferEngine()
     devices = "" if settings.devices == "auto" else settings.devices
     if engine.initialize(host, "P2PHANDSHAKE", settings.protocol, devices) != 0:

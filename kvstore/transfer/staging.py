@@ -133,4 +133,5 @@ class StagingArea:
         self.free = merged
 
     def close(self) -> None:
-        self.endpoint.close()
+        """Unregister the region: peers' later writes into it are refused."""
+        self.endpoint.unregister(self.pages.data_ptr())
