@@ -98,6 +98,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the same requests against A, then B ([grpc://]HOST:PORT or http://...), and "
         "print both and the ratios B/A; replaces --server / --base-url",
     )
+    where.add_argument(
+        "--across-nodes",
+        action="store_true",
+        help="instead: start halfmoon on Ray nodes of this machine with prefill and decode on "
+        "two nodes (KV on Mooncake's Transfer Engine), then on one, and compare (issue 48; its "
+        "options: `halfmoon bench serve --across-nodes --help`)",
+    )
     work = parser.add_argument_group("workload")
     add_workload_options(
         work,
@@ -323,6 +330,11 @@ def print_report(report: dict, percentiles: list[float]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--across-nodes" in argv:
+        from halfmoon.bench import serve_nodes
+
+        return serve_nodes.main([arg for arg in argv if arg != "--across-nodes"])
     args = build_parser().parse_args(argv)
     try:
         report = run(args)

@@ -159,25 +159,54 @@ class PrefixLoader:
             self.num_loaded_tokens += loaded
             job.load = None
 
-    async def warm(self, engine: AsyncEngine, block_keys: list[bytes], store) -> int:
-        """Adopt the stored blocks of the chain `block_keys` from `store` that this engine
-        does not cache yet; returns how many were added."""
+    async def warm(
+        self, engine: AsyncEngine, block_keys: list[bytes], store, name: str | None = None
+    ) -> int:
+        """Adopt the stored blocks of the chain `block_keys` from `store` (store node `name`)
+        that this engine does not cache yet; returns how many were added. Another node's
+        store is read on the transfer engine when both ends have one."""
         keys = await engine.run(lambda e: e.uncached(list(block_keys)))
         held = await store.cached_prefix.remote(keys)
         if not held:
             return 0
-        lease_id = await store.lease.remote(keys[:held])
+        slots = None
+        if name is not None and name != self.store.name and self.reader is not None:
+            slots = await self._remote_slots(store, name, keys[:held])
+        lease_id = slots[2] if slots else await store.lease.remote(keys[:held])
         adopted = 0
         try:
             for first in range(0, held, WARM_CHUNK_BLOCKS):
                 chunk = keys[first : min(first + WARM_CHUNK_BLOCKS, held)]
-                layers = await asyncio.gather(
-                    *[
-                        store.get_layer.remote(chunk, layer, self.get_timeout_s)
-                        for layer in range(self.engine.facts.num_layers)
-                    ]
-                )
+                if slots is None:
+                    layers = await self._object_layers(store, chunk)
+                else:
+                    layers = await self._engine_layers(slots, first, len(chunk))
                 adopted += await engine.run(lambda e, c=chunk, kv=layers: e.adopt_blocks(c, kv))
         finally:
             store.release.remote(lease_id)
         return adopted
+
+    async def _remote_slots(self, store, name: str, keys: list[bytes]):
+        """(arena, slots, lease) of `keys` on another node's store, or None (Ray objects)."""
+        if name not in self.arenas:
+            self.arenas[name] = await store.engine_arena.remote()
+        if self.arenas[name] is None:
+            return None
+        held = await store.lease_slots.remote(keys)
+        return None if held is None else (self.arenas[name], *held)
+
+    async def _object_layers(self, store, chunk: list[bytes]) -> list[LayerKV]:
+        num_layers = self.engine.facts.num_layers
+        gets = [
+            store.get_layer.remote(chunk, layer, self.get_timeout_s) for layer in range(num_layers)
+        ]
+        self.num_object_loads += num_layers
+        return await asyncio.gather(*gets)
+
+    async def _engine_layers(self, slots, first: int, count: int) -> list[LayerKV]:
+        arena, chunk_slots = slots[0], slots[1][first : first + count]
+        read = RemotePrefix(arena, chunk_slots, self.layout)
+        self.reader.submit(read)
+        num_layers = self.engine.facts.num_layers
+        timeout = self.get_timeout_s
+        return [await asyncio.to_thread(read.layer, layer, timeout) for layer in range(num_layers)]

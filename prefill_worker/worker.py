@@ -148,7 +148,7 @@ class PrefillWorker(EngineWorker, KVHooks):
         if not self.engine.facts.prefix_caching:
             return 0
         store = ray.get_actor(store_name) if store_name else self.store.handle
-        return await self.prefix.warm(self._engine(), block_keys, store)
+        return await self.prefix.warm(self._engine(), block_keys, store, store_name)
 
     async def stored(self, request_id: str, ticket: str | None = None) -> bool | WorkerError:
         """Wait until the KV of the prefill `ticket` (or `request_id`) returned is all in the

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 import ray
 from ray.cluster_utils import Cluster as RayCluster
@@ -28,6 +29,8 @@ from scenario_kit import (
 from halfmoon.cluster.client.grpc_client import Client
 from halfmoon.cluster.control.launcher import Cluster
 from halfmoon.engine import LLM, SamplingParams
+from halfmoon.engine.tokenizer import load_tokenizer, tokenize_prompt
+from halfmoon.kvstore.keys import block_keys
 
 PREFIX = "The long system prompt that every request of this tenant starts with. " * 40
 QUESTIONS = ["What comes first?", "And what comes next?"]
@@ -72,7 +75,15 @@ def serve(cluster: Cluster, client: Client, prompts: list[str]) -> dict:
     ray.get(cluster.router.set_draining.remote(holder, True))
     outputs.append(complete(client, prompts[1], "second"))
     (second,) = summaries(cluster, ["second"])
+    # A replication from the holder's store into the second worker: the first prompt's blocks
+    # after the shared prefix are all it lacks.
+    taker = cluster.workers[second["prefill_instance"]].actor
+    before = ray.get(taker.counters.remote())
+    holder_store = ray.get(cluster.workers[holder].actor.store_name.remote())
+    warmed = ray.get(taker.warm.remote(prompt_keys(taker, prompts[0]), holder_store))
     return {
+        "warmed": warmed,
+        "warm_counters": [before, ray.get(taker.counters.remote())],
         "outputs": outputs,
         "first": first,
         "second": second,
@@ -82,6 +93,13 @@ def serve(cluster: Cluster, client: Client, prompts: list[str]) -> dict:
         "counters": {name: ray.get(w.actor.counters.remote()) for name, w in prefill(cluster)},
         "block_bytes": kv_block_bytes(prefill(cluster)[0][1].actor),
     }
+
+
+def prompt_keys(worker, prompt: str) -> list[bytes]:
+    """The prompt's full-block keys, as the router hashes them."""
+    info = ray.get(worker.info.remote())
+    tokens = tokenize_prompt(load_tokenizer(Path(info.model)), prompt, info.vocab_size)
+    return block_keys(info.root_key, tokens, info.block_size)
 
 
 def complete(client: Client, prompt: str, request_id: str) -> list[int]:

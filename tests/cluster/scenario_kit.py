@@ -57,6 +57,7 @@ def pool_settings(model: str, **more) -> dict:
         "model": model,
         "engine.num_pages": 256,
         "server.grpc_port": 0,
+        "server.http_port": 0,  # scenarios of other test processes may run at the same time
         "server.metrics_port": 0,
         "prefill.num_cpus": 1,
         "prefill.resources": {"prefill": 1},
