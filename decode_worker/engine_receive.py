@@ -39,7 +39,7 @@ class EngineReceiver:
         self.block_size = kv_cache.layout.block_size
         self.loop: asyncio.AbstractEventLoop | None = None
         self.advertised = False  # prefill workers were told how to reach the endpoint
-        self.open = 0  # receives waiting for landed notices
+        self.open = 0  # receives waiting for landed or first-token notices
         self.wake = threading.Event()
         self.num_landed = 0
         self.num_refused = 0  # notices naming no grant of ours, a wrong token or place
@@ -63,10 +63,10 @@ class EngineReceiver:
         self.advertised = True
         return EngineAddress(self.endpoint.session, actor_name)
 
-    def expect(self, reservation: Reservation, remote: bool) -> None:
+    def expect(self, reservation: Reservation) -> None:
         """At reserve: a receive from another node, whose prefill worker was given this
         worker's address, waits for that worker's word."""
-        if remote and self.advertised:
+        if self.advertised:
             reservation.engine = asyncio.get_running_loop().create_future()
 
     async def grant(self, key: str, accept: bool, wait_s: float) -> Grant | None:
@@ -93,11 +93,20 @@ class EngineReceiver:
         self.open += 1
         self.wake.set()
 
-    def closed(self, grant: Grant, clean: bool) -> None:
+    def closed(self, reservation: Reservation, grant: Grant, clean: bool) -> None:
+        """The receive ended: its slots go back; the notices are read on until its first
+        token is known too (its notice may come after the last layer's)."""
+        self.staging.release(grant, clean)
+        token = reservation.first_token
+        if clean and not token.done():
+            token.add_done_callback(lambda _: self._unwatch())
+        else:
+            self._unwatch()
+
+    def _unwatch(self) -> None:
         self.open -= 1
         if not self.open:
             self.wake.clear()
-        self.staging.release(grant, clean)
 
     def close(self) -> None:
         if self.staging is not None:

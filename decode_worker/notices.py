@@ -131,6 +131,7 @@ class Notices:
         self.ended_keys[reservation.key] = None
         while len(self.ended_keys) > RECENT_KEYS:
             self.ended_keys.popitem(last=False)
+        reservation.first_token.cancel()  # no-op once known; else nothing will bring it now
         self.undirect(reservation)
 
     def undirect(self, reservation: Reservation) -> None:

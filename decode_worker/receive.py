@@ -232,7 +232,7 @@ class Receiver:
             await self._all_written(written, timings)
             clean = True
         finally:
-            self.engine.closed(grant, clean)
+            self.engine.closed(reservation, grant, clean)
 
     async def _streamed(
         self, store, request_id: str, units, pages: list[int], arena: MappedArena | None, after

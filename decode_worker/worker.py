@@ -129,11 +129,11 @@ class DecodeWorker(EngineWorker):
         reservation = self.notices.add(task.request_id, key, task.direct, task.first_token_id)
         reservation.fence = self.kv_cache.mark()  # the reserved pages' last readers are before it
         reservation.num_tokens = len(task.token_ids)
-        remote = task.direct and (task.store_name or local_store_name()) != local_store_name()
-        self.receiver.engine.expect(reservation, remote)
+        if task.direct and (task.store_name or local_store_name()) != local_store_name():
+            self.receiver.engine.expect(reservation)  # its prefill worker is on another node
         timings = self.receiver.start(task.request_id)
         reservation.first_token.add_done_callback(
-            lambda _: setattr(timings, "first_token_at", time.time())
+            lambda token: token.cancelled() or setattr(timings, "first_token_at", time.time())
         )
         receive = asyncio.create_task(self._receive(store, task, pages, reservation))
         receive.add_done_callback(lambda done: self._await_handoff(task.request_id, done))
@@ -155,7 +155,7 @@ class DecodeWorker(EngineWorker):
         if not reservation.first_token.done():
             reservation.first_token.set_result(first_token_id)
         self.joining[request_id] = receive
-        failure = await self._received(request_id, receive)
+        failure = await _received(request_id, receive, self.get_timeout_s)
         if self.joining.get(request_id) is not receive:  # `abort` took it (and freed it)
             yield aborted(request_id)
             return
@@ -181,25 +181,6 @@ class DecodeWorker(EngineWorker):
                 retryable=True,
             )
         return WorkerError("NOT_FOUND", f"request {request_id} has no reservation here")
-
-    async def _received(self, request_id: str, receive: asyncio.Task) -> WorkerError | None:
-        """Wait (up to `get_timeout_s`) for the request's KV to be in; why it is not, or None."""
-        try:
-            await asyncio.wait_for(receive, self.get_timeout_s)
-        except asyncio.CancelledError:
-            return aborted(request_id)
-        except TimeoutError:
-            return WorkerError(
-                "UNAVAILABLE",
-                f"the KV of {request_id} was not all in the store {self.get_timeout_s} s after "
-                "its prefill ended (store.get_timeout_s)",
-                retryable=True,
-            )
-        except Exception as error:  # noqa: BLE001 - the router learns why, as data
-            return WorkerError(
-                "UNAVAILABLE", f"receiving the KV of {request_id} failed: {error}", retryable=True
-            )
-        return None
 
     async def generate_colocated(
         self, task: DecodeTask
@@ -297,6 +278,27 @@ class DecodeWorker(EngineWorker):
 
     async def receive_timings(self, request_id: str) -> ReceiveTimings | None:
         return self.receiver.timings_of(request_id)
+
+
+async def _received(request_id: str, receive: asyncio.Task, timeout_s: float) -> WorkerError | None:
+    """Wait (up to `timeout_s`, `store.get_timeout_s`) for the request's KV to be in; why it
+    is not, or None."""
+    try:
+        await asyncio.wait_for(receive, timeout_s)
+    except asyncio.CancelledError:
+        return aborted(request_id)
+    except TimeoutError:
+        return WorkerError(
+            "UNAVAILABLE",
+            f"the KV of {request_id} was not all in the store {timeout_s} s after "
+            "its prefill ended (store.get_timeout_s)",
+            retryable=True,
+        )
+    except Exception as error:  # noqa: BLE001 - the router learns why, as data
+        return WorkerError(
+            "UNAVAILABLE", f"receiving the KV of {request_id} failed: {error}", retryable=True
+        )
+    return None
 
 
 async def _as_data(

@@ -33,6 +33,8 @@ LONGEST_FIRST = (
     "test_multinode.py",
     "test_wheelhouse.py",
     "test_bench_chaos.py",
+    "test_engine_transfer.py",
+    "test_bench_serve_nodes.py",
     "test_remote_fetch.py",
     "test_cluster_serving.py",
     "test_cluster_protection.py",

@@ -6,31 +6,20 @@ Two `prefill` nodes (one prefill worker and one store node each) and the decode 
 the head. A long prompt is prefilled on one prefill node; that worker then drains, and the
 same prefix with another question goes to the other prefill node, which holds none of it: the
 Conductor plans a fetch from the first node's store, and the worker loads the prefix from
-there layer by layer (`... OUT.json engine`: with `store.transfer.engine: mooncake`, read on
-the transfer engine). Writes what it saw as JSON for the test to judge."""
+there layer by layer. Writes what it saw as JSON for the test to judge."""
 
 from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 
 import ray
 from ray.cluster_utils import Cluster as RayCluster
-from scenario_kit import (
-    NODE,
-    NODES_TIMEOUT_S,
-    kv_block_bytes,
-    pool_settings,
-    started,
-    write_report,
-)
+from scenario_kit import NODE, NODES_TIMEOUT_S, pool_settings, started, write_report
 
 from halfmoon.cluster.client.grpc_client import Client
 from halfmoon.cluster.control.launcher import Cluster
 from halfmoon.engine import LLM, SamplingParams
-from halfmoon.engine.tokenizer import load_tokenizer, tokenize_prompt
-from halfmoon.kvstore.keys import block_keys
 
 PREFIX = "The long system prompt that every request of this tenant starts with. " * 40
 QUESTIONS = ["What comes first?", "And what comes next?"]
@@ -44,11 +33,7 @@ SETTINGS = {
 }
 
 
-# KV and stored prefixes between the nodes on Mooncake's Transfer Engine, on loopback.
-ENGINE = {"store.transfer.engine": "mooncake", "store.transfer.host": "127.0.0.1"}
-
-
-def main(model: str, out_path: str, *modes: str) -> None:
+def main(model: str, out_path: str) -> None:
     offline = LLM(model, num_pages=256, max_num_batched_tokens=256)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     prompts = [PREFIX + question for question in QUESTIONS]
@@ -57,8 +42,7 @@ def main(model: str, out_path: str, *modes: str) -> None:
     nodes = RayCluster(initialize_head=True, head_node_args={**NODE, "resources": {"decode": 1}})
     first, second = (nodes.add_node(**NODE, resources={"prefill": 1}) for _ in range(2))
     nodes.wait_for_nodes(NODES_TIMEOUT_S)
-    settings = {**SETTINGS, **(ENGINE if "engine" in modes else {})}
-    with started(nodes, pool_settings(model, **settings)) as (cluster, ports):
+    with started(nodes, pool_settings(model, **SETTINGS)) as (cluster, ports):
         with Client(f"127.0.0.1:{ports['grpc_port']}") as client:
             report.update(serve(cluster, client, prompts))
         report["prefill_nodes"] = sorted([first.node_id, second.node_id])
@@ -75,31 +59,14 @@ def serve(cluster: Cluster, client: Client, prompts: list[str]) -> dict:
     ray.get(cluster.router.set_draining.remote(holder, True))
     outputs.append(complete(client, prompts[1], "second"))
     (second,) = summaries(cluster, ["second"])
-    # A replication from the holder's store into the second worker: the first prompt's blocks
-    # after the shared prefix are all it lacks.
-    taker = cluster.workers[second["prefill_instance"]].actor
-    before = ray.get(taker.counters.remote())
-    holder_store = ray.get(cluster.workers[holder].actor.store_name.remote())
-    warmed = ray.get(taker.warm.remote(prompt_keys(taker, prompts[0]), holder_store))
     return {
-        "warmed": warmed,
-        "warm_counters": [before, ray.get(taker.counters.remote())],
         "outputs": outputs,
         "first": first,
         "second": second,
         "explain": client.explain("second"),
         "nodes": {name: ray.get(w.actor.node_id.remote()) for name, w in cluster.workers.items()},
         "stores": {name: ray.get(w.actor.store_name.remote()) for name, w in prefill(cluster)},
-        "counters": {name: ray.get(w.actor.counters.remote()) for name, w in prefill(cluster)},
-        "block_bytes": kv_block_bytes(prefill(cluster)[0][1].actor),
     }
-
-
-def prompt_keys(worker, prompt: str) -> list[bytes]:
-    """The prompt's full-block keys, as the router hashes them."""
-    info = ray.get(worker.info.remote())
-    tokens = tokenize_prompt(load_tokenizer(Path(info.model)), prompt, info.vocab_size)
-    return block_keys(info.root_key, tokens, info.block_size)
 
 
 def complete(client: Client, prompt: str, request_id: str) -> list[int]:
@@ -131,4 +98,4 @@ def wait_indexed(cluster: Cluster, client: Client, timeout_s: float = 30.0) -> N
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    main(sys.argv[1], sys.argv[2])

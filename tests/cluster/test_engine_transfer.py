@@ -1,6 +1,7 @@
 """KV across Ray nodes on Mooncake's Transfer Engine (engine_transfer_scenario.py, in a process of
 its own): outputs equal the offline engine's, the bytes the engine moved are the requests' KV,
-no layer came as a Ray object, and a prefill node killed mid-transfer is a retry that
+no layer came as a Ray object; a prefix fetched and a replication from another node's store are
+read out of its arena on the engine; a prefill node killed mid-transfer is a retry that
 completes."""
 
 from __future__ import annotations
@@ -44,6 +45,26 @@ def test_the_engine_moved_exactly_the_requests_kv_and_no_ray_object_carried_any(
     # Each first token went on the engine too (the decode worker joins on it or on the
     # router's hand-off, whichever comes first: tests/cluster/test_decode_engine_receive.py).
     assert grew("num_engine_token_notices") == 3
+
+
+def test_a_prefix_fetched_from_another_nodes_store_is_read_on_the_engine(report):
+    fetch = report["fetch"]
+    assert fetch["outputs"] == report["expected_fetch"]
+    assert fetch["second"]["loaded_from"] == fetch["holder_store"]
+    loader = fetch["counters"][0]  # the fetching worker's, before the replication
+    assert loader["num_object_loads"] == 0
+    blocks = fetch["second"]["num_loaded_tokens"] // 16
+    assert blocks >= 20  # most of the prefix's blocks
+    assert loader["num_engine_prefix_layers"] > 0
+    assert loader["engine_bytes_read"] == blocks * report["block_bytes"]
+
+
+def test_a_replication_from_another_nodes_store_is_read_on_the_engine(report):
+    before, after = report["fetch"]["counters"]
+    assert report["fetch"]["warmed"] >= 1
+    assert after["num_object_loads"] == before["num_object_loads"]
+    read = after["engine_bytes_read"] - before["engine_bytes_read"]
+    assert read == report["fetch"]["warmed"] * report["block_bytes"]
 
 
 def test_a_prefill_node_killed_mid_transfer_is_retried_and_completes(report):
