@@ -17,7 +17,7 @@ from pathlib import Path
 
 import ray
 from fetch_scenario import MAX_TOKENS as FETCH_TOKENS
-from fetch_scenario import PREFIX, QUESTIONS, complete, summaries, wait_indexed
+from fetch_scenario import PREFIX, QUESTIONS, serve
 from ray.cluster_utils import Cluster as RayCluster
 from scenario_kit import (
     NODE,
@@ -87,27 +87,23 @@ def kill_mid_transfer(client: Client, cluster, nodes: dict, outcome: list) -> st
 
 
 def fetch_and_warm(cluster, client: Client) -> dict:
-    """fetch_scenario's plan on the engine: the first prompt on one prefill worker, which then
-    drains, so the second (the same prefix) goes to the other, which fetches the prefix from
-    the first's store; then that worker is warmed from there with the first prompt's blocks
-    (all it lacks is what follows the prefix). The drained worker serves again after."""
+    """fetch_scenario's plan on the engine (its `serve`: the first prompt on one prefill
+    worker, which then drains, so the second, the same prefix, goes to the other, which fetches
+    the prefix from the first's store); then that worker is warmed from there with the first
+    prompt's blocks (all it lacks is what follows the prefix). The drained worker serves again
+    after."""
     prompts = [PREFIX + question for question in QUESTIONS]
-    outputs = [complete(client, prompts[0], "first")]
-    (first,) = summaries(cluster, ["first"])
-    holder = first["prefill_instance"]
-    wait_indexed(cluster, client)
-    ray.get(cluster.router.set_draining.remote(holder, True))
-    outputs.append(complete(client, prompts[1], "second"))
-    (second,) = summaries(cluster, ["second"])
-    taker = cluster.workers[second["prefill_instance"]].actor
+    served = serve(cluster, client, prompts)
+    holder = served["first"]["prefill_instance"]
+    taker = cluster.workers[served["second"]["prefill_instance"]].actor
     fetched = ray.get(taker.counters.remote())
-    holder_store = ray.get(cluster.workers[holder].actor.store_name.remote())
+    holder_store = served["stores"][holder]
     warmed = ray.get(taker.warm.remote(prompt_keys(taker, prompts[0]), holder_store))
     ray.get(cluster.router.set_draining.remote(holder, False))
     return {
-        "outputs": outputs,
+        "outputs": served["outputs"],
         "holder_store": holder_store,
-        "second": second,
+        "second": served["second"],
         "counters": [fetched, ray.get(taker.counters.remote())],
         "warmed": warmed,
     }

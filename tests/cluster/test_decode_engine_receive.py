@@ -13,6 +13,7 @@ import uuid
 import pytest
 import ray
 import torch
+from cluster_kit import wait_until
 
 from halfmoon.cluster.worker.errors import WorkerError
 from halfmoon.decode_worker.task import DecodeTask
@@ -93,14 +94,6 @@ def counters(decode) -> dict:
     return ray.get(decode.counters.remote())
 
 
-def wait_for(predicate, timeout_s: float = 20.0):
-    deadline = time.monotonic() + timeout_s
-    while not (value := predicate()):
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
-    return value
-
-
 def test_the_decode_worker_advertises_its_engine_and_grants_a_run_of_slots(parts):
     local, _, decode, peer, _ = parts
     assert peer.engine is not None and peer.engine.session.startswith("127.0.0.1:")
@@ -118,7 +111,7 @@ def test_layers_written_on_the_engine_land_and_the_first_token_notice_joins_earl
         for layer in range(local.kv_cache.num_layers):
             write_layer(parts, ticket, grant, unit, index, layer)
     writer.notify(grant.session, grant.base, ticket, first_token_message(grant.token, 7))
-    wait_for(lambda: counters(decode)["num_early_joins"] > before["num_early_joins"])
+    wait_until(lambda: counters(decode)["num_early_joins"] > before["num_early_joins"])
     stream = decode.generate.options(num_returns="streaming").remote("engine-receive", 7)
     outputs = [ray.get(ref) for ref in stream]
     # The first output repeats the first token; then the rest of max_tokens.
@@ -139,7 +132,7 @@ def test_notices_that_do_not_match_the_grant_are_refused_and_counted(parts):
     write_layer(parts, ticket, grant, units[0], 0, 0, token="0" * 16)  # a stale grant's token
     writer.notify(grant.session, grant.base, ticket, landed_message(grant.token, 0, 999))
     writer.notify(grant.session, grant.base, ticket, "not a notice")
-    wait_for(lambda: counters(decode)["num_refused_landed_notices"] == before + 3)
+    wait_until(lambda: counters(decode)["num_refused_landed_notices"] == before + 3)
     ray.get(decode.abort.remote("engine-forged", ticket))
 
 
