@@ -82,7 +82,9 @@ def kill_mid_transfer(client: Client, cluster, nodes: dict, outcome: list) -> st
         time.sleep(0.002)
     if killed is not None:
         nodes[ray.get(cluster.workers[killed].actor.node_id.remote())].kill_raylet()
+    killed_at = time.monotonic()
     thread.join(CALL_TIMEOUT_S)
+    outcome.append(time.monotonic() - killed_at)  # the kill to the retried request's end
     return killed
 
 
@@ -154,7 +156,8 @@ def main(model: str, out_path: str) -> None:
             report["fetch"] = fetch_and_warm(cluster, client)
             outcome: list = []
             report["killed"] = kill_mid_transfer(client, cluster, by_id, outcome)
-            report["outcome_after_kill"] = outcome[0] if outcome else "hung"
+            report["outcome_after_kill"] = outcome[0] if len(outcome) == 2 else "hung"
+            report["retried_in_s"] = outcome[-1]
             report["output_again"] = greedy(client, LONG)
             report["decode_after"] = counters(cluster, decode)
     write_report(out_path, report)

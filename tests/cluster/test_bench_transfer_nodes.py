@@ -1,7 +1,8 @@
 """`halfmoon bench transfer --across-nodes` (bench/probes/transfer_nodes.py): a small run in a
 process of its own (a pytest process holds one Ray instance only, and the bench makes Ray nodes
 of its own) reports the three paths, each with its bytes/s, and the ratios against issue 48's
-goals; and the helpers its figures rest on."""
+goals, and, NIXL's directory missing, that the `nixl` path was skipped and why; and the
+helpers its figures rest on."""
 
 from __future__ import annotations
 
@@ -36,10 +37,10 @@ def test_each_ratio_is_judged_against_its_goal():
 @pytest.mark.timeout(600)
 def test_a_small_run_reports_every_path_and_the_ratios(tmp_path):
     pytest.importorskip("mooncake.engine", reason="mooncake-transfer-engine cannot be imported")
-    out = tmp_path / "nodes.json"
+    out, no_nixl = tmp_path / "nodes.json", tmp_path / "no-nixl"  # NIXL is never installed
     command = [sys.executable, "-m", "halfmoon.cluster.cli", "bench", "transfer", "--across-nodes"]
     result = subprocess.run(
-        [*command, *SMALL, "--in-flight", "1,2", "--json", str(out)],
+        [*command, *SMALL, "--in-flight", "1,2", "--nixl", str(no_nixl), "--json", str(out)],
         env={**os.environ, **SCENARIO_ENV},
         capture_output=True,
         text=True,
@@ -66,3 +67,21 @@ def test_a_small_run_reports_every_path_and_the_ratios(tmp_path):
     assert ratios["engine_over_tcp"]["value"] == pytest.approx(best / tcp)
     assert all(r["value"] > 0 and isinstance(r["met"], bool) for r in ratios.values())
     assert "engine_over_ray = " in result.stdout and "(goal >= 2.5" in result.stdout
+    assert summary["nixl"] == {
+        "measured": False,
+        "skipped": f"--nixl {no_nixl}: no such directory (`make nixl-peer` builds .peers-nixl)",
+    }
+    assert f"nixl: skipped (--nixl {no_nixl}: no such directory" in result.stdout
+
+
+def test_nixl_is_skipped_with_its_reason_when_its_directory_is_missing(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no .peers-nixl here
+    assert transfer_nodes.nixl.nixl_dir(None) == (
+        None,
+        "no .peers-nixl/ here (`make nixl-peer` builds it)",
+    )
+    assert transfer_nodes.nixl.nixl_dir(str(tmp_path / "gone"))[0] is None
+    (tmp_path / ".peers-nixl").mkdir()
+    assert transfer_nodes.nixl.nixl_dir(None) == (str(tmp_path / ".peers-nixl"), "")
+    lines = transfer_nodes.nixl.nixl_lines({"measured": False, "skipped": "why"})
+    assert lines == ["nixl: skipped (why)"]

@@ -71,6 +71,8 @@ def test_a_prefill_node_killed_mid_transfer_is_retried_and_completes(report):
     assert report["killed"] is not None  # a prefill worker was writing its layers
     # The router retries the cut request on the other prefill worker, at once.
     assert report["outcome_after_kill"] == report["expected"][3]
+    # At once: not after the decode worker's wait for missing layers (store.get_timeout_s, 10 s).
+    assert report["retried_in_s"] < 10.0
     assert report["output_again"] == report["expected"][3]
     # The cut receive's slots wait out their quarantine; the rest came back.
     after = report["decode_after"]
