@@ -128,6 +128,18 @@ proto: $(STAMP)
 peers:
 	bash deploy/peers.sh
 
+# NIXL (PyPI nixl-cu12, UCX), the peer `halfmoon bench transfer --across-nodes` compares the
+# engine against (docs/benchmarks.md, "Transfer across nodes (issue 48)"), in .peers-nixl/
+# (ignored by git; not halfmoon's dependency, not in `make test`). --no-deps: it would pull a
+# CUDA torch; the venv's CPU torch and numpy serve.
+NIXL_PEER_DIR ?= .peers-nixl
+.PHONY: nixl-peer
+nixl-peer: $(STAMP)
+	rm -rf $(NIXL_PEER_DIR) && mkdir -p $(NIXL_PEER_DIR)/.wheel
+	$(PY) -m pip download --no-deps --dest $(NIXL_PEER_DIR)/.wheel nixl-cu12==1.5.1
+	$(PY) -m pip install --no-deps --target $(NIXL_PEER_DIR) $(NIXL_PEER_DIR)/.wheel/nixl_cu12-*.whl
+	rm -rf $(NIXL_PEER_DIR)/.wheel
+
 # `vllm bench serve` against `vllm serve`, 1+1 and colocated `halfmoon serve`, fresh servers
 # alternating (docs/benchmarks.md, "Served, with vLLM's client"); needs `make peers`.
 .PHONY: bench-served-vllm

@@ -4,8 +4,11 @@ sender's node, ray.get on the receiver's: copied through both nodes' object stor
 receiver's buffer). `engine`: Mooncake's Transfer Engine over TCP through halfmoon's wrapper
 (kvstore/transfer/engine.py), writing straight into the receiver's registered buffer, the landed
 notify with the last piece. `tcp`: the machine's raw limit, one plain socket between the same
-two processes. The nodes are a head and one more node of a ray.cluster_utils.Cluster on this
-machine (every address 127.0.0.1), an actor pinned on each by a custom resource.
+two processes. `nixl`, when NIXL is there (--nixl DIR, by default .peers-nixl of `make
+nixl-peer`; else skipped, the reason printed): NIXL's UCX over TCP (bench/probes/transfer_nixl.py,
+which also prints the report), a peer to compare the engine with. The nodes are a head and one
+more node of a ray.cluster_utils.Cluster on this machine (every address 127.0.0.1), an actor
+pinned on each by a custom resource.
 
 Per path, the median over --repeats of three moves. The unit (--unit-mib) sent whole, nothing
 paced: its bytes/s. One layer (the unit / --layers) alone: one layer's move. The stall after the
@@ -38,6 +41,7 @@ from ray.cluster_utils import Cluster as RayCluster
 
 from halfmoon.bench.device import int_list
 from halfmoon.bench.options import bench_parser
+from halfmoon.bench.probes import transfer_nixl as nixl
 from halfmoon.kvstore.config import TransferSettings
 from halfmoon.kvstore.transfer.engine import open_endpoint
 
@@ -68,7 +72,7 @@ class Side:
 
     def __init__(self, unit_bytes: int) -> None:
         self.buf = np.full(unit_bytes, 7, np.uint8)
-        self.endpoint = None
+        self.endpoint = self.nixl = None
         self.server = self.conn = None
         self.cond = threading.Condition()
         self.landed, self.expected = [], 0  # the current move's landed times, and how many
@@ -85,6 +89,17 @@ class Side:
         if register:  # the destination; the TCP transport reads any source
             self.endpoint.register(self.buf.ctypes.data, self.buf.nbytes)
         return self.endpoint.session, self.buf.ctypes.data
+
+    def open_nixl(self, directory: str, name: str) -> tuple | str:
+        """This process's NIXL agent, the buffer registered: its card, or why it failed."""
+        try:
+            self.nixl = nixl.NixlEnd(directory, name, self.buf.ctypes.data, self.buf.nbytes)
+        except Exception as error:  # noqa: BLE001 - a broken peer is skipped, never a crash
+            return f"NIXL did not start: {type(error).__name__}: {error}"
+        return self.nixl.card()
+
+    def meet_nixl(self, card: tuple) -> None:
+        self.nixl.meet(card)
 
     def listen(self) -> int:
         self.server = socket.create_server((HOST, 0))
@@ -105,6 +120,9 @@ class Side:
             threading.Thread(target=self._read_socket, args=(sizes,), daemon=True).start()
         elif path == "engine":
             threading.Thread(target=self._read_notifies, args=(tag,), daemon=True).start()
+        elif path == "nixl":
+            nixl_args = (self.nixl, tag, len(sizes), self._land, POLL_S, WAIT_S)
+            threading.Thread(target=nixl.poll_notifs, args=nixl_args, daemon=True).start()
 
     def _land(self, count: int = 1) -> None:
         now = time.monotonic()
@@ -167,6 +185,8 @@ class Side:
         elif path == "ray":
             ref = ray.put(self.buf[at : at + size])
             self.held.append((ref, peer.take.remote([ref], at)))
+        elif path == "nixl":
+            self.nixl.write(at, size, tag)
         else:
             session, dst = peer
             src, parts = self.buf.ctypes.data + at, split(size, pieces)
@@ -186,9 +206,12 @@ def move(sides, path, peer, sizes, compute_s=0.0, pieces=1, in_flight=1) -> tupl
     return done - start, done - last_ready
 
 
-def variants(pieces: list[int], in_flight: list[int]) -> list[dict]:
-    """Every path's variant: Ray and the socket once, the engine at each pieces x in flight."""
-    plain = [{"path": p, "pieces": 1, "in_flight": 1} for p in ("ray", "tcp")]
+def variants(pieces: list[int], in_flight: list[int], with_nixl: bool) -> list[dict]:
+    """Every path's variant: Ray, the socket (and NIXL) once, the engine at each pieces x in
+    flight."""
+    plain = [
+        {"path": p, "pieces": 1, "in_flight": 1} for p in ("ray", "tcp", "nixl")[: 2 + with_nixl]
+    ]
     return plain + [
         {"path": "engine", "pieces": p, "in_flight": f} for p in pieces for f in in_flight
     ]
@@ -279,7 +302,9 @@ def start_sides(args) -> tuple:
 
 def measure(args) -> dict:
     sides, peers = start_sides(args)
-    rows = variants(args.pieces, args.in_flight)
+    skipped = nixl.start_nixl(args, sides)
+    peers["nixl"] = None
+    rows = variants(args.pieces, args.in_flight, not skipped)
     for row in rows:  # warm up: the engine's first write to a peer also connects
         move(sides, row["path"], peers[row["path"]], [args.unit], 0, row["pieces"])
     alone_moves(sides, peers, args, rows)
@@ -302,37 +327,8 @@ def measure(args) -> dict:
         "engine_variants": engines,
         "best_engine_stall": best_stall,
         "ratios": ratios(by_path, best_stall),
+        "nixl": nixl.nixl_summary(by_path, skipped),
     }
-
-
-def name(row: dict) -> str:
-    knobs = f" p{row['pieces']} f{row['in_flight']}" if row["path"] == "engine" else ""
-    return row["path"] + knobs
-
-
-def report(summary: dict) -> None:
-    unit, layer = summary["unit_bytes"] / MiB, summary["layer_bytes"] / MiB
-    print(
-        f"{unit:g} MiB unit, {summary['layers']} layers of {layer:g} MiB, "
-        f"{summary['layer_compute_ms']:.2f} ms compute a layer, median of {summary['repeats']}"
-    )
-    print(
-        f"{'path':<18} {'unit_ms':>8} {'GB/s':>7} {'layer_ms':>8} {'stall_ms':>8} "
-        f"{'stall/layer':>11}"
-    )
-    rows = [summary["paths"]["ray"], summary["paths"]["tcp"], *summary["engine_variants"]]
-    for r in rows:
-        print(
-            f"{name(r):<18} {r['unit_ms']:>8.2f} {r['bytes_per_s'] / 1e9:>7.3f} "
-            f"{r['layer_move_ms']:>8.3f} {r['stall_ms']:>8.3f} {r['stall_over_layer']:>11.2f}"
-        )
-    print(
-        f"best engine bytes/s: {name(summary['paths']['engine'])}; "
-        f"best engine stall: {name(summary['best_engine_stall'])}"
-    )
-    for key, ratio in summary["ratios"].items():
-        verdict = "met" if ratio["met"] else "NOT met"
-        print(f"{key} = {ratio['value']:.2f} (goal {ratio['goal']}: {verdict})")
 
 
 def parse_args(argv: list[str] | None):
@@ -354,6 +350,7 @@ def parse_args(argv: list[str] | None):
         metavar="KEY=VALUE",
         help="an environment variable of both sides' processes, e.g. MC_TCP_SLICE_SIZE=1048576",
     )
+    parser.add_argument("--nixl", metavar="DIR", help="NIXL's directory (default: .peers-nixl)")
     parser.add_argument("--json", metavar="PATH", help="also write the JSON line to PATH")
     args = parser.parse_args(argv)
     args.pieces = int_list(parser, "--pieces", args.pieces)
@@ -361,6 +358,7 @@ def parse_args(argv: list[str] | None):
     if min(args.unit_mib, args.layers, args.repeats, *args.pieces, *args.in_flight) < 1:
         parser.error("sizes, counts and repeats must be at least 1")
     args.unit = args.unit_mib * MiB
+    args.nixl_dir, args.nixl_skipped = nixl.nixl_dir(args.nixl)
     if args.unit // args.layers < max(args.pieces) * max(args.in_flight):
         parser.error("a layer must have at least --pieces x --in-flight bytes")
     if any("=" not in item for item in args.engine_env):
@@ -384,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
         ray.shutdown()
         nodes.shutdown()
         ray_constants.ENABLE_RAY_CLUSTER = clustered
-    report(summary)
+    nixl.report(summary)
     line = json.dumps(summary)
     print(line)
     if args.json:
