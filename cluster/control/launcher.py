@@ -177,7 +177,19 @@ class Cluster:
             store = start_store_node(layout, config, node["NodeID"])
             self.stores[node["NodeID"]] = store
             if self.router is not None:
-                ray.get(self.router.add_store.remote(name, store))
+                self._add_store(node["NodeID"], name, store)
+
+    def _add_store(self, node_id: str, name: str, store) -> None:
+        """Tell the router of a new store node; one whose node died before it started (Ray
+        still listed the node as alive) is dropped, and tried again while Ray lists it."""
+        try:
+            ray.get(self.router.add_store.remote(name, store))
+        except ray.exceptions.RayTaskError as error:
+            # Raised inside add_store, as the store's own death (not the router's).
+            if not isinstance(error, ray.exceptions.RayActorError):
+                raise
+            log.warning("the store node %s did not start (its node died?): %s", name, error)
+            self.stores.pop(node_id, None)
 
     def _forget_store(self, node_id: str) -> None:
         """The store node of a Ray node that died: stop reading from it."""
