@@ -129,7 +129,7 @@ class DecodeWorker(EngineWorker):
         reservation = self.notices.add(task.request_id, key, task.direct, task.first_token_id)
         reservation.fence = self.kv_cache.mark()  # the reserved pages' last readers are before it
         reservation.num_tokens = len(task.token_ids)
-        if task.direct and (task.store_name or local_store_name()) != local_store_name():
+        if task.direct and task.store_name not in (None, local_store_name()):
             self.receiver.engine.expect(reservation)  # its prefill worker is on another node
         timings = self.receiver.start(task.request_id)
         reservation.first_token.add_done_callback(

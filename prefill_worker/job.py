@@ -8,9 +8,8 @@ import threading
 from dataclasses import dataclass, field
 
 from halfmoon.kvstore.transfer.channel import KvPeer
-from halfmoon.kvstore.transfer.engine import EngineArena
 from halfmoon.kvstore.transfer.plan import TransferUnit
-from halfmoon.prefill_worker.remote_prefix import RemotePrefix
+from halfmoon.prefill_worker.remote_prefix import RemotePrefix, RemoteSlots
 from halfmoon.prefill_worker.remote_send import RemoteSend
 
 
@@ -62,9 +61,9 @@ class Job:
     lease_id: int | None = None
     load: PrefixLoad | None = None
     num_loaded_tokens: int = 0
-    # Another node's store read on the transfer engine: its arena and the prefix's slots there
-    # (held by `lease_id`).
-    remote_slots: tuple[EngineArena, list[int]] | None = None
+    # Another node's store read on the transfer engine: the prefix's slots leased there (the
+    # lease is also `lease_id`, released with the others).
+    remote_slots: RemoteSlots | None = None
     # The publisher's: units published so far, store calls in flight, arena claims per unit
     # (by its first key), layers per unit (by its index) the store has not been told of yet.
     next_unit: int = 0

@@ -18,7 +18,7 @@ from halfmoon.kvstore.layout import LayerKV
 from halfmoon.kvstore.transfer.engine import EngineArena, TransferEndpoint
 from halfmoon.prefill_worker.job import Job, PrefixLoad
 from halfmoon.prefill_worker.node_store import NodeStore
-from halfmoon.prefill_worker.remote_prefix import PrefixReader, RemotePrefix
+from halfmoon.prefill_worker.remote_prefix import PrefixReader, RemotePrefix, RemoteSlots
 
 log = logging.getLogger(__name__)
 REDIS = "redis"  # what a prefix loaded (in part) out of Redis is reported as
@@ -74,18 +74,11 @@ class PrefixLoader:
     async def _lease_remote_slots(self, job: Job, name: str) -> bool:
         """Lease the prefix's arena slots on store node `name` when both ends have a transfer
         engine and its host tier holds all of it (then it is read on the engine)."""
-        if self.reader is None:
+        keys = job.block_keys[: job.store_blocks]
+        job.remote_slots = await self._remote_slots(job.source, name, keys)
+        if job.remote_slots is None:
             return False
-        if name not in self.arenas:
-            self.arenas[name] = await job.source.engine_arena.remote()
-        arena = self.arenas[name]
-        held = None
-        if arena is not None:
-            held = await job.source.lease_slots.remote(job.block_keys[: job.store_blocks])
-        if held is None:
-            return False
-        slots, job.lease_id = held
-        job.remote_slots = (arena, slots)
+        job.lease_id = job.remote_slots.lease_id
         return True
 
     async def _find_remote(self, job: Job, name: str) -> None:
@@ -111,9 +104,9 @@ class PrefixLoader:
     def start(self, job: Job, first_block: int, pages: list[int]) -> None:
         """Step thread: start loading blocks `first_block...` of the job into `pages`."""
         keys = job.block_keys[first_block : first_block + len(pages)]
-        if job.remote_slots is not None:  # another node's arena, on the engine
-            arena, slots = job.remote_slots
-            read = RemotePrefix(arena, slots[first_block : first_block + len(pages)], self.layout)
+        if (leased := job.remote_slots) is not None:  # another node's arena, on the engine
+            slots = leased.slots[first_block : first_block + len(pages)]
+            read = RemotePrefix(leased.arena, slots, self.layout)
             self.reader.submit(read)
             job.load = PrefixLoad(first_block, pages, remote=read)
             return
@@ -169,31 +162,34 @@ class PrefixLoader:
         held = await store.cached_prefix.remote(keys)
         if not held:
             return 0
-        slots = None
-        if name is not None and name != self.store.name and self.reader is not None:
-            slots = await self._remote_slots(store, name, keys[:held])
-        lease_id = slots[2] if slots else await store.lease.remote(keys[:held])
+        leased = None
+        if name is not None and name != self.store.name:
+            leased = await self._remote_slots(store, name, keys[:held])
+        lease_id = leased.lease_id if leased else await store.lease.remote(keys[:held])
         adopted = 0
         try:
             for first in range(0, held, WARM_CHUNK_BLOCKS):
                 chunk = keys[first : min(first + WARM_CHUNK_BLOCKS, held)]
-                if slots is None:
+                if leased is None:
                     layers = await self._object_layers(store, chunk)
                 else:
-                    layers = await self._engine_layers(slots, first, len(chunk))
+                    layers = await self._engine_layers(leased, first, len(chunk))
                 adopted += await engine.run(lambda e, c=chunk, kv=layers: e.adopt_blocks(c, kv))
         finally:
             store.release.remote(lease_id)
         return adopted
 
-    async def _remote_slots(self, store, name: str, keys: list[bytes]):
-        """(arena, slots, lease) of `keys` on another node's store, or None (Ray objects)."""
+    async def _remote_slots(self, store, name: str, keys: list[bytes]) -> RemoteSlots | None:
+        """`keys` leased in another node's store `name` to read on the engine; None when
+        either end has no engine or its host tier lacks some of them (then Ray objects)."""
+        if self.reader is None:
+            return None
         if name not in self.arenas:
             self.arenas[name] = await store.engine_arena.remote()
         if self.arenas[name] is None:
             return None
         held = await store.lease_slots.remote(keys)
-        return None if held is None else (self.arenas[name], *held)
+        return None if held is None else RemoteSlots(self.arenas[name], *held)
 
     async def _object_layers(self, store, chunk: list[bytes]) -> list[LayerKV]:
         num_layers = self.engine.facts.num_layers
@@ -203,10 +199,7 @@ class PrefixLoader:
         self.num_object_loads += num_layers
         return await asyncio.gather(*gets)
 
-    async def _engine_layers(self, slots, first: int, count: int) -> list[LayerKV]:
-        arena, chunk_slots = slots[0], slots[1][first : first + count]
-        read = RemotePrefix(arena, chunk_slots, self.layout)
+    async def _engine_layers(self, leased: RemoteSlots, first: int, count: int) -> list[LayerKV]:
+        read = RemotePrefix(leased.arena, leased.slots[first : first + count], self.layout)
         self.reader.submit(read)
-        num_layers = self.engine.facts.num_layers
-        timeout = self.get_timeout_s
-        return [await asyncio.to_thread(read.layer, layer, timeout) for layer in range(num_layers)]
+        return await asyncio.to_thread(read.layers, self.get_timeout_s)

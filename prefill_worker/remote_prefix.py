@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from dataclasses import dataclass
 
 import torch
 
@@ -16,6 +17,16 @@ from halfmoon.kvstore.layout import KvLayout, LayerKV
 from halfmoon.kvstore.transfer.engine import EngineArena, TransferEndpoint
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteSlots:
+    """A stored prefix's slots leased on another node's store (`lease_id`), in its arena as
+    the engine reads it."""
+
+    arena: EngineArena
+    slots: list[int]
+    lease_id: int
 
 
 class RemotePrefix:
@@ -40,6 +51,10 @@ class RemotePrefix:
             out.append((k[row].data_ptr(), at, self.page_bytes))
             out.append((v[row].data_ptr(), at + self.page_bytes, self.page_bytes))
         return out
+
+    def layers(self, timeout_s: float) -> list[LayerKV]:
+        """Every layer, in order, once each has come (any thread)."""
+        return [self.layer(layer, timeout_s) for layer in range(len(self.landed))]
 
     def layer(self, layer: int, timeout_s: float) -> LayerKV:
         """Step thread: layer `layer` once it has come (raises if its read failed)."""

@@ -11,7 +11,6 @@ import uuid
 from dataclasses import dataclass, field
 
 import ray
-import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from halfmoon.cluster.config import ClusterConfig, PoolConfig
@@ -24,7 +23,6 @@ from halfmoon.cluster.worker.info import WorkerInfo
 from halfmoon.decode_worker.worker import DecodeWorker
 from halfmoon.engine.config import EngineConfig
 from halfmoon.engine.model_source import resolve_model
-from halfmoon.kvstore.layout import KvLayout
 from halfmoon.kvstore.store_node import start_store_node, store_node_name
 from halfmoon.prefill_worker.worker import PrefillWorker
 from halfmoon.router.degree import profile_for_pools
@@ -160,13 +158,7 @@ class Cluster:
 
     def ensure_stores(self) -> None:
         """A store node on every live Ray node (new nodes join as the autoscaler adds them)."""
-        layout = KvLayout(
-            self.info.num_layers,
-            self.info.block_size,
-            self.info.num_kv_heads,
-            self.info.head_dim,
-            getattr(torch, self.info.dtype),
-        )
+        layout = self.info.kv_layout
         for node in ray.nodes():
             if not node["Alive"] and node["NodeID"] in self.stores:
                 self._forget_store(node["NodeID"])

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from halfmoon.engine.cpu_linear import describe
 from halfmoon.engine.llm_engine import LLMEngine, StepTiming
 from halfmoon.engine.outputs import EngineStats
 from halfmoon.kvstore.block_events import BlockEvent
+from halfmoon.kvstore.layout import KvLayout
 
 
 @dataclass(slots=True)
@@ -32,6 +35,12 @@ class WorkerInfo:
     kernels: str = ""  # what runs the model (cpu_linear.describe): "avx2 kernels, linear blocks"
     # How its KV crosses nodes: "mooncake tcp", or "ray (why not the engine)"; "" for none.
     kv_transfer: str = ""
+
+    @property
+    def kv_layout(self) -> KvLayout:
+        """A block's KV layout on this worker, as the store and the wire hold it."""
+        dtype = getattr(torch, self.dtype)
+        return KvLayout(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, dtype)
 
 
 def worker_info(name: str, kind: str, engine: LLMEngine, kv_transfer: str = "") -> WorkerInfo:

@@ -29,6 +29,7 @@ import threading
 from dataclasses import dataclass
 
 import numpy as np
+import ray
 
 from halfmoon.kvstore.config import TransferSettings
 
@@ -245,8 +246,6 @@ def merged_spans(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
 
 def cluster_spans_machines() -> bool:
     """Whether the live Ray nodes have more than one address (one GCS call)."""
-    import ray
-
     return len({node["NodeManagerAddress"] for node in ray.nodes() if node["Alive"]}) > 1
 
 
@@ -265,8 +264,6 @@ def open_endpoint(
     except ImportError as error:  # the package, or the libibverbs/librdmacm it links
         return _fallback(f"the transfer engine cannot be imported: {error}")
     if (host := settings.host or host) is None:
-        import ray
-
         host = ray.util.get_node_ip_address()
     # Bytes per socket read or write of the TCP transport (its default 64 KiB): 1 MiB moved a
     # 64 MiB write at 2.2-2.4 GB/s instead of 1.7-1.9 on the development machine (loopback).

@@ -86,9 +86,7 @@ def started(nodes: RayCluster, settings: dict) -> Iterator[tuple[Cluster, dict]]
 
 def kv_block_bytes(worker) -> int:
     """Bytes of one block's K and V over every layer, from a worker's `info`."""
-    info = ray.get(worker.info.remote())
-    itemsize = 2 if info.dtype in ("bfloat16", "float16") else 4
-    return info.num_layers * 2 * info.block_size * info.num_kv_heads * info.head_dim * itemsize
+    return ray.get(worker.info.remote()).kv_layout.block_bytes
 
 
 def write_report(path: str, report: dict) -> None:
