@@ -17,14 +17,29 @@ from halfmoon.cluster.control.controller import Controller
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.usefixtures("ray_session")]
 
 
+def _hold_event_loops(cluster, seconds: float) -> list:
+    """Make every worker truly silent for `seconds`: a synchronous call on an async actor
+    blocks its event loop, so its pings queue behind it (as behind a long stall)."""
+    return [
+        w.actor.__ray_call__.remote(lambda _, s=seconds: time.sleep(s))
+        for w in cluster.workers.values()
+    ]
+
+
 def test_a_silent_worker_is_kept_until_it_has_been_unresponsive_too_long(tiny_model_dir):
-    # A timeout no ping can meet: every worker is "silent" on every check.
-    settings = {"health.timeout_s": 1e-4, "health.unresponsive_s": 3.0}
+    settings = {"health.timeout_s": 0.5, "health.unresponsive_s": 3.0}
     with running_cluster(tiny_model_dir, **settings) as (cluster, client):
         controller = Controller(cluster)
+        held = _hold_event_loops(cluster, 2.0)
+        time.sleep(0.2)
         assert controller.check_health() == []  # silent, not dead: nothing replaced
         assert set(controller.silent_since) == set(cluster.workers)
-        client.complete("still serving", max_tokens=2)
+        ray.get(held)
+        client.complete("still serving", max_tokens=2)  # the kept workers serve on
+        assert controller.check_health() == [] and controller.silent_since == {}
+        _hold_event_loops(cluster, 30.0)  # now a stall past the bound
+        time.sleep(0.2)
+        assert controller.check_health() == []
         time.sleep(3.0)
         replaced = controller.check_health()  # silent past the bound now: replaced
         assert sorted(replaced) == ["decode-1", "prefill-0"]
