@@ -13,7 +13,7 @@ import ray
 
 from halfmoon.engine.errors import HalfmoonError
 from halfmoon.engine.kv_cache import PagedKvCache
-from halfmoon.kvstore.locate import local_store
+from halfmoon.kvstore.locate import local_store, local_store_name
 from halfmoon.kvstore.transfer.channel import KvPeer, NoticeConn, NoticeListener
 from halfmoon.kvstore.transfer.notice_format import (
     Hello,
@@ -120,6 +120,11 @@ class Notices:
     def reservation(self, request_id: str) -> Reservation:
         """The reservation of `request_id` (KeyError if it has none)."""
         return self.reservations[request_id]
+
+    def key_of(self, request_id: str) -> str | None:
+        """The key (ticket or request id) of the reservation of `request_id`, if it has one."""
+        reservation = self.reservations.get(request_id)
+        return None if reservation is None else reservation.key
 
     def forget(self, request_id: str) -> None:
         """The reservation's notices are not needed any more: later ones are released."""
@@ -264,6 +269,11 @@ class Notices:
                 return None, notice
             reservation.arrived.clear()
             await reservation.arrived.wait()
+
+    def forget_store(self, name: str) -> None:
+        """Store node `name` was replaced: this node's is looked up afresh on next use."""
+        if name == local_store_name():
+            self.node_store = None
 
     def release(self, leases: list[int]) -> None:
         """Give claims back to this node's store (which the prefill worker's notices name);

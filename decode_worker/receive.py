@@ -87,6 +87,11 @@ class Receiver:
             self.stores[name] = ray.get_actor(name)
         return self.stores[name]
 
+    def forget_store(self, name: str) -> None:
+        """Store node `name` was replaced: look it up (and map its arena) afresh."""
+        self.stores.pop(name, None)
+        self.arenas.clear()  # mapped again on next use (this node's is keyed by its handle)
+
     def start(self, request_id: str) -> ReceiveTimings:
         timings = self.timings[request_id] = ReceiveTimings(reserved_at=time.time())
         while len(self.timings) > RECENT_TIMINGS:
@@ -132,7 +137,7 @@ class Receiver:
         """The store node's shared arena, when it is on this node (mapped once per store)."""
         key = store_name or id(store)
         if key not in self.arenas:
-            info = await store.arena_info.remote()
+            info = await asyncio.wait_for(store.arena_info.remote(), self.get_timeout_s)
             self.arenas[key] = map_arena(info, ray.get_runtime_context().get_node_id())
         return self.arenas[key]
 
@@ -246,18 +251,17 @@ class Receiver:
         # the layer is copied from there (no Ray object carries it).
         method = store.stream_layers if arena is None else store.stream_slots
         extra = () if arena is None else (f"{request_id}/{uuid.uuid4().hex}",)
+        wait_s = max(self.get_timeout_s, PREFILL_WAIT_S)  # the store's, for each layer
         stream = method.options(num_returns="streaming").remote(
-            [unit.keys for unit in units],
-            kv_cache.num_layers,
-            max(self.get_timeout_s, PREFILL_WAIT_S),
-            *extra,
+            [unit.keys for unit in units], kv_cache.num_layers, wait_s, *extra
         )
         written = None  # the last layer write: on CUDA it lands after it is issued
         try:
             for unit in units:
                 unit_pages = pages[unit.first_block : unit.first_block + len(unit.keys)]
                 for layer in range(kv_cache.num_layers):
-                    item = await (await anext(stream))
+                    # Twice the store's own wait: a store that hangs holds no receive forever.
+                    item = await asyncio.wait_for(_next_item(stream), 2 * wait_s)
                     if arena is None:
                         kv = item
                     else:
@@ -283,6 +287,10 @@ class Receiver:
             await asyncio.to_thread(written.wait)
         timings.all_received_at = time.time()
         self.transfers.append((timings.num_bytes, timings.all_received_at - timings.reserved_at))
+
+
+async def _next_item(stream):
+    return await (await anext(stream))
 
 
 def _first_layer(timings: ReceiveTimings) -> None:

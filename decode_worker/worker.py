@@ -161,7 +161,9 @@ class DecodeWorker(EngineWorker):
             return
         del self.joining[request_id]
         if failure is not None:
-            self._free(request_id)
+            # Unless a retry's reserve (its abort of this attempt not yet here) holds the id.
+            if self.notices.key_of(request_id) == reservation.key:
+                self._free(request_id)
             yield failure
             return
         self.notices.forget(request_id)
@@ -200,10 +202,20 @@ class DecodeWorker(EngineWorker):
         async for out in _timed(_as_data(outputs), called_at):
             yield out
 
+    def _held_request_ids(self) -> set[str]:
+        return set(self.receives) | set(self.joining)
+
+    def _forget_store(self, name: str) -> None:
+        self.receiver.forget_store(name)
+        self.notices.forget_store(name)
+
     async def abort(self, request_id: str, ticket: str | None = None) -> bool:
         """End the request here and free its pages; a reserve or colocated call with the same
-        `ticket` that lands later is refused."""
+        `ticket` that lands later is refused. The abort of an earlier attempt that lands after
+        a retry's reserve (Ray does not order them) leaves the retry's reservation alone."""
         self._remember_abort(ticket)
+        if ticket is not None and self.notices.key_of(request_id) not in (None, ticket):
+            return False
         receive = self.receives.pop(request_id, None) or self.joining.pop(request_id, None)
         if receive is not None:
             receive.cancel()

@@ -130,8 +130,8 @@ class AsyncEngine:
                 finished = out.finished
                 yield out
         finally:
-            self._streams.close(request_id)
-            if not finished:
+            # Only its own: a retry of the request on this worker may hold the id by now.
+            if self._streams.close(request_id, queue) and not finished:
                 self.abort(request_id)
 
     async def generate(self, *args, **kwargs) -> AsyncIterator[RequestOutput]:

@@ -30,8 +30,14 @@ class Streams:
         stream = self._by_id.get(request_id)
         return None if stream is None else stream[1]
 
-    def close(self, request_id: str) -> None:
-        self._by_id.pop(request_id, None)
+    def close(self, request_id: str, queue: asyncio.Queue | None = None) -> bool:
+        """Close `request_id`'s stream (only if it still delivers to `queue`, when given: a
+        later request under the same id may have opened its own); whether it did."""
+        stream = self._by_id.get(request_id)
+        if stream is None or (queue is not None and stream[1] is not queue):
+            return False
+        del self._by_id[request_id]
+        return True
 
     def deliver(self, item: RequestOutput | BaseException, request_id: str | None = None) -> None:
         """One output (or an error, for `request_id`) to its stream, if it is open."""

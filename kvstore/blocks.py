@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
@@ -23,6 +24,7 @@ from halfmoon.kvstore.stats import StoreStats
 
 HOST = "host"
 REDIS = "redis"
+HELD_KEYS = 1 << 18  # keys a tier's snapshot lists at most (tens of MB of the store's memory)
 
 
 class BlockStore:
@@ -44,6 +46,9 @@ class BlockStore:
         self._host = _host_tier(layout, config, clock, keep_evicted=self._demotes)
         self._on_event = on_event
         self._events: list[BlockEvent] = []
+        # tier -> keys it holds, as its events say; the newest HELD_KEYS of a tier (Redis
+        # expires keys unseen: an old one may be gone already, as it may from the index).
+        self._held: dict[str, OrderedDict[bytes, None]] = {}
         self._arrivals: dict[int, asyncio.Event] = {}
         self._demotions: set[asyncio.Task[None]] = set()
         self._backlog_bytes = 0
@@ -172,6 +177,15 @@ class BlockStore:
         events, self._events = self._events, []
         return events
 
+    def snapshot(self) -> list[BlockEvent]:
+        """Every block its tiers hold now, one `stored` event a tier (a new router's prefix
+        index starts from it); the events not yet drained are in it and dropped."""
+        self._events = []
+        return [
+            BlockEvent("stored", self.instance, tier, sorted(keys))
+            for tier, keys in self._held.items()
+        ]
+
     async def flush(self) -> None:
         """Wait for every demotion in flight to reach Redis (or fail)."""
         while self._demotions:
@@ -251,6 +265,15 @@ class BlockStore:
 
     def _emit(self, kind: EventKind, tier: str, keys: list[bytes]) -> None:
         event = BlockEvent(kind, self.instance, tier, keys)
+        held = self._held.setdefault(tier, OrderedDict())
+        for key in keys:
+            if kind == "stored":
+                held[key] = None
+                held.move_to_end(key)
+            else:
+                held.pop(key, None)
+        while len(held) > HELD_KEYS:
+            held.popitem(last=False)
         self._events.append(event)
         if self._on_event is not None:
             self._on_event(event)

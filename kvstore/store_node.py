@@ -76,6 +76,7 @@ class StoreNode:
     lease = _forward("blocks", BlockStore.lease)
     release = _forward("blocks", BlockStore.release)
     drain_events = _forward("blocks", BlockStore.drain_events)
+    snapshot = _forward("blocks", BlockStore.snapshot)
     close = _forward("blocks", BlockStore.close)
     get_layer = _forward("streams", LayerStreams.get_layer)
     stream_layers = _forward("streams", LayerStreams.stream_layers)
@@ -105,6 +106,10 @@ class StoreNode:
     async def arena_info(self) -> ArenaInfo | None:
         """Where producers on this node map the host tier's arena (None: not shared)."""
         return self.blocks.arena_info(ray.get_runtime_context().get_node_id())
+
+    async def ping(self) -> str:
+        """Its name: the controller's liveness check."""
+        return self.blocks.instance
 
     async def release_many(self, lease_ids: Sequence[int]) -> int:
         """Release several leases in one call; returns how many were still held."""

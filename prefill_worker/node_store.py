@@ -14,12 +14,19 @@ log = logging.getLogger(__name__)
 
 class NodeStore:
     """The store actor (found on first use: it is started after the workers) and its shared
-    arena, mapped once (None: it is elsewhere or private, and layers travel as Ray objects)."""
+    arena, mapped once (None: it is elsewhere or private, and layers travel as Ray objects);
+    `timeout_s`: the longest a call to it is waited for (a hung store holds no thread)."""
 
-    def __init__(self, handle=None) -> None:
+    def __init__(self, handle=None, timeout_s: float = 30.0) -> None:
         self._handle = handle
+        self.timeout_s = timeout_s
         self._arena: MappedArena | None = None
         self._checked = False
+
+    def reset(self) -> None:
+        """The store node was replaced: find the new one (and map its arena) on next use;
+        calls in flight on the old one fail and their requests are retried."""
+        self._handle, self._arena, self._checked = None, None, False
 
     @property
     def name(self) -> str:
@@ -34,7 +41,7 @@ class NodeStore:
 
     def arena(self) -> MappedArena | None:
         if not self._checked:  # the step thread and the publisher may both map it once
-            info = ray.get(self.handle.arena_info.remote())
+            info = ray.get(self.handle.arena_info.remote(), timeout=self.timeout_s)
             self._arena = map_arena(info, ray.get_runtime_context().get_node_id())
             self._checked = True  # after `_arena`: a thread seeing it sees the arena too
             log.info(

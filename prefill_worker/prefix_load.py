@@ -60,16 +60,25 @@ class PrefixLoader:
         """How many of the prompt's full blocks a store holds, leased there until `release`:
         this node's (host tier, then Redis), or store node `fetch_from` on another node when
         the router planned a fetch from there and it holds more."""
-        local = self.store.handle
-        host, shared = await local.prefix_depths.remote(job.block_keys)
-        job.source, job.store_blocks = local, host + shared
+        local = job.source = self.store.handle
+        try:
+            host, shared = await self._answer(local.prefix_depths.remote(job.block_keys))
+        except (ray.exceptions.RayError, TimeoutError) as error:  # computed, never failed
+            log.warning("looking a prefix up in this node's store failed: %s", error)
+            return
+        job.store_blocks = host + shared
         job.loaded_from = REDIS if shared else self.store.name
-        if fetch_from is not None and fetch_from != self.store.name:
-            await self._find_remote(job, fetch_from)
-            if job.source is not local and await self._lease_remote_slots(job, fetch_from):
-                return
-        if job.store_blocks:
-            job.lease_id = await job.source.lease.remote(job.block_keys[: job.store_blocks])
+        try:
+            if fetch_from is not None and fetch_from != self.store.name:
+                await self._find_remote(job, fetch_from)
+                if job.source is not local and await self._lease_remote_slots(job, fetch_from):
+                    return
+            if job.store_blocks:
+                lease = job.source.lease.remote(job.block_keys[: job.store_blocks])
+                job.lease_id = await self._answer(lease)
+        except (ray.exceptions.RayError, TimeoutError) as error:
+            log.warning("leasing a stored prefix failed (it is computed instead): %s", error)
+            job.source, job.store_blocks, job.remote_slots = local, 0, None
 
     async def _lease_remote_slots(self, job: Job, name: str) -> bool:
         """Lease the prefix's arena slots on store node `name` when both ends have a transfer
@@ -86,12 +95,18 @@ class PrefixLoader:
         the prompt is then computed, never failed)."""
         try:
             remote = ray.get_actor(name)
-            held = await remote.cached_prefix.remote(job.block_keys)
-        except (ValueError, ray.exceptions.RayError) as error:
+            held = await asyncio.wait_for(
+                remote.cached_prefix.remote(job.block_keys), self.get_timeout_s
+            )
+        except (ValueError, ray.exceptions.RayError, TimeoutError) as error:
             log.warning("fetching a prefix from store %s failed: %s", name, error)
             return
         if held > job.store_blocks:
             job.source, job.store_blocks, job.loaded_from = remote, held, name
+
+    def forget_store(self, name: str) -> None:
+        """Store node `name` was replaced: ask the new one where its arena is."""
+        self.arenas.pop(name, None)
 
     def release(self, job: Job) -> None:
         """The job ended: the loaded prefix is in our pages by now (or never will be)."""
@@ -141,7 +156,8 @@ class PrefixLoader:
         elif load.remote is not None:
             kv = load.remote.layer(layer, self.get_timeout_s)
         else:
-            kv: LayerKV = ray.get(load.layers[layer])
+            # The store waits up to get_timeout_s for the layer; this, for a store that hangs.
+            kv: LayerKV = ray.get(load.layers[layer], timeout=2 * self.get_timeout_s)
             self.num_object_loads += 1
         self.kv_cache.write_layer(layer, load.pages, kv)
         if layer == self.engine.facts.num_layers - 1:
@@ -159,13 +175,16 @@ class PrefixLoader:
         that this engine does not cache yet; returns how many were added. Another node's
         store is read on the transfer engine when both ends have one."""
         keys = await engine.run(lambda e: e.uncached(list(block_keys)))
-        held = await store.cached_prefix.remote(keys)
+        held = await self._answer(store.cached_prefix.remote(keys))
         if not held:
             return 0
         leased = None
         if name is not None and name != self.store.name:
             leased = await self._remote_slots(store, name, keys[:held])
-        lease_id = leased.lease_id if leased else await store.lease.remote(keys[:held])
+        if leased is None:
+            lease_id = await self._answer(store.lease.remote(keys[:held]))
+        else:
+            lease_id = leased.lease_id
         adopted = 0
         try:
             for first in range(0, held, WARM_CHUNK_BLOCKS):
@@ -185,11 +204,15 @@ class PrefixLoader:
         if self.reader is None:
             return None
         if name not in self.arenas:
-            self.arenas[name] = await store.engine_arena.remote()
+            self.arenas[name] = await self._answer(store.engine_arena.remote())
         if self.arenas[name] is None:
             return None
-        held = await store.lease_slots.remote(keys)
+        held = await self._answer(store.lease_slots.remote(keys))
         return None if held is None else RemoteSlots(self.arenas[name], *held)
+
+    async def _answer(self, ref):
+        """A store node's answer, waited for at most `get_timeout_s`."""
+        return await asyncio.wait_for(ref, self.get_timeout_s)
 
     async def _object_layers(self, store, chunk: list[bytes]) -> list[LayerKV]:
         num_layers = self.engine.facts.num_layers

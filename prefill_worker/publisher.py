@@ -179,7 +179,8 @@ class Publisher:
         store = self.store.handle
         claim = job.claims.get(keys[0])
         if claim is None:
-            claim = job.claims[keys[0]] = ray.get(store.claim.remote(keys))
+            claimed = store.claim.remote(keys)
+            claim = job.claims[keys[0]] = ray.get(claimed, timeout=self.store.timeout_s)
         slots, lease_id = claim
         arena.write(slots, layer, kv)
         self.num_shared_writes += 1
@@ -208,7 +209,7 @@ class Publisher:
         sent = concurrent.futures.Future()
         self.outbox.put(FlushOut(sent))
         await asyncio.wrap_future(sent)
-        await asyncio.gather(*job.puts)
+        await asyncio.wait_for(asyncio.gather(*job.puts), self.store.timeout_s)
 
     def flush_later(self, name: str, job: Job) -> None:
         """Finish `job`'s puts in the background (`name`: the prefill call's ticket or request

@@ -51,7 +51,7 @@ class PrefillWorker(EngineWorker, KVHooks):
         super().__init__(name, LLMEngine(config, hooks=self))
         self.jobs: dict[str, Job] = {}  # by request id
         self.node = ray.get_runtime_context().get_node_id()
-        self.store = NodeStore(store)
+        self.store = NodeStore(store, get_timeout_s)
         # Made now, before the step thread runs: a decode worker's first request waits on it.
         actor_name = ray.get_runtime_context().get_actor_name() or None
         self.lender = Lender(self.engine, actor_name, config.share_kv)
@@ -166,10 +166,22 @@ class PrefillWorker(EngineWorker, KVHooks):
         """When the last layer of the last chunk of a recent request was published."""
         return self.publisher.published(request_id)
 
+    def _held_request_ids(self) -> set[str]:
+        return set(self.jobs)
+
+    def _forget_store(self, name: str) -> None:
+        if name == self.store.name:
+            self.store.reset()
+        self.prefix.forget_store(name)
+
     async def abort(self, request_id: str, ticket: str | None = None) -> bool:
         """End the request's prefill; a `prefill` call with the same `ticket` that lands later
-        is refused."""
+        is refused; one of an earlier attempt that lands after a retry's prefill began here
+        leaves the retry alone."""
         self._remember_abort(ticket)
+        job = self.jobs.get(request_id)
+        if ticket is not None and job is not None and job.key != ticket:
+            return False
         return self._engine().abort(request_id)
 
     def _send(self, item: LayerOut):

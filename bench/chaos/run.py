@@ -1,13 +1,16 @@
-"""`halfmoon bench chaos`: issue 35's chaos goal on a local disaggregated cluster.
+"""`halfmoon bench chaos`: issues 35's and 49's chaos goals on a local disaggregated cluster.
 
 The same greedy requests run twice on one cluster: undisturbed, then while a killer SIGKILLs one
-serving worker every `--kill-every-s` seconds, prefill and decode pools in turn, and the
-controller replaces the dead. The router retries a request whose prefill died and migrates a
-stream whose decode worker died; the goal is every request complete with the undisturbed output.
+part every `--kill-every-s` seconds, the kinds in turn (a prefill worker, a decode worker, a
+store node, the local Redis, the router), and the controller replaces the dead. The router
+retries a request whose prefill died and migrates a stream whose decode worker died; a request
+the router's death cut fails at once with UNAVAILABLE and the client sends it again, as a gRPC
+client with retries would. The goal: every request complete with the undisturbed output.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import sys
 import time
@@ -15,7 +18,15 @@ from dataclasses import dataclass
 
 import ray
 
-from halfmoon.bench.chaos.killer import POOLS, Kill, Killer
+from halfmoon.bench.chaos.killer import KINDS, Killer
+from halfmoon.bench.chaos.leaks import wait_released
+from halfmoon.bench.chaos.report import (
+    HELD_AFTER_S,
+    ChaosReport,
+    FailedAttempt,
+    Outcome,
+    print_report,
+)
 from halfmoon.bench.options import add_pool_options, bench_parser
 from halfmoon.bench.probes.ttft import add_prompt_options, make_prompts
 from halfmoon.cluster.client.grpc_client import AsyncClient, ServerError
@@ -23,41 +34,10 @@ from halfmoon.cluster.config import load_config
 from halfmoon.cluster.control.launcher import Cluster
 from halfmoon.engine.init_model import ensure_model
 
-
-@dataclass(slots=True)
-class Outcome:
-    """One request's result: its output token ids, or the error that ended it; and, once read
-    from the router's timeline, how often it was retried and migrated (None: not read)."""
-
-    request_id: str
-    token_ids: list[int] | None = None
-    error: str | None = None
-    retries: int | None = None
-    migrations: int | None = None
-
-
-@dataclass(slots=True)
-class ChaosReport:
-    """Both runs' outcomes, the kills and the controller's replacements."""
-
-    undisturbed: list[Outcome]
-    chaos: list[Outcome]
-    kills: list[Kill]
-    num_restarts: int
-    undisturbed_s: float
-    chaos_s: float
-
-    def num_equal(self) -> int:
-        pairs = zip(self.undisturbed, self.chaos, strict=True)
-        return sum(1 for u, c in pairs if c.token_ids is not None and c.token_ids == u.token_ids)
-
-    def passed(self) -> bool:
-        total = len(self.chaos)
-        return self.num_equal() == total and not failed(self.undisturbed) and bool(self.kills)
-
-
-def failed(outcomes: list[Outcome]) -> list[Outcome]:
-    return [o for o in outcomes if o.error is not None]
+# How long a client sends again a request that failed with UNAVAILABLE (the router died or is
+# starting; a store node died under all of the router's attempts).
+RESEND_FOR_S = 120.0
+RESEND_AFTER_S = 0.5
 
 
 @dataclass(slots=True)
@@ -81,20 +61,29 @@ class Workload:
             return list(await asyncio.gather(*one))
 
     async def _serve(self, client, gate, request_id: str, prompt: list[int]) -> Outcome:
+        """Serve one prompt; sent again, as a gRPC client with retries would, while it fails with
+        UNAVAILABLE (for up to RESEND_FOR_S)."""
         outcome = Outcome(request_id)
         async with gate:
-            try:
-                done = await client.complete(
-                    prompt,
-                    request_id=request_id,
-                    max_tokens=self.max_tokens,
-                    temperature=0.0,
-                    ignore_eos=True,
-                )
-                outcome.token_ids = done.token_ids
-            except ServerError as error:
-                outcome.error = str(error)
-        return outcome
+            began = time.monotonic()
+            while True:
+                sent = time.monotonic()
+                try:
+                    done = await client.complete(
+                        prompt,
+                        request_id=request_id,
+                        max_tokens=self.max_tokens,
+                        temperature=0.0,
+                        ignore_eos=True,
+                    )
+                    outcome.token_ids, outcome.error = done.token_ids, None
+                    return outcome
+                except ServerError as error:
+                    outcome.error, now = str(error), time.monotonic()
+                    if error.code != "UNAVAILABLE" or now - began > RESEND_FOR_S:
+                        return outcome
+                    outcome.failed.append(FailedAttempt(now, now - sent, error.unreachable))
+                await asyncio.sleep(RESEND_AFTER_S)
 
 
 def read_recoveries(cluster: Cluster, outcomes: list[Outcome]) -> None:
@@ -119,7 +108,7 @@ def cluster_settings(args) -> dict:
         "server.grpc_port": 0,
         "server.metrics_port": 0,
         "server.http_port": "off",
-        "store.use_local_redis": False,
+        "store.use_local_redis": "redis" in args.kill,  # a Redis to kill
         "prefill.replicas": args.prefill,
         "decode.replicas": args.decode,
         "prefill.num_cpus": 0.25,
@@ -147,7 +136,7 @@ def run_chaos(args) -> ChaosReport:
         started = time.monotonic()
         undisturbed = workload.run("undisturbed")
         undisturbed_s = time.monotonic() - started
-        killer = Killer(cluster, args.kill_every_s, args.seed)
+        killer = Killer(cluster, args.kill_every_s, args.seed, args.kill)
         killer.start()
         try:
             chaos = workload.run("chaos")
@@ -157,84 +146,35 @@ def run_chaos(args) -> ChaosReport:
         if killer.error is not None:
             raise killer.error
         read_recoveries(cluster, chaos)
+        held_after, released_s = wait_released(cluster, HELD_AFTER_S)
     finally:
         cluster.stop()  # shuts Ray down too when it started it
-    return ChaosReport(
-        undisturbed,
-        chaos,
-        killer.kills,
-        killer.controller.num_restarts,
-        undisturbed_s,
-        chaos_s,
-    )
-
-
-def print_report(report: ChaosReport, args) -> None:
-    total = len(report.chaos)
-    kills = report.kills
-    print(
-        f"halfmoon bench chaos: {total} requests ({args.prompt_tokens} prompt + "
-        f"{args.max_tokens} output tokens, greedy, {args.concurrency} at a time), "
-        f"{args.prefill} prefill + {args.decode} decode workers, a kill due every "
-        f"{args.kill_every_s:g} s"
-    )
-    rows = [
-        ("", "undisturbed", "chaos"),
-        ("requests completed", _done(report.undisturbed), _done(report.chaos)),
-        ("requests failed", len(failed(report.undisturbed)), len(failed(report.chaos))),
-        ("outputs equal to undisturbed", "-", f"{report.num_equal()}/{total}"),
-        ("wall time", f"{report.undisturbed_s:.1f} s", f"{report.chaos_s:.1f} s"),
-    ]
-    for name, a, b in rows:
-        print(f"  {name:<30}{a!s:>12}{b!s:>12}")
-    per_pool = ", ".join(f"{pool} {sum(k.pool == pool for k in kills)}" for pool in POOLS)
-    print(f"  kills: {len(kills)} ({per_pool}); workers replaced: {report.num_restarts}")
-    print(f"  kill times (s): {', '.join(f'{k.at_s:.1f}' for k in kills) or '-'}")
-    intervals = [b.at_s - a.at_s for a, b in zip(kills, kills[1:], strict=False)]
-    print(f"  intervals (s): {', '.join(f'{i:.1f}' for i in intervals) or '-'}")
-    restored = [f"{k.restored_s:.1f}" if k.restored_s is not None else "-" for k in kills]
-    print(f"  pool whole again after (s): {', '.join(restored) or '-'}")
-    print(f"  requests in flight on the victim: {', '.join(str(k.in_flight) for k in kills)}")
-    held = [f"{k.worker} {k.held_s:.1f}" for k in kills if k.held_s > 0]
-    if held:
-        print(f"  held for the pool's replacement (s): {', '.join(held)}")
-    read = [o for o in report.chaos if o.retries is not None]
-    print(
-        f"  router: {sum(o.retries for o in read)} retries, "
-        f"{sum(o.migrations for o in read)} migrations (timelines of {len(read)}/{total} requests)"
-    )
-    for o in failed(report.chaos)[:10]:
-        moves = f"{o.retries} retries, {o.migrations} migrations"
-        print(f"  failed {o.request_id} ({moves}): {o.error}")
-    print(f"verdict: {verdict(report)}")
-
-
-def verdict(report: ChaosReport) -> str:
-    total, equal = len(report.chaos), report.num_equal()
-    if failed(report.undisturbed):
-        return f"FAIL: {len(failed(report.undisturbed))} undisturbed requests failed"
-    if not report.kills:
-        return "FAIL: the run ended before the first kill; raise --num-requests"
-    goal = f"{total - len(failed(report.chaos))}/{total} complete, {equal}/{total} outputs equal"
-    state = "PASS" if report.passed() else "FAIL"
-    kills = f"{len(report.kills)} kill{'s' if len(report.kills) > 1 else ''}"
-    return f"{state}: {goal} to the undisturbed run, under {kills}"
-
-
-def _done(outcomes: list[Outcome]) -> str:
-    return f"{len(outcomes) - len(failed(outcomes))}/{len(outcomes)}"
+    recovery = killer.controller.recovery
+    restarts = {
+        **killer.controller.restarts_by_kind,
+        "store": recovery.num_store_restarts,
+        "redis": recovery.num_redis_restarts,
+        "router": recovery.num_router_restarts,
+    }
+    report = ChaosReport(undisturbed, chaos, killer.kills, restarts, undisturbed_s, chaos_s)
+    report.started_s, report.kinds = killer.started_s, tuple(args.kill)
+    report.held_after, report.released_s = held_after, released_s
+    return report
 
 
 def build_parser():
     parser = bench_parser(
         "chaos",
-        "Issue 35's chaos goal: start a local disaggregated cluster, serve --num-requests "
-        "greedy requests undisturbed, then serve them again while the busiest serving worker is "
-        "SIGKILLed every --kill-every-s seconds, prefill and decode pools in turn (a pool whose "
-        "last victim's replacement is not serving yet is waited for), the controller replacing "
-        "the dead. Prints completed, failed and equal outputs, kills, retries and migrations. "
-        "Exit status 1 unless a worker was killed and every request completed with its "
-        "undisturbed output.",
+        "Issues 35's and 49's chaos goals: start a local disaggregated cluster, serve "
+        "--num-requests greedy requests undisturbed, then serve them again while one part is "
+        "SIGKILLed every --kill-every-s seconds, the --kill kinds in turn (the busiest serving "
+        "worker of a pool, a store node, the local Redis, the router; a kind whose last "
+        "victim's replacement is not serving yet is waited for), the controller replacing the "
+        "dead. A request the router's death cuts fails with UNAVAILABLE and is sent again. "
+        "Prints completed, failed and equal outputs, each kind's kills and what they hit in "
+        "flight, retries, migrations and what was held after. Exit status 1 unless every "
+        "request completed with its undisturbed output, a kill of every kind hit requests in "
+        "flight, every cut failed within 15 s and nothing was held 30 s after.",
         json=False,
     )
     parser.add_argument(
@@ -247,8 +187,14 @@ def build_parser():
         "--kill-every-s",
         type=float,
         default=10.0,
-        help="seconds between kills; a kill due while its pool's last victim has no serving "
+        help="seconds between kills; a kill due while its kind's last victim has no serving "
         "replacement yet waits for it (%(default)s)",
+    )
+    parser.add_argument(
+        "--kill",
+        type=_kinds,
+        default=KINDS,
+        help=f"the kinds killed in turn, comma-separated ({','.join(KINDS)})",
     )
     # Two per pool: a kill leaves a live worker, where with one the pool is empty until its
     # replacement serves (7-20 s on the 2-core machine, longer than a kill's interval).
@@ -261,6 +207,14 @@ def build_parser():
         "--seed", type=int, default=0, help="seed of the prompts and the victims (%(default)s)"
     )
     return parser
+
+
+def _kinds(text: str) -> tuple[str, ...]:
+    kinds = tuple(kind.strip() for kind in text.split(",") if kind.strip())
+    unknown = sorted(set(kinds) - set(KINDS))
+    if unknown or not kinds:
+        raise argparse.ArgumentTypeError(f"kinds are {', '.join(KINDS)}; not {unknown or text!r}")
+    return kinds
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,5 @@
-"""The controller: restarts dead workers and resizes the pools by their autoscaling policies."""
+"""The controller: restarts dead workers (and, through recovery.py, a dead router or store node)
+and resizes the pools by their autoscaling policies."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from halfmoon.cluster.control.autoscaling import Autoscaler
 from halfmoon.cluster.control.autoscaling_policy import AutoscalingError
 from halfmoon.cluster.control.launcher import Cluster
+from halfmoon.cluster.control.recovery import Recovery, Silence
 from halfmoon.cluster.serving.router_actor import TRAFFIC_WINDOW_S
 from halfmoon.router.cost_model import CostModel
 
@@ -24,6 +26,7 @@ class Controller:
     def __init__(self, cluster: Cluster) -> None:
         self.cluster = cluster
         self.num_restarts = 0
+        self.restarts_by_kind: dict[str, int] = {}
         policies = cluster.config.autoscaling
         self.autoscaler = (
             Autoscaler.from_config(cluster.config)
@@ -34,12 +37,23 @@ class Controller:
         # Started workers not yet answering (Ray may be booting a node for them): name -> ping.
         self.pending: dict[str, ray.ObjectRef] = {}
         self.history: list[tuple[float, str, int, int, str]] = []  # (t, pool, actual, desired, why)
-        self.silent_since: dict[str, float] = {}  # workers whose last pings timed out: since when
+        self.silence = Silence(cluster.config.health.unresponsive_s)
+        self.recovery = Recovery(cluster, self.silence)
+
+    @property
+    def silent_since(self) -> dict[str, float]:
+        """Parts whose last pings timed out: since when."""
+        return self.silence.since
+
+    def check_router(self) -> bool:
+        """Replace the router if it died or hangs (recovery.py); whether it was replaced."""
+        routed = [name for name in self.cluster.workers if name not in self.pending]
+        return self.recovery.check_router(routed)
 
     def check_health(self) -> list[str]:
-        """Ping every worker; replace each one that is dead, failed (its ping raises: e.g. a
-        tensor-parallel rank died), or silent for longer than `health.unresponsive_s`.
-        Returns the replaced names."""
+        """Ping every worker and store node; replace each one that is dead, failed (a worker's
+        ping raises: e.g. a tensor-parallel rank died), or silent for longer than
+        `health.unresponsive_s`. Returns the replaced workers' names."""
         self.register_started()
         workers = [w for w in self.cluster.workers.values() if w.name not in self.pending]
         timeout_s = self.cluster.config.health.timeout_s
@@ -52,44 +66,29 @@ class Controller:
         dead = []
         for worker in workers:
             if refs[worker.name] not in answered:
-                if self._silent_too_long(worker.name):
+                if self.silence.too_long(worker.name):
                     dead.append(worker)
                 continue
             try:
                 ray.get(refs[worker.name])
-                self.silent_since.pop(worker.name, None)
+                self.silence.answered(worker.name)
             except RayActorError:
                 dead.append(worker)
             except RayTaskError as error:  # alive, but its engine cannot step (a rank died)
                 log.warning("worker %s failed its health check: %s", worker.name, error.cause)
                 dead.append(worker)
         for worker in dead:
-            self.silent_since.pop(worker.name, None)
+            self.silence.answered(worker.name)
             log.warning("worker %s is dead or unresponsive; replacing it", worker.name)
             self.draining.discard(worker.name)
             self.cluster.remove_worker(worker.name)
             replacement = self.start_worker(worker.kind)
             self.num_restarts += 1
+            self.restarts_by_kind[worker.kind] = self.restarts_by_kind.get(worker.kind, 0) + 1
             log.warning("worker %s replaced by %s", worker.name, replacement)
+        self.recovery.check_stores()
         self.cluster.ensure_stores()
         return [worker.name for worker in dead]
-
-    def _silent_too_long(self, name: str) -> bool:
-        """A ping of `name` timed out: whether it has been silent past `health.unresponsive_s`
-        (until then it is taken as busy: its actor is alive, or Ray would have said so)."""
-        now = time.monotonic()
-        since = self.silent_since.setdefault(name, now)
-        bound_s = self.cluster.config.health.unresponsive_s
-        if now - since < bound_s:
-            log.warning(
-                "worker %s did not answer its health check for %.1f s; taken as busy until "
-                "%g s (health.unresponsive_s)",
-                name,
-                now - since,
-                bound_s,
-            )
-            return False
-        return True
 
     def start_worker(self, kind: str) -> str:
         """Start a worker of `kind` without waiting for Ray to place it; `register_started`
@@ -193,10 +192,12 @@ class Controller:
         ]
 
     def run(self, stop: threading.Event) -> None:
-        """Check health and autoscale every `health.interval_s` until `stop` is set."""
+        """Check the router's and the workers' health and autoscale every `health.interval_s`
+        until `stop` is set."""
         interval = self.cluster.config.health.interval_s
         while not stop.wait(interval):
             try:
+                self.check_router()
                 self.check_health()
                 self.autoscale()
             except Exception:  # noqa: BLE001 - the controller must outlive one bad round

@@ -14,7 +14,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from halfmoon.cluster.config import ClusterConfig, PoolConfig
-from halfmoon.cluster.control.measured_profile import measured_profile
+from halfmoon.cluster.control.measured_profile import profile_workers
 from halfmoon.cluster.control.ray_start import start_ray
 from halfmoon.cluster.control.store_setup import StoreSetup
 from halfmoon.cluster.control.worker_configs import worker_engine_config
@@ -30,6 +30,8 @@ from halfmoon.router.profile import Profile, load_profile
 
 log = logging.getLogger(__name__)
 WORKER_CLASSES = {"prefill": PrefillWorker, "decode": DecodeWorker}
+END_ALL_TIMEOUT_S = 10.0  # a worker's `end_all` when its router is replaced
+STORE_NAME_WAIT_S = 10.0  # for Ray to free a killed store node's name for its replacement
 
 
 @dataclass(slots=True)
@@ -54,6 +56,7 @@ class Cluster:
     owns_ray: bool = False
     store_setup: StoreSetup | None = None
     _counter: itertools.count = field(default_factory=itertools.count)
+    _routers: itertools.count = field(default_factory=itertools.count)
 
     @property
     def pools(self) -> dict[str, PoolConfig]:
@@ -73,19 +76,8 @@ class Cluster:
         for kind, pool in self.pools.items():
             for _ in range(pool.replicas):
                 self._spawn(kind)
-        # On this process's node (the head under `ray up`): its ports are where clients look.
         # Started now, so its process comes up while the workers load the model.
-        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        router = (
-            ray.remote(RouterActor)
-            .options(
-                name=f"halfmoon-router-{self.cluster_id}",
-                num_cpus=0,
-                max_concurrency=10_000,
-                scheduling_strategy=here,
-            )
-            .remote(self.config)
-        )
+        router = self._new_router(self.config)
         try:
             first = next(iter(self.workers.values()))
             self.info = ray.get(first.actor.info.remote())
@@ -109,28 +101,57 @@ class Cluster:
         log.info("serving (%.1f s after start)", time.monotonic() - began)
         return self.ports
 
+    def _new_router(self, config: ClusterConfig) -> ray.actor.ActorHandle:
+        """A router actor on this process's node (the head under `ray up`): its ports are
+        where clients look."""
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        generation = next(self._routers)
+        name = f"halfmoon-router-{self.cluster_id}" + (f"-{generation}" if generation else "")
+        options = {"name": name, "num_cpus": 0, "max_concurrency": 10_000}
+        return ray.remote(RouterActor).options(**options, scheduling_strategy=here).remote(config)
+
+    def replace_router(self, routed: list[str]) -> int:
+        """The router died (or hangs): end what it had in flight on every worker, then start a
+        new one on the same ports from the last profile the controller kept, routing to the
+        stores and to the workers `routed` (those the dead one routed to). Returns how many
+        requests the workers ended."""
+        ray.kill(self.router, no_restart=True)  # a hung one lets go of its ports
+        self.router = None
+        ended = self._end_all(routed)
+        server = self.config.server.model_copy(update=self.ports)  # the ports bound at start
+        router = self._new_router(self.config.model_copy(update={"server": server}))
+        ray.get(router.setup.remote(self.info, self.profile))
+        self.router = router
+        for node_id, store in self.stores.items():
+            self._add_store(node_id, store_node_name(node_id), store)
+        for name in routed:  # before the ports open: the first request finds them routed
+            try:
+                self._register(self.workers[name])
+            except ray.exceptions.RayActorError as error:  # the health check replaces it
+                log.warning("worker %s is not routed to by the new router: %s", name, error)
+        self.ports = ray.get(router.start.remote())
+        return ended
+
+    def _end_all(self, names: list[str]) -> int:
+        """Each of workers `names` ends every request it holds; returns how many in all (a
+        worker that is dead or does not answer within END_ALL_TIMEOUT_S counts none)."""
+        ends = {name: self.workers[name].actor.end_all.remote() for name in names}
+        refs = list(ends.values())
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=END_ALL_TIMEOUT_S)
+        ended = 0
+        for name, ref in ends.items():
+            try:
+                ended += ray.get(ref, timeout=0) if ref in ready else 0
+            except ray.exceptions.RayError as error:
+                log.warning("worker %s did not end its requests: %s", name, error)
+        return ended
+
     def _profile(self) -> Profile | None:
-        """The router's profile: the configured file, or measured now from one worker per pool
-        (each side at its pool's degree)."""
+        """The router's profile: the configured file, or measured now from the workers."""
         if self.config.router.profile is not None:
             return file_profile(self.config.router.profile, self.config)
-        by_kind = {w.kind: w for w in self.workers.values()}
-        # Every worker at once, as they will serve: workers sharing a node's cores are timed
-        # sharing them (one at a time, each would look faster than it serves). Each times only
-        # its own side (a decode worker both where there is no prefill pool).
-        colocated = "prefill" not in by_kind
-        samples = {
-            name: w.actor.profile.remote(w.kind == "prefill" or colocated, w.kind == "decode")
-            for name, w in self.workers.items()
-        }
-        infos = {kind: w.actor.info.remote() for kind, w in by_kind.items()}
-        decode = ray.get(samples[by_kind["decode"].name])
-        prefill = ray.get(samples[by_kind["prefill"].name]) if "prefill" in by_kind else decode
-        decode_info = ray.get(infos["decode"])
-        prefill_info = ray.get(infos["prefill"]) if "prefill" in infos else decode_info
-        ray.get(list(samples.values()))
         cache_bytes = self.config.store.host_capacity_bytes
-        return measured_profile(prefill_info, prefill, decode_info, decode, cache_bytes)
+        return profile_workers(list(self.workers.values()), cache_bytes)
 
     def add_worker(self, kind: str, wait: bool = True) -> WorkerHandle:
         """Start one more worker of `kind`. With `wait`, route to it once it answers (which
@@ -183,8 +204,23 @@ class Cluster:
             log.warning("the store node %s did not start (its node died?): %s", name, error)
             self.stores.pop(node_id, None)
 
+    def replace_store(self, node_id: str) -> None:
+        """The store node of Ray node `node_id` died or hangs: its blocks leave the router's
+        index at once; on a live node a new one starts under its name, and every worker is
+        told to find it on next use (their calls in flight on the old one fail, and the
+        router retries those requests)."""
+        name = store_node_name(node_id)
+        ray.kill(self.stores[node_id], no_restart=True)
+        self._forget_store(node_id)
+        if not any(node["NodeID"] == node_id and node["Alive"] for node in ray.nodes()):
+            return
+        _wait_until_unnamed(name, STORE_NAME_WAIT_S)
+        self.ensure_stores()
+        told = [w.actor.store_replaced.remote(name) for w in self.workers.values()]
+        ray.wait(told, num_returns=len(told), timeout=END_ALL_TIMEOUT_S)
+
     def _forget_store(self, node_id: str) -> None:
-        """The store node of a Ray node that died: stop reading from it."""
+        """A store node that died (or whose Ray node died): stop reading from it."""
         self.stores.pop(node_id)
         if self.router is not None:
             ray.get(self.router.remove_store.remote(store_node_name(node_id)))
@@ -252,6 +288,18 @@ class Cluster:
                 worker.name, worker.kind, worker.actor, store_name, kv_peer
             )
         )
+
+
+def _wait_until_unnamed(name: str, timeout_s: float) -> None:
+    """Until Ray has let go of the name of an actor just killed (a lookup would find the dead
+    one), or `timeout_s` passed."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get_actor(name)
+        except ValueError:
+            return
+        time.sleep(0.05)
 
 
 def file_profile(path: str, config: ClusterConfig) -> Profile:

@@ -10,6 +10,8 @@ import dataclasses
 import datetime
 from pathlib import Path
 
+import ray
+
 from halfmoon.cluster.worker.info import WorkerInfo
 from halfmoon.engine.profiling import ProfileSamples
 from halfmoon.router.cost_model import CostModel
@@ -19,6 +21,27 @@ from halfmoon.router.profile import PROFILE_DIR, Profile, save_profile
 # `halfmoon bench kvstore` (the Ray-actor rows): about 0.3-0.5 GB/s end to end on our CPU machines.
 LOOPBACK_BYTES_PER_S = 4.0e8
 LOOPBACK_LATENCY_S = 0.003
+
+
+def profile_workers(workers: list, cache_bytes: float) -> Profile:
+    """The profile measured now from one worker per pool of `workers` (the launcher's
+    handles), each side at its pool's degree. Every worker is timed at once, as they will
+    serve: workers sharing a node's cores are timed sharing them (one at a time, each would
+    look faster than it serves); each times only its own side (a decode worker both where
+    there is no prefill pool)."""
+    by_kind = {w.kind: w for w in workers}
+    colocated = "prefill" not in by_kind
+    samples = {
+        w.name: w.actor.profile.remote(w.kind == "prefill" or colocated, w.kind == "decode")
+        for w in workers
+    }
+    infos = {kind: w.actor.info.remote() for kind, w in by_kind.items()}
+    decode = ray.get(samples[by_kind["decode"].name])
+    prefill = ray.get(samples[by_kind["prefill"].name]) if "prefill" in by_kind else decode
+    decode_info = ray.get(infos["decode"])
+    prefill_info = ray.get(infos["prefill"]) if "prefill" in infos else decode_info
+    ray.get(list(samples.values()))
+    return measured_profile(prefill_info, prefill, decode_info, decode, cache_bytes)
 
 
 def measured_profile(

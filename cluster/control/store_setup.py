@@ -3,10 +3,12 @@ its password and HMAC key, and each Ray node's host tier."""
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import shutil
 import subprocess
+import urllib.parse
 
 from pydantic import SecretStr
 
@@ -14,6 +16,7 @@ from halfmoon.cluster.config import ClusterConfig
 from halfmoon.kvstore.config import StoreConfig
 from halfmoon.kvstore.redis_server import start_redis_server
 
+log = logging.getLogger(__name__)
 REDIS_PASSWORD_ENV = "HALFMOON_REDIS_PASSWORD"
 REDIS_HMAC_KEY_ENV = "HALFMOON_REDIS_HMAC_KEY"
 
@@ -29,6 +32,8 @@ class StoreSetup:
         if url is None and store.use_local_redis and shutil.which("redis-server"):
             password = secrets.token_urlsafe(32)
             self.redis, url = start_redis_server(password=password)
+            port = urllib.parse.urlsplit(url).port
+            self._redis_args = {"port": port, "password": password}  # to start it again
         hmac_key = secret(store.redis_hmac_key, REDIS_HMAC_KEY_ENV) or secrets.token_urlsafe(32)
         self.config = store.store_config(
             redis_url=url, redis_password=password, redis_hmac_key=hmac_key
@@ -42,6 +47,16 @@ class StoreSetup:
             return self.config
         capacity = int(self.host_memory_fraction * memory)
         return self.config.model_copy(update={"host_capacity_bytes": capacity})
+
+    def check_redis(self) -> bool:
+        """Start the local redis-server this setup started again if it died, on its port with
+        its password (empty: the store nodes reconnect, and fill it with later demotions);
+        whether it did."""
+        if self.redis is None or self.redis.poll() is None:
+            return False
+        log.error("the local redis-server died (exit %s); starting it again", self.redis.returncode)
+        self.redis, _ = start_redis_server(**self._redis_args)
+        return True
 
     def stop(self) -> None:
         """Stop the local Redis this setup started, if any."""

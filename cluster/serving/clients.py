@@ -30,6 +30,10 @@ class WorkerClient:
     async def serve_metrics(self, host: str) -> str:
         return await self.handle.serve_metrics.remote(host)
 
+    async def snapshot(self) -> list:
+        """Every block its own pages hold (BlockEvents), for a router starting afresh."""
+        return await self.handle.snapshot.remote()
+
     def abort(self, request_id: str, ticket: str | None):
         """End attempt `ticket` of `request_id` there: its pages, leases and streams."""
         return self.handle.abort.remote(request_id, ticket)
@@ -80,6 +84,10 @@ class StoreClient:
 
     async def stats(self):
         return await self.handle.stats.remote()
+
+    async def snapshot(self) -> list:
+        """Every block its tiers hold (BlockEvents), for a router starting afresh."""
+        return await self.handle.snapshot.remote()
 
     async def serve_metrics(self, host: str) -> str:
         return await self.handle.serve_metrics.remote(host)

@@ -7,7 +7,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from halfmoon.cluster.serving.attempt import Dispatcher
 from halfmoon.cluster.serving.backend import (
@@ -29,6 +29,7 @@ from halfmoon.cluster.worker.errors import WorkerCallError
 from halfmoon.cluster.worker.info import WorkerInfo
 from halfmoon.engine.errors import InvalidRequestError
 from halfmoon.engine.llm_engine import RequestOutput
+from halfmoon.kvstore.block_events import BlockEvent
 from halfmoon.kvstore.keys import block_keys
 from halfmoon.router.conductor import Conductor
 from halfmoon.router.config import RouterConfig
@@ -71,8 +72,9 @@ class ClusterBackend(BackendViews):
         previous, self.observer = self.observer, observer
         return previous
 
-    def add_worker(self, worker: Worker) -> None:
-        self.pool.add(worker)
+    def add_worker(self, worker: Worker, blocks: Sequence[BlockEvent] = ()) -> None:
+        """Route to `worker`; `blocks`: what its pages hold already (its snapshot)."""
+        self.pool.add(worker, blocks)
 
     def remove_worker(self, name: str) -> Worker | None:
         """Forget worker `name`; returns it (None if unknown)."""
@@ -82,8 +84,8 @@ class ClusterBackend(BackendViews):
         """A draining worker gets no new requests; the ones it has finish."""
         self.pool.set_draining(name, draining)
 
-    def add_store(self, name: str, store: StoreClient) -> None:
-        self.pool.add_store(name, store)
+    def add_store(self, name: str, store: StoreClient, blocks: Sequence[BlockEvent] = ()) -> None:
+        self.pool.add_store(name, store, blocks)
 
     def remove_store(self, name: str) -> None:
         self.pool.remove_store(name)
@@ -277,9 +279,10 @@ class ClusterBackend(BackendViews):
         await self.dispatch.abort(req)
         return True
 
-    def in_flight_on(self, name: str) -> int:
-        """Requests in flight that worker `name` has a part in (to drain before removal)."""
-        return self.requests.on_worker(name)
+    def in_flight_on(self, name: str | None) -> int:
+        """Requests in flight that worker `name` has a part in (to drain before removal); all
+        requests in flight with None."""
+        return self.requests.num_in_flight() if name is None else self.requests.on_worker(name)
 
     async def poll(self) -> PollReport:
         """Poll every worker and store node; the Conductor learns what they report."""

@@ -148,7 +148,8 @@ class RouterActor:
     ) -> None:
         client = worker_client(kind, handle)
         info = await client.info()
-        self.backend.add_worker(Worker(name, kind, client, info, store_name, kv_peer))
+        worker = Worker(name, kind, client, info, store_name, kv_peer)
+        self.backend.add_worker(worker, await client.snapshot())
         address = await client.serve_metrics(self.config.server.host)
         self.targets.add(name, address, {"role": kind, "worker": name})
 
@@ -168,12 +169,12 @@ class RouterActor:
 
     async def add_store(self, name: str, handle) -> None:
         store = StoreClient(handle)
-        self.backend.add_store(name, store)
+        self.backend.add_store(name, store, await store.snapshot())
         address = await store.serve_metrics(self.config.server.host)
         self.targets.add(name, address, {"role": "store", "store_node": name})
 
     async def remove_store(self, name: str) -> None:
-        """Forget a store node whose Ray node is gone."""
+        """Forget a store node that died (its blocks leave the prefix index at once)."""
         self.backend.remove_store(name)
         self.metrics.remove_store(name)
         self.targets.remove(name)
@@ -182,9 +183,14 @@ class RouterActor:
         """The file_sd target groups of every worker's and store node's own /metrics."""
         return [self.targets.groups[name] for name in sorted(self.targets.groups)]
 
-    async def in_flight(self, name: str) -> int:
-        """Requests the router has in flight on worker `name` (to drain before removal)."""
+    async def in_flight(self, name: str | None = None) -> int:
+        """Requests the router has in flight on worker `name` (to drain before removal); with
+        None, all of them."""
         return self.backend.in_flight_on(name)
+
+    async def ping(self) -> str:
+        """The controller's liveness check (answered from the event loop every request uses)."""
+        return "router"
 
     async def node_id(self) -> str:
         """The Ray node the router runs on (the node `halfmoon serve` ran on)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ray.exceptions import RayActorError, RayTaskError
@@ -13,6 +14,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from halfmoon.cluster.serving.clients import DecodeClient, PrefillClient, StoreClient
 from halfmoon.cluster.worker.info import WorkerInfo, WorkerLoad
 from halfmoon.engine.llm_engine import StepTiming
+from halfmoon.kvstore.block_events import BlockEvent
 from halfmoon.kvstore.transfer.channel import KvPeer
 from halfmoon.router.conductor import Conductor
 from halfmoon.router.reports import BlockEvents, DecodeLoad, EngineStep, PrefillLoad
@@ -59,15 +61,22 @@ class WorkerPool:
         """The worker the Conductor placed a request on (it knows only live ones)."""
         return self.workers[name]
 
-    def add_store(self, name: str, store: StoreClient) -> None:
+    def add_store(self, name: str, store: StoreClient, blocks: Sequence[BlockEvent] = ()) -> None:
+        """Read store node `name`; `blocks`: what its tiers hold already (its snapshot)."""
         self.stores[name] = store
+        self.conductor.observe(BlockEvents(blocks))
 
     def remove_store(self, name: str) -> None:
+        """Stop reading store node `name` and forget every block the index had there."""
         self.stores.pop(name, None)
+        self.conductor.remove_instance(name)
 
-    def add(self, worker: Worker) -> None:
+    def add(self, worker: Worker, blocks: Sequence[BlockEvent] = ()) -> None:
+        """Route to `worker`; `blocks`: what its pages hold already (its snapshot)."""
         self.workers[worker.name] = worker
         self._route_to(worker)
+        if worker.kind == "prefill" or self.mode == "colocated":  # as `_poll_worker` reads
+            self.conductor.observe(BlockEvents(blocks))
 
     def remove(self, name: str) -> Worker | None:
         """Forget worker `name`; returns it (None if unknown)."""

@@ -57,6 +57,7 @@ class EngineWorker:
         self.aborted_tickets: OrderedDict[str, None] = OrderedDict()
         self.metrics = WorkerMetrics()
         self.metrics_address: str | None = None
+        self.device_blocks: set[bytes] = set()  # what its page events say its pages hold
         engine.record_page_events()  # the router's prefix index learns of this worker's pages
         freeze_startup_heap(f"{self.kind} worker {name}")
         release_thread_pool()  # the engine was built on this thread; it steps on its own
@@ -103,9 +104,41 @@ class EngineWorker:
         load = await self.load()
         steps = self._engine().take_steps()
         self.metrics.observe(steps)
+        return WorkerReport(load, steps, self._take_page_events(), self._take_transfers())
+
+    async def snapshot(self) -> list[BlockEvent]:
+        """Every block its own pages hold now, as one `stored` event: where a new router's
+        prefix index starts from (the reports after it say what changed)."""
+        self._take_page_events()
+        return [BlockEvent("stored", self.name, "device", sorted(self.device_blocks))]
+
+    async def end_all(self) -> int:
+        """End every request this worker holds, as `abort` does each (their router died, so
+        nothing will claim their pages, reservations or streams); returns how many."""
+        request_ids = self._held_request_ids() | set(await self._engine().run(_live_requests))
+        for request_id in request_ids:
+            await self.abort(request_id)
+        return len(request_ids)
+
+    async def store_replaced(self, name: str) -> None:
+        """Store node `name` died and a new one runs under its name: find it on next use."""
+        self._forget_store(name)
+
+    def _held_request_ids(self) -> set[str]:
+        """Requests the worker holds outside its engine (subclasses say which)."""
+        return set()
+
+    def _forget_store(self, name: str) -> None:
+        """Drop every handle of store node `name` and its arena (subclasses say which)."""
+
+    def _take_page_events(self) -> list[BlockEvent]:
         page_events = self._engine().take_page_events()
-        events = [BlockEvent(kind, self.name, "device", [key]) for kind, key in page_events]
-        return WorkerReport(load, steps, events, self._take_transfers())
+        for kind, key in page_events:
+            if kind == "stored":
+                self.device_blocks.add(key)
+            else:
+                self.device_blocks.discard(key)
+        return [BlockEvent(kind, self.name, "device", [key]) for kind, key in page_events]
 
     def _take_transfers(self) -> list[tuple[int, float]]:
         return []
@@ -146,6 +179,10 @@ class EngineWorker:
 
     def _was_aborted(self, ticket: str | None) -> bool:
         return ticket is not None and ticket in self.aborted_tickets
+
+
+def _live_requests(engine: LLMEngine) -> list[str]:
+    return list(engine.requests)
 
 
 def use_assigned_cpus() -> int | None:
