@@ -12,10 +12,12 @@ from halfmoon.cluster.control.measured_profile import measured_profile
 from halfmoon.cluster.serving.workers import Worker, WorkerPool
 from halfmoon.cluster.worker.info import WorkerInfo
 from halfmoon.engine.profiling import ProfileSamples
+from halfmoon.kvstore.block_events import BlockEvent
 from halfmoon.router.conductor import Conductor
 from halfmoon.router.config import RouterConfig
 from halfmoon.router.degree import profile_for_pools
 from halfmoon.router.errors import ProfileError
+from halfmoon.router.prefix_index import PrefixIndex
 from halfmoon.router.profile import DEFAULT_PROFILE, load_profile
 from halfmoon.router.request import RouteRequest
 
@@ -111,3 +113,25 @@ def test_the_pool_registers_each_worker_at_its_degree_with_its_own_kv_pages(mode
     prefill = "prefill-0" if mode == "disaggregated" else "decode-0"
     assert (placed.prefill_instance, placed.decode_instance) == (prefill, "decode-0")
     assert (placed.prefill_degree, placed.decode_degree) == (4, 4)
+
+
+def test_a_new_router_s_index_starts_from_the_snapshots_and_a_dead_store_leaves_it():
+    # A router replacing a dead one learns what each worker's pages and store's tiers hold from
+    # their snapshots; a store node that died takes its blocks out of the index at once.
+    index = PrefixIndex()
+    pool = WorkerPool(
+        Conductor(RouterConfig(), profile_for_pools(A800, 4, 4), index), "disaggregated"
+    )
+    chain = [b"k0", b"k1", b"k2"]
+    pool.add(
+        Worker("prefill-0", "prefill", None, _info("prefill", 4, 100), "store-0"),
+        [BlockEvent("stored", "prefill-0", "device", chain[:2])],
+    )
+    pool.add(
+        Worker("decode-1", "decode", None, _info("decode", 4, 100)),
+        [BlockEvent("stored", "decode-1", "device", chain)],
+    )  # not a prefix cache: ignored
+    pool.add_store("store-0", None, [BlockEvent("stored", "store-0", "host", chain)])
+    assert index.longest_prefix(chain) == {("prefill-0", "device"): 2, ("store-0", "host"): 3}
+    pool.remove_store("store-0")
+    assert index.longest_prefix(chain) == {("prefill-0", "device"): 2}

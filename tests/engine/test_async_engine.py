@@ -143,3 +143,29 @@ def test_a_request_whose_caller_gave_up_while_it_was_being_added_is_dropped(tiny
         assert asyncio.run(main()), "added, then aborted, and its stream forgotten"
     finally:
         front.shutdown()
+
+
+def test_a_consumer_that_leaves_late_leaves_a_newer_request_under_its_id_alone(tiny_model_dir):
+    # A router's retry may reach a worker before the stream of the attempt it replaced closes:
+    # that stream's end must not close the retry's stream, nor abort the retry.
+    front = AsyncEngine(LLM(str(tiny_model_dir)).engine)
+    long = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+
+    async def main():
+        first = front.generate(PROMPTS[0], long, "same")
+        await anext(first)
+        front.abort("same")
+        while await front.run(lambda engine: "same" in engine.requests):
+            await asyncio.sleep(0.01)
+        second = front.generate(PROMPTS[0], long, "same")
+        outs = [await anext(second)]
+        await first.aclose()  # the first attempt's consumer goes away only now
+        outs += [out async for out in second]
+        return outs
+
+    try:
+        outs = asyncio.run(asyncio.wait_for(main(), 30))  # before: the second stream hung
+    finally:
+        front.shutdown()
+    assert outs[-1].finished and outs[-1].finish_reason == "length"
+    assert sum(len(out.new_token_ids) for out in outs) == 40

@@ -157,6 +157,19 @@ async def test_events_feed_a_prefix_index() -> None:
     assert blocks.drain_events() == []
 
 
+async def test_a_snapshot_lists_what_the_tiers_hold_now_and_supersedes_the_events() -> None:
+    # What a router that starts afresh builds its index from (after the old one's death).
+    blocks, index = store(num_blocks=3), PrefixIndex()
+    first, second = make_keys(2), make_keys(2)
+    put_all_layers(blocks, first)
+    put_all_layers(blocks, second)  # evicts the first chain
+    for event in blocks.snapshot():
+        index.apply(event)
+    assert index.longest_prefix(first) == {}
+    assert index.longest_prefix(second) == {("node0", "host"): 2}
+    assert blocks.drain_events() == []  # the snapshot has them
+
+
 async def test_eviction_demotes_to_redis_and_a_hit_promotes_back(redis_url: str) -> None:
     blocks, old, new = store(num_blocks=2, redis_url=redis_url), make_keys(2), make_keys(2)
     streams = LayerStreams(blocks)
