@@ -67,8 +67,9 @@ COUNTERS = {
 FIGURES = ("p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms")
 
 
-def settings(model: str, layout: str, staging_bytes: int) -> dict:
-    """A 1+1 cluster's settings with its workers where `layout` puts them."""
+def settings(model: str, layout: str, staging_bytes: int, profile: str | None = None) -> dict:
+    """A 1+1 cluster's settings with its workers where `layout` puts them; the router's
+    `profile` (None: measured at start)."""
     prefill, decode = LAYOUTS[layout]
     return {
         "model": model,
@@ -85,6 +86,8 @@ def settings(model: str, layout: str, staging_bytes: int) -> dict:
         "store.transfer.host": HOST,  # the nodes are on this machine: loopback only
         "store.transfer.staging_bytes": staging_bytes,
         "router.bypass_threshold_tokens": 0,  # every prompt goes through prefill -> decode
+        "router.profile": profile,
+        "limits.grammar_builder_at_start": False,  # the load has no constrained requests
     }
 
 
@@ -148,7 +151,8 @@ def serve_layout(layout: str, model: str, requests, vocabulary, tokenizer, args)
     from halfmoon.cluster.control.launcher import Cluster
 
     began = time.monotonic()
-    cluster = Cluster(load_config(None, settings(model, layout, args.staging_mib << 20)))
+    config = settings(model, layout, args.staging_mib << 20, args.router_profile)
+    cluster = Cluster(load_config(None, config))
     try:
         ports = cluster.start()
         start_s = time.monotonic() - began
@@ -298,6 +302,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--staging-mib", type=int, default=64, help="the decode worker's staging memory (64)"
+    )
+    parser.add_argument(
+        "--router-profile",
+        help="the router's cost-model profile, a deploy/profiles name or a YAML file (default: "
+        "measured at each cluster's start, as `halfmoon serve` does)",
     )
     parser.add_argument("--request-timeout", type=float, default=300.0, help="per request (300)")
     parser.set_defaults(

@@ -1,31 +1,26 @@
-"""KV across Ray nodes on Mooncake's Transfer Engine, run by test_engine_transfer.py in a process
-of its own (one Ray instance per process): `python engine_transfer_scenario.py MODEL OUT.json`.
-A head, a `prefill` node and a `decode` node made by ray.cluster_utils.Cluster on this machine,
-`store.transfer.engine: mooncake` (its TCP transport between the nodes' worker processes).
-Two prefill nodes, one prefill worker each. Prompts are served, then the workers' counters
-read; a prefix is fetched from the other prefill node's store and a worker warmed from there
-(fetch_scenario.py's plan), both read on the engine; then the node of the prefill worker
-writing a prompt's layers is killed mid-transfer, and the router retries the prompt on the
-other. Writes what it saw as JSON for the test to judge."""
+"""KV across Ray nodes on Mooncake's Transfer Engine: the second halfmoon cluster of
+multinode_scenario.py, on its nodes (a head, two `prefill` nodes, a `decode` one, on this
+machine), with `store.transfer.engine: mooncake` (its TCP transport between the nodes' worker
+processes) and one prefill worker on each prefill node. Prompts are served, then the workers'
+counters read; a prefix is fetched from the other prefill node's store and a worker warmed from
+there (scenario_kit.py's fetch plan), both read on the engine; then the node of the prefill
+worker writing a prompt's layers is killed mid-transfer, and the router retries the prompt on
+the other."""
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from pathlib import Path
 
 import ray
-from fetch_scenario import MAX_TOKENS as FETCH_TOKENS
-from fetch_scenario import PREFIX, QUESTIONS, serve
-from ray.cluster_utils import Cluster as RayCluster
 from scenario_kit import (
-    NODE,
-    NODES_TIMEOUT_S,
+    FETCH_PREFIX,
+    FETCH_QUESTIONS,
     kv_block_bytes,
     pool_settings,
+    serve_fetched,
     started,
-    write_report,
 )
 
 from halfmoon.cluster.client.grpc_client import Client
@@ -42,8 +37,6 @@ BLOCK_SIZE = 16
 SETTINGS = {
     "engine.prefill_chunk_size": 64,
     "engine.max_num_batched_tokens": 256,
-    # The shipped CPU profile: fetching fetch_scenario's prefix beats computing it.
-    "router.profile": "cpu-tiny",
     "store.get_timeout_s": 10.0,
     "store.transfer.engine": "mooncake",
     "store.transfer.host": "127.0.0.1",  # the nodes are on this machine: loopback only
@@ -89,19 +82,17 @@ def kill_mid_transfer(client: Client, cluster, nodes: dict, outcome: list) -> st
 
 
 def fetch_and_warm(cluster, client: Client) -> dict:
-    """fetch_scenario's plan on the engine (its `serve`: the first prompt on one prefill
-    worker, which then drains, so the second, the same prefix, goes to the other, which fetches
-    the prefix from the first's store); then that worker is warmed from there with the first
-    prompt's blocks (all it lacks is what follows the prefix). The drained worker serves again
-    after."""
-    prompts = [PREFIX + question for question in QUESTIONS]
-    served = serve(cluster, client, prompts)
+    """scenario_kit's fetch plan on the engine (the first prompt on one prefill worker, which
+    then drains, so the second, the same prefix, goes to the other, which fetches the prefix
+    from the first's store); then that worker is warmed from there with the first prompt's
+    blocks (all it lacks is what follows the prefix)."""
+    served = serve_fetched(cluster, client)
     holder = served["first"]["prefill_instance"]
     taker = cluster.workers[served["second"]["prefill_instance"]].actor
     fetched = ray.get(taker.counters.remote())
     holder_store = served["stores"][holder]
-    warmed = ray.get(taker.warm.remote(prompt_keys(taker, prompts[0]), holder_store))
-    ray.get(cluster.router.set_draining.remote(holder, False))
+    first_prompt = FETCH_PREFIX + FETCH_QUESTIONS[0]
+    warmed = ray.get(taker.warm.remote(prompt_keys(taker, first_prompt), holder_store))
     return {
         "outputs": served["outputs"],
         "holder_store": holder_store,
@@ -118,29 +109,31 @@ def prompt_keys(worker, prompt: str) -> list[bytes]:
     return block_keys(info.root_key, tokens, info.block_size)
 
 
-def main(model: str, out_path: str) -> None:
-    offline = LLM(model, num_pages=256, max_num_batched_tokens=256)
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    expected = [o.token_ids for o in offline.generate([*PROMPTS, LONG], params)]
-    fetch_params = SamplingParams(max_tokens=FETCH_TOKENS, temperature=0.0, ignore_eos=True)
-    fetch_prompts = [PREFIX + question for question in QUESTIONS]
-    expected_fetch = [o.token_ids for o in offline.generate(fetch_prompts, fetch_params)]
-    tokenizer = offline.tokenizer
-    num_blocks = [-(-len(tokenizer.encode(p)) // BLOCK_SIZE) for p in [*PROMPTS, LONG]]
-    del offline
+def unavailable() -> str | None:
+    """Why this machine cannot run the engine (None: it can)."""
+    try:
+        import mooncake.engine  # noqa: F401
+    except ImportError as error:
+        return f"mooncake-transfer-engine cannot be imported: {error}"
+    return None
 
-    nodes = RayCluster(initialize_head=True, head_node_args=dict(NODE))
-    prefill_nodes = [nodes.add_node(**NODE, resources={"prefill": 1}) for _ in range(2)]
-    nodes.add_node(**NODE, resources={"decode": 1})
-    nodes.wait_for_nodes(NODES_TIMEOUT_S)
-    by_id = {node.node_id: node for node in prefill_nodes}
-    report: dict = {
-        "expected": expected,
-        "num_blocks": num_blocks,
-        "expected_fetch": expected_fetch,
+
+def expectations(offline: LLM) -> dict:
+    """The offline engine's outputs of PROMPTS and LONG, and their blocks."""
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    prompts = [*PROMPTS, LONG]
+    return {
+        "expected": [o.token_ids for o in offline.generate(prompts, params)],
+        "num_blocks": [-(-len(offline.tokenizer.encode(p)) // BLOCK_SIZE) for p in prompts],
     }
+
+
+def run(model: str, prefill_nodes: dict) -> dict:
+    """This cluster on the connected nodes; `prefill_nodes` are the prefill nodes by id (one
+    of them is killed)."""
+    report: dict = {}
     settings = pool_settings(model, **SETTINGS, **{"prefill.replicas": 2})
-    with started(nodes, settings) as (cluster, ports):
+    with started(settings) as (cluster, ports):
         (decode,) = [name for name, w in cluster.workers.items() if w.kind == "decode"]
         report["block_bytes"] = kv_block_bytes(cluster.workers[decode].actor)
         prefills = [name for name, w in cluster.workers.items() if w.kind == "prefill"]
@@ -155,13 +148,9 @@ def main(model: str, out_path: str) -> None:
             report["decode"] = counters(cluster, decode)
             report["fetch"] = fetch_and_warm(cluster, client)
             outcome: list = []
-            report["killed"] = kill_mid_transfer(client, cluster, by_id, outcome)
+            report["killed"] = kill_mid_transfer(client, cluster, prefill_nodes, outcome)
             report["outcome_after_kill"] = outcome[0] if len(outcome) == 2 else "hung"
             report["retried_in_s"] = outcome[-1]
             report["output_again"] = greedy(client, LONG)
             report["decode_after"] = counters(cluster, decode)
-    write_report(out_path, report)
-
-
-if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    return report

@@ -1,9 +1,13 @@
 """halfmoon across several Ray nodes on one machine, run by test_multinode.py in a process of
 its own (a pytest process holds one Ray instance only): `python multinode_scenario.py MODEL
-OUT.json`. A head and nodes made by ray.cluster_utils.Cluster: prefill workers on a `prefill`
-node, decode workers on a `decode` node, a store node on each, so KV crosses nodes through the
-stores. Then the decode node dies during traffic, and the controller replaces its worker on a
-spare `decode` node. Writes what it saw as JSON for the test to judge."""
+OUT.json`. A head, two `prefill` nodes and a `decode` node made by ray.cluster_utils.Cluster
+carry two halfmoon clusters in turn (one Ray boot for both). The first: a prefill worker on each
+prefill node, the decode worker on the decode node, a store node on each node, so KV crosses
+nodes through the stores (as Ray objects: every node is on this machine); a prefix is fetched
+from the other prefill node's store (scenario_kit.py's fetch plan); then the decode node dies
+during traffic, and the controller replaces its worker on a spare `decode` node. The second,
+where Mooncake's Transfer Engine imports, moves KV on it (engine_transfer_scenario.py). Writes
+what it saw as JSON for the test to judge."""
 
 from __future__ import annotations
 
@@ -11,10 +15,23 @@ import sys
 import threading
 import time
 
+import engine_transfer_scenario
 import ray
 from cluster_kit import kv_transfer_bytes
 from ray.cluster_utils import Cluster as RayCluster
-from scenario_kit import NODE, NODES_TIMEOUT_S, pool_settings, started, write_report
+from scenario_kit import (
+    FETCH_MAX_TOKENS,
+    FETCH_PREFIX,
+    FETCH_QUESTIONS,
+    HEAD,
+    NODE,
+    NODES_TIMEOUT_S,
+    connected,
+    pool_settings,
+    serve_fetched,
+    started,
+    write_report,
+)
 
 from halfmoon.cluster.client.grpc_client import Client
 from halfmoon.cluster.control.controller import Controller
@@ -34,6 +51,7 @@ SETTINGS = {
     "store.get_timeout_s": 10.0,
     "health.timeout_s": 5.0,
     "health.unresponsive_s": 10.0,
+    "prefill.replicas": 2,
 }
 
 
@@ -115,23 +133,44 @@ def run_during_removal(client: Client, remove) -> tuple[list, list[int]]:
 
 def main(model: str, out_path: str) -> None:
     offline = LLM(model, num_pages=256, max_num_batched_tokens=128)
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    expected = [o.token_ids for o in offline.generate(PROMPTS, params)]
-    during = SamplingParams(max_tokens=DURING_MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    expected_during = [o.token_ids for o in offline.generate(DURING_REMOVAL, during)]
+    report = expectations(offline)
+    engine_missing = engine_transfer_scenario.unavailable()
+    on_engine = {} if engine_missing else engine_transfer_scenario.expectations(offline)
     del offline
 
-    nodes = RayCluster(initialize_head=True, head_node_args=dict(NODE))
-    prefill_node = nodes.add_node(**NODE, resources={"prefill": 1})
+    nodes = RayCluster(initialize_head=True, head_node_args=dict(HEAD))
+    prefill_nodes = [nodes.add_node(**NODE, resources={"prefill": 1}) for _ in range(2)]
     decode_node = nodes.add_node(**NODE, resources={"decode": 1})
     nodes.wait_for_nodes(NODES_TIMEOUT_S)
-    report: dict = {
-        "prefill_node": prefill_node.node_id,
-        "decode_node": decode_node.node_id,
-        "expected": expected,
-        "expected_during": expected_during,
+    report["prefill_nodes"] = sorted(node.node_id for node in prefill_nodes)
+    report["decode_node"] = decode_node.node_id
+    with connected(nodes):
+        report.update(through_the_stores(nodes, model, decode_node))
+        if engine_missing:
+            report["engine"] = {"unavailable": engine_missing}
+        else:
+            by_id = {node.node_id: node for node in prefill_nodes}
+            report["engine"] = {**on_engine, **engine_transfer_scenario.run(model, by_id)}
+    write_report(out_path, report)
+
+
+def expectations(offline: LLM) -> dict:
+    """The offline engine's outputs of PROMPTS, DURING_REMOVAL and the fetch plan's prompts."""
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    during = SamplingParams(max_tokens=DURING_MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    fetch = SamplingParams(max_tokens=FETCH_MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    fetch_prompts = [FETCH_PREFIX + question for question in FETCH_QUESTIONS]
+    return {
+        "expected": [o.token_ids for o in offline.generate(PROMPTS, params)],
+        "expected_during": [o.token_ids for o in offline.generate(DURING_REMOVAL, during)],
+        "expected_fetch": [o.token_ids for o in offline.generate(fetch_prompts, fetch)],
     }
-    with started(nodes, pool_settings(model, **SETTINGS)) as (cluster, ports):
+
+
+def through_the_stores(nodes: RayCluster, model: str, decode_node) -> dict:
+    """The first cluster: KV through the stores, a fetch, the decode node lost and replaced."""
+    report: dict = {}
+    with started(pool_settings(model, **SETTINGS)) as (cluster, ports):
         report["head"] = ray.get_runtime_context().get_node_id()
         report["placement"] = placement(cluster)
         report["router_node"] = ray.get(cluster.router.node_id.remote())
@@ -141,6 +180,7 @@ def main(model: str, out_path: str) -> None:
             report["stores"] = store_figures(cluster)
             moved = wait_for(lambda: kv_transfer_bytes(ports["metrics_port"]), 30)
             report["kv_transfer_bytes"] = moved
+            report["fetch"] = serve_fetched(cluster, client)
 
             # A decode worker with no node to go to: the controller starts it and goes on.
             controller = Controller(cluster)
@@ -160,7 +200,7 @@ def main(model: str, out_path: str) -> None:
             report["during_outcomes"], report["hung"] = outcomes, hung
             # Its worker is removed; the replacement has no room (the spare node is full).
             report["dead_removed"] = wait_for(
-                lambda: controller.check_health() is not None and "decode-1" not in cluster.workers,
+                lambda: controller.check_health() is not None and "decode-2" not in cluster.workers,
                 120,
             )
             report["pending_after_removal"] = sorted(controller.pending)
@@ -173,7 +213,7 @@ def main(model: str, out_path: str) -> None:
             report["placement_after"] = placement(cluster)
             report["stores_after"] = sorted(cluster.stores)
             report["outputs_after"] = [greedy(client, p, MAX_TOKENS) for p in PROMPTS]
-    write_report(out_path, report)
+    return report
 
 
 if __name__ == "__main__":
