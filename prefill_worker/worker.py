@@ -14,6 +14,7 @@ import ray
 
 from halfmoon.cluster.worker.actor import EngineWorker
 from halfmoon.cluster.worker.errors import WorkerError, aborted
+from halfmoon.engine.async_engine import EngineFailure
 from halfmoon.engine.config import EngineConfig
 from halfmoon.engine.errors import HalfmoonError
 from halfmoon.engine.hooks import KVHooks
@@ -97,6 +98,8 @@ class PrefillWorker(EngineWorker, KVHooks):
             if firsts[-1].finish_reason == "abort":
                 return aborted(task.request_id)
             computed_at = time.time()
+        except EngineFailure as error:  # a step failed (e.g. its store node died mid-load)
+            return WorkerError("UNAVAILABLE", str(error), retryable=True)  # nothing was sent
         except HalfmoonError as error:
             return WorkerError.of(error)
         finally:

@@ -145,6 +145,8 @@ def run_chaos(args) -> ChaosReport:
         chaos_s = time.monotonic() - killer.started_s
         if killer.error is not None:
             raise killer.error
+        killer.controller.check_router()  # a last round: a part killed at the end is replaced
+        killer.controller.check_health()
         read_recoveries(cluster, chaos)
         held_after, released_s = wait_released(cluster, HELD_AFTER_S)
     finally:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import subprocess
 import sys
@@ -12,9 +13,19 @@ import pytest
 import torch
 
 from halfmoon.bench import engine as bench_engine
-from halfmoon.bench.probes import engine_turns
+from halfmoon.bench.probes import engine_dtypes, engine_turns
 from halfmoon.bench.probes.engine_degrees import compare_degrees
 from halfmoon.bench.probes.engine_dtypes import compare_dtypes
+
+
+@pytest.fixture(autouse=True)
+def brief_quiet(monkeypatch):
+    """A timed turn waits at most 0.5 s for the CPUs to go idle: under `make test` the other
+    test process keeps them busy, and the 10 s wait of every turn bought nothing (what the
+    wait does is tested below, with its own timeout)."""
+    brief = functools.partial(engine_turns.after_quiet, timeout_s=0.5)
+    monkeypatch.setattr(engine_turns, "after_quiet", brief)
+    monkeypatch.setattr(engine_dtypes, "after_quiet", brief)
 
 
 @pytest.mark.timeout(120)

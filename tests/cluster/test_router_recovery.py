@@ -1,7 +1,8 @@
 """The router is not a single point of failure: kill -9 of the router actor under 50 streaming
 requests, and the controller (as `halfmoon serve` runs it) ends what the dead router had in
 flight on every worker, starts a new router on the same ports from the last profile, and its
-prefix index from the workers' and stores' snapshots (issue 49's goals)."""
+prefix index from the workers' and stores' snapshots (issue 49's goals); then the new router
+hangs, and is replaced in turn once silent for `health.unresponsive_s`."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ import urllib.request
 
 import pytest
 import ray
-from cluster_kit import counters, running_cluster
+from cluster_kit import running_cluster
 
+from halfmoon.bench.chaos.leaks import held
 from halfmoon.cluster.client.grpc_client import AsyncClient, Client, ServerError
 from halfmoon.cluster.control.controller import Controller
 
@@ -27,7 +29,8 @@ SETTINGS = {
     "router.bypass_threshold_tokens": 0,  # every prompt through the prefill worker
     "engine.num_pages": 1024,
     "health.interval_s": 0.5,
-    "health.timeout_s": 10.0,
+    "health.timeout_s": 5.0,
+    "health.unresponsive_s": 8.0,  # a hung router is replaced after 8 s of silence
 }
 STREAMS = 50
 CACHED_PROMPT = "the prefix cached before the kill " * 8  # ~270 tokens: 16 blocks and more
@@ -40,19 +43,6 @@ def _wait_until(condition, timeout_s: float, what: str):
             raise AssertionError(f"{what} not reached in {timeout_s} s")
         time.sleep(0.05)
     return value
-
-
-def _held(cluster) -> dict:
-    """What the workers and stores still hold for requests: all zero once every one ended."""
-    held = {}
-    for name in cluster.workers:
-        stats = counters(cluster, name)
-        held[f"{name} pages"] = stats["num_used_pages"]
-        held[f"{name} requests"] = stats["num_running"] + stats["num_waiting"]
-        held[f"{name} receives"] = stats.get("num_receiving", 0)
-    for node_id, store in cluster.stores.items():
-        held[f"store {node_id[:6]} leases"] = ray.get(store.stats.remote()).host.leased_blocks
-    return held
 
 
 def _served(address: str) -> bool:
@@ -92,7 +82,7 @@ class Streams:
         return sum(1 for d, o in zip(self.deltas, self.outcomes, strict=True) if d and o is None)
 
 
-def test_a_killed_router_is_replaced_on_its_ports_and_leaves_nothing_held(tiny_model_dir):
+def test_a_killed_or_hung_router_is_replaced_on_its_ports_and_leaves_nothing_held(tiny_model_dir):
     with running_cluster(tiny_model_dir, **SETTINGS) as (cluster, client):
         address, ports = client.address, dict(cluster.ports)
         client.complete(CACHED_PROMPT, max_tokens=2, request_id="before")
@@ -111,8 +101,7 @@ def test_a_killed_router_is_replaced_on_its_ports_and_leaves_nothing_held(tiny_m
             _wait_until(lambda: _served(address), 60, "a new request served")
             served_s = time.monotonic() - killed_at
             streams.thread.join(timeout=60)
-            held_s = None
-            _wait_until(lambda: not any(_held(cluster).values()), 30, "nothing held")
+            _wait_until(lambda: not any(held(cluster).values()), 30, "nothing held")
             held_s = time.monotonic() - killed_at
         finally:
             stop.set()
@@ -125,9 +114,23 @@ def test_a_killed_router_is_replaced_on_its_ports_and_leaves_nothing_held(tiny_m
             assert r.status == 200
         with urllib.request.urlopen(f"http://127.0.0.1:{ports['metrics_port']}/metrics") as r:
             assert r.status == 200
+        # A router that hangs (its event loop held) is replaced too, once silent too long.
+        hung = cluster.router
+        hung.__ray_call__.remote(lambda _: time.sleep(120))
+        hung_at = time.monotonic()
+        stop = threading.Event()
+        watcher = threading.Thread(target=controller.run, args=(stop,))
+        watcher.start()
+        try:
+            _wait_until(lambda: cluster.router is not hung and _served(address), 90, "unhung")
+            hung_s = time.monotonic() - hung_at
+        finally:
+            stop.set()
+            watcher.join()
     assert cluster.ports == ports  # the same ports
     recovery = controller.recovery
-    assert recovery.num_router_restarts == 1 and controller.num_restarts == 0
+    assert recovery.num_router_restarts == 2 and controller.num_restarts == 0
+    assert hung_s <= 30.0
     assert recovery.num_requests_ended >= in_flight  # the workers ended the dead one's requests
     cut = [i for i, o in enumerate(streams.outcomes) if o != "completed"]
     assert cut, "the kill cut no stream"
@@ -145,5 +148,5 @@ def test_a_killed_router_is_replaced_on_its_ports_and_leaves_nothing_held(tiny_m
         f"cut streams ended within {ended_s:.2f} s, a new request served after {served_s:.1f} s "
         f"(replacement {recovery.router_restarts_s[0]:.1f} s, {recovery.num_requests_ended} "
         f"ended), nothing held after {held_s:.1f} s; prefix priced cached={after.group(1)} "
-        "tokens after"
+        f"tokens after; a hung router replaced and serving {hung_s:.1f} s after its loop stopped"
     )
