@@ -13,7 +13,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from halfmoon.cluster.control.autoscaling import Autoscaler
 from halfmoon.cluster.control.autoscaling_policy import AutoscalingError
 from halfmoon.cluster.control.launcher import Cluster
-from halfmoon.cluster.control.recovery import Recovery, Silence
+from halfmoon.cluster.control.recovery import Recovery, Silence, answered_within
 from halfmoon.cluster.serving.router_actor import TRAFFIC_WINDOW_S
 from halfmoon.router.cost_model import CostModel
 
@@ -58,11 +58,7 @@ class Controller:
         workers = [w for w in self.cluster.workers.values() if w.name not in self.pending]
         timeout_s = self.cluster.config.health.timeout_s
         refs = {worker.name: worker.actor.ping.remote() for worker in workers}
-        # One deadline for all: a check takes `timeout_s` however many workers are silent.
-        answered = set()
-        if refs:
-            answered, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
-            answered = set(answered)
+        answered = answered_within(refs.values(), timeout_s)
         dead = []
         for worker in workers:
             if refs[worker.name] not in answered:

@@ -1,7 +1,8 @@
 """Recovery of the parts above the workers, run by the controller every round: the router (one
 that died or hangs is replaced on the same ports, from the refitted profile kept here, outside
 its memory) and the store nodes (one that died or hangs on a live node is replaced under its
-name). docs/deploy.md, "When a part dies", says what a replacement keeps and what it loses."""
+name). docs/deploy.md, "When the router, a store node or Redis dies", says what a replacement
+keeps and what it loses."""
 
 from __future__ import annotations
 
@@ -54,12 +55,15 @@ class Recovery:
     def __init__(self, cluster: Cluster, silence: Silence) -> None:
         self.cluster = cluster
         self.silence = silence
-        self.num_router_restarts = 0
         self.num_store_restarts = 0
         self.num_redis_restarts = 0
         self.router_restarts_s: list[float] = []  # how long each replacement took
         self.num_requests_ended = 0  # requests of dead routers the workers ended
         self._profile_kept_at = time.monotonic()
+
+    @property
+    def num_router_restarts(self) -> int:
+        return len(self.router_restarts_s)
 
     def check_router(self, routed: list[str]) -> bool:
         """Ping the router; replace it when Ray says it died or it was silent too long, routing
@@ -86,7 +90,6 @@ class Recovery:
         began = time.monotonic()
         ended = self.cluster.replace_router(routed)
         self.router_restarts_s.append(time.monotonic() - began)
-        self.num_router_restarts += 1
         self.num_requests_ended += ended
         ports = ", ".join(f"{k} {v}" for k, v in self.cluster.ports.items() if v is not None)
         log.error(
@@ -114,11 +117,7 @@ class Recovery:
             self.num_redis_restarts += 1
         stores = dict(self.cluster.stores)
         refs = {node_id: store.ping.remote() for node_id, store in stores.items()}
-        answered = set()
-        if refs:
-            timeout_s = self.cluster.config.health.timeout_s
-            answered, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
-            answered = set(answered)
+        answered = answered_within(refs.values(), self.cluster.config.health.timeout_s)
         replaced = []
         for node_id, ref in refs.items():
             name = store_node_name(node_id)
@@ -134,6 +133,16 @@ class Recovery:
             self.num_store_restarts += 1
             replaced.append(node_id)
         return replaced
+
+
+def answered_within(refs, timeout_s: float) -> set[ray.ObjectRef]:
+    """The calls of `refs` that came back (answered or failed) within one shared deadline: a
+    check takes `timeout_s` however many parts are silent."""
+    refs = list(refs)
+    if not refs:
+        return set()
+    answered, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    return set(answered)
 
 
 def _alive(ping: ray.ObjectRef) -> bool:
