@@ -25,6 +25,7 @@ from halfmoon.engine.init_model import SHAPES, build_tokenizer, default_model_di
 from halfmoon.engine.model_config import load_model_config
 from halfmoon.engine.model_source import resolve_model
 from halfmoon.kernels import cpu_build
+from halfmoon.kernels.kv_quant import KV_CACHE_DTYPES
 
 
 @dataclass(slots=True)
@@ -78,6 +79,7 @@ def our_llm(
     dtype: torch.dtype,
     eager: bool = False,
     tensor_parallel_size: int = 1,
+    kv_cache_dtype: str = "auto",
 ):
     """Our offline engine on the benchmark's settings, warmed up; no prefix caching, so that
     repeated runs of the same prompts do not hit their own cache."""
@@ -92,6 +94,7 @@ def our_llm(
         enforce_eager=eager,
         enable_prefix_caching=False,
         tensor_parallel_size=tensor_parallel_size,
+        kv_cache_dtype=kv_cache_dtype,
     )
     llm.generate([[6] * 8], SamplingParams(max_tokens=2))
     return llm
@@ -119,9 +122,11 @@ def run_ours(
     device: str = "cpu",
     eager: bool = False,
     dtype: torch.dtype | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> tuple[float, float]:
     """(wall seconds, seconds inside model forward passes) for our engine."""
-    llm = our_llm(model_dir, batch_size, device, dtype or SETUPS[device].dtype, eager)
+    dtype = dtype or SETUPS[device].dtype
+    llm = our_llm(model_dir, batch_size, device, dtype, eager, kv_cache_dtype=kv_cache_dtype)
     wall, _, forward_s = time_ours(llm, work)
     del llm
     if device == "cuda":
@@ -129,66 +134,6 @@ def run_ours(
         # (--eager) sizes its KV pool from the GPU's free memory.
         torch.cuda.empty_cache()
     return wall, forward_s
-
-
-def _hf_model(model_dir: Path, device: str, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
-    model.generation_config.eos_token_id = None
-    return model
-
-
-def run_hf_static(
-    model_dir: Path, work: Workload, batch_size: int, device: str, dtype: torch.dtype
-) -> float:
-    """Wall seconds for `generate` over static, left-padded batches of `batch_size` requests."""
-    model = _hf_model(model_dir, device, dtype)
-    started = time.perf_counter()
-    with torch.no_grad():
-        for start in range(0, len(work.prompts), batch_size):
-            prompts = work.prompts[start : start + batch_size]
-            width = max(len(p) for p in prompts)
-            ids = torch.tensor([[2] * (width - len(p)) + p for p in prompts], device=device)
-            mask = torch.tensor(
-                [[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device
-            )
-            new = max(work.output_lens[start : start + batch_size])
-            model.generate(
-                ids, attention_mask=mask, do_sample=False, max_new_tokens=new, pad_token_id=2
-            )
-    sync_device(device)
-    return time.perf_counter() - started
-
-
-def run_hf_continuous(
-    model_dir: Path, work: Workload, batch_size: int, device: str, dtype: torch.dtype
-) -> float | None:
-    """Wall seconds for transformers' own continuous batching, or None where it is missing."""
-    model = _hf_model(model_dir, device, dtype)
-    if not hasattr(model, "init_continuous_batching"):
-        return None
-    from transformers import GenerationConfig
-
-    config = GenerationConfig(do_sample=False, max_new_tokens=max(work.output_lens), pad_token_id=2)
-    config.max_batch_tokens = 2048
-    manager = model.init_continuous_batching(generation_config=config)
-    manager.start()
-    started = time.perf_counter()
-    try:
-        ids = [
-            manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=n)
-            for i, (prompt, n) in enumerate(zip(work.prompts, work.output_lens, strict=True))
-        ]
-        pending = set(ids)
-        while pending:
-            result = manager.get_result(timeout=600)
-            if result is not None and result.is_finished():
-                pending.discard(result.request_id)
-    finally:
-        wall = time.perf_counter() - started
-        manager.stop(block=True)
-    return wall
 
 
 def sync_device(device: str) -> None:
@@ -261,11 +206,26 @@ def _parser() -> argparse.ArgumentParser:
         "AVX2 CPU, HALFMOON_CPU_ISA=avx2 to run what one runs); prints the ratio",
     )
     parser.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="our engine's KV cache format against transformers, --vs-dtype and "
+        "--vs-kv-cache-dtype (auto: the model's dtype; fp8 / fp8_e4m3 / fp8_e5m2 / int8: 8 bits "
+        "and a scale a row)",
+    )
+    parser.add_argument(
+        "--vs-kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        help="instead of transformers: our engine with its KV in --kv-cache-dtype against itself "
+        "with its KV in this format, on the same requests and --threads, turns alternating; "
+        "prints the ratio (and each one's pages where they differ)",
+    )
+    parser.add_argument(
         "--repeats",
         type=int,
         default=3,
-        help="runs of each with --peer, --vs-dtype or several --threads (medians) or --tp (the "
-        "best) (3)",
+        help="runs of each with --peer, --vs-dtype, --vs-kv-cache-dtype or several --threads "
+        "(medians) or --tp (the best) (3)",
     )
     return parser
 
@@ -288,6 +248,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--repeats {args.repeats}: give 1 or more")
     if args.vs_dtype and (args.peer or args.tp or len(args.thread_counts) > 1):
         parser.error("--vs-dtype: one --threads count, without --peer or --tp")
+    if args.vs_kv_cache_dtype and (
+        args.vs_dtype or args.peer or args.tp or len(args.thread_counts) > 1
+    ):
+        parser.error("--vs-kv-cache-dtype: one --threads count, without --vs-dtype, --peer, --tp")
     args.threads = args.thread_counts[0]
     setup = SETUPS[args.device]
     dtype = getattr(torch, args.dtype) if args.dtype else setup.dtype
@@ -313,12 +277,13 @@ def main(argv: list[str] | None = None) -> int:
         f"{'/'.join(map(str, args.thread_counts))} thread(s), device {args.device}, {dtype}",
         file=sys.stderr,
     )
-    compare = compare_with_transformers
+    from halfmoon.bench.probes.engine_hf import compare_with_transformers as compare
+
     if args.peer or len(args.thread_counts) > 1:
         from halfmoon.bench.probes.engine_turns import compare_in_turns as compare
     if args.tp:
         from halfmoon.bench.probes.engine_degrees import compare_degrees as compare
-    if args.vs_dtype:
+    if args.vs_dtype or args.vs_kv_cache_dtype:
         from halfmoon.bench.probes.engine_dtypes import compare_dtypes as compare
     try:
         figures = compare(model_dir, work, dtype, args)
@@ -328,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "device": args.device,
         "dtype": str(dtype).removeprefix("torch."),
+        "kv_cache_dtype": args.kv_cache_dtype,
         "threads": args.threads if len(args.thread_counts) == 1 else args.thread_counts,
         "requests": args.requests,
         "output_tokens": work.num_output_tokens,
@@ -337,33 +303,6 @@ def main(argv: list[str] | None = None) -> int:
         result["kernels"] = cpu_build.report() | {"linear": cpu_linear.plan(dtype)}
     _print(result, args.json)
     return 0
-
-
-def compare_with_transformers(model_dir: Path, work: Workload, dtype: torch.dtype, args) -> dict:
-    """Ours (and, with --eager on CUDA, ours without graphs), then transformers' two ways."""
-    log, device, batch = sys.stderr, args.device, args.batch_size
-    ours_s, forward_s = run_ours(model_dir, work, batch, device, dtype=dtype)
-    print(f"ours: {ours_s:.1f}s", file=log)
-    eager_s = None
-    if args.eager and device == "cuda":
-        eager_s, _ = run_ours(model_dir, work, batch, device, eager=True, dtype=dtype)
-        print(f"ours, eager: {eager_s:.1f}s", file=log)
-    static_s = run_hf_static(model_dir, work, batch, device, dtype)
-    print(f"hf static: {static_s:.1f}s", file=log)
-    cb_s = None
-    if not args.skip_hf_cb:
-        cb_s = run_hf_continuous(model_dir, work, batch, device, dtype)
-    print(f"hf continuous batching: {'skipped' if cb_s is None else f'{cb_s:.1f}s'}", file=log)
-    tokens = work.num_output_tokens
-    return {
-        "ours_tok_s": tokens / ours_s,
-        "ours_eager_tok_s": tokens / eager_s if eager_s else None,
-        "hf_static_tok_s": tokens / static_s,
-        "hf_cb_tok_s": tokens / cb_s if cb_s else None,
-        "ratio_vs_hf_static": static_s / ours_s,
-        "ratio_vs_hf_cb": cb_s / ours_s if cb_s else None,
-        "overhead_ratio": ours_s / forward_s,
-    }
 
 
 def _print(result: dict, as_json: bool) -> None:

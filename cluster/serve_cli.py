@@ -52,6 +52,14 @@ def add_serve(commands) -> None:
         help="weights and KV dtype (auto: float32 on CPU, the checkpoint's dtype on GPU)",
     )
     cmd.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"],
+        help="KV cache format on every worker, in its pages and on every path KV moves (lent "
+        "pages, the store, Redis, across nodes): auto keeps the model's dtype; fp8 (= fp8_e4m3), "
+        "fp8_e5m2 and int8 store each token's row of each head in 8 bits with an fp16 scale "
+        "(about half the bytes of bf16; blocks of two formats are never shared)",
+    )
+    cmd.add_argument(
         "--max-model-len",
         type=int,
         help="context length in tokens (default: the model's); prompts must be shorter",
@@ -143,6 +151,7 @@ SERVE_OVERRIDES = {
     "model": "model",
     "served_model_name": "served_model_name",
     "dtype": "engine.dtype",
+    "kv_cache_dtype": "engine.kv_cache_dtype",
     "max_model_len": "engine.max_model_len",
     "gpu_memory_utilization": "engine.gpu_memory_utilization",
     "kv_cache_memory": "engine.kv_cache_memory_bytes",

@@ -23,6 +23,9 @@ class EngineSettings(BaseModel):
     # Tokens per prefill chunk; None: a prompt is prefilled as the token budget allows.
     prefill_chunk_size: int | None = Field(None, ge=1)
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    # The KV cache's format (kernels/kv_quant.py): "auto" keeps the model's dtype; the 8-bit
+    # ones store each row quantized with its scale, on the device and on every path it moves.
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"] = "auto"
     # None: the model's own context (max_position_embeddings / sliding window), or less if the
     # KV cache cannot hold it; a larger value than the model's is an error.
     max_model_len: int | None = Field(None, ge=2)

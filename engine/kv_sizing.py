@@ -12,6 +12,7 @@ import torch
 
 from halfmoon.engine.errors import ModelLoadError
 from halfmoon.engine.model_config import ModelConfig
+from halfmoon.kernels.kv_quant import row_width
 
 if TYPE_CHECKING:
     from halfmoon.engine.config import EngineConfig
@@ -40,8 +41,10 @@ class DeviceMemory:
 
 
 def page_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one page: K and V of `block_size` tokens in every layer."""
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+    """Bytes of one page: K and V of `block_size` tokens in every layer, stored in `dtype` (a
+    quantized one with each row's scale)."""
+    row = row_width(cfg.head_dim, dtype)
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * row * dtype.itemsize
 
 
 def activation_bytes(cfg: ModelConfig, max_batched_tokens: int, max_seqs: int) -> int:

@@ -17,6 +17,7 @@ from halfmoon.engine.model_digest import model_identity
 from halfmoon.engine.model_facts import ModelFacts
 from halfmoon.engine.model_runner import ModelRunner
 from halfmoon.engine.tokenizer import load_tokenizer
+from halfmoon.kernels.kv_quant import storage_dtype
 
 
 @dataclass(slots=True)
@@ -41,14 +42,15 @@ def load_model(config: EngineConfig) -> LoadedModel:
     dtype = pick_dtype(config.dtype, model_dir, device)
     tokenizer = load_tokenizer(model_dir)
     runner = ModelRunner.start(model_dir, cfg, config, dtype, device)
-    num_pages, cfg.max_model_len = size_kv(config, cfg, dtype, device, runner.weights_bytes)
+    kv_dtype = storage_dtype(config.kv_cache_dtype, dtype)
+    num_pages, cfg.max_model_len = size_kv(config, cfg, kv_dtype, device, runner.weights_bytes)
     return LoadedModel(
         config=cfg,
         tokenizer=tokenizer,
         device=device,
         dtype=dtype,
         runner=runner,
-        kv_cache=runner.allocate_kv(num_pages, cfg.max_model_len, config.share_kv),
+        kv_cache=runner.allocate_kv(num_pages, cfg.max_model_len, config.share_kv, kv_dtype),
         num_pages=num_pages,
-        facts=ModelFacts.of(config, cfg, model_identity(model_dir), dtype),
+        facts=ModelFacts.of(config, cfg, model_identity(model_dir), dtype, kv_dtype),
     )

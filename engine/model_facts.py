@@ -29,17 +29,24 @@ class ModelFacts:
 
     @classmethod
     def of(
-        cls, config: EngineConfig, model: ModelConfig, identity: str, dtype: torch.dtype
+        cls,
+        config: EngineConfig,
+        model: ModelConfig,
+        identity: str,
+        dtype: torch.dtype,
+        kv_dtype: torch.dtype | None = None,
     ) -> ModelFacts:
-        """The facts of `model` (its checkpoint's `identity`) served under `config` with KV in
-        `dtype`: its root key hashes the identity and the KV layout (`model_root_key`)."""
+        """The facts of `model` (its checkpoint's `identity`) computed in `dtype`, its KV stored
+        in `kv_dtype` (None: `dtype`): its root key hashes the identity and the KV layout
+        (`model_root_key`), the KV format too when it differs, so formats never share blocks."""
         layout = (model.num_layers, model.num_kv_heads, model.head_dim, config.block_size)
+        kv = str(dtype) if kv_dtype in (None, dtype) else f"{dtype}|kv={kv_dtype}"
         return cls(
             model=config.model,
             architecture=model.architecture,
             vocab_size=model.vocab_size,
             num_layers=model.num_layers,
             block_size=config.block_size,
-            root_key=model_root_key(identity, str(dtype), *layout),
+            root_key=model_root_key(identity, kv, *layout),
             prefix_caching=config.enable_prefix_caching,
         )

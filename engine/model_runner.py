@@ -24,6 +24,7 @@ from halfmoon.engine.scheduler import ScheduledSeq
 from halfmoon.engine.sequence import Sequence
 from halfmoon.engine.tensor_parallel import SINGLE, TPGroup, check_divisible
 from halfmoon.engine.tp_workers import RankWorkers
+from halfmoon.kernels.kv_quant import row_width
 
 log = logging.getLogger(__name__)
 
@@ -89,29 +90,45 @@ class ModelRunner:
         if self.workers is not None:
             self.workers.check()
 
-    def allocate_kv(self, num_pages: int, max_model_len: int, shared: bool = False) -> PagedKvCache:
+    def allocate_kv(
+        self,
+        num_pages: int,
+        max_model_len: int,
+        shared: bool = False,
+        kv_dtype: torch.dtype | None = None,
+    ) -> PagedKvCache:
         """Allocate the KV pages and the rotary table once the weights' size is known; returns
         the engine's KV cache, at T > 1 whole-head over every rank's pages (kv_shards.py).
+        `kv_dtype`: the pages' storage dtype (`kv_quant.storage_dtype`); None: the model's.
 
         `shared` on CPU: all layers in one anonymous memory file that other processes of this
         node can map (see `PagedKvCache.export`). A CUDA cache is shared by IPC handles and
         needs nothing here."""
-        path = self.allocate_pages(num_pages, max_model_len, shared)
+        path = self.allocate_pages(num_pages, max_model_len, shared, kv_dtype)
         if self.workers is None:
             return PagedKvCache(self.kv_caches, path)
-        paths = self.workers.allocate(num_pages, max_model_len)
+        paths = self.workers.allocate(num_pages, max_model_len, self.kv_caches[0][0].dtype)
         shape, layers = self.kv_caches[0][0].shape, self.cfg.num_layers
         dtype = self.kv_caches[0][0].dtype
         return whole_cache(self.kv_caches, paths, lambda p: map_shared_kv(p, layers, shape, dtype))
 
-    def allocate_pages(self, num_pages: int, max_model_len: int, shared: bool) -> str | None:
+    def allocate_pages(
+        self,
+        num_pages: int,
+        max_model_len: int,
+        shared: bool,
+        kv_dtype: torch.dtype | None = None,
+    ) -> str | None:
         """This rank's KV pages (its KV heads) and rotary table; on CPU and `shared`, in a
-        memory file other processes map by the path returned."""
-        cfg, dtype, device = self.cfg, self.model.embed_tokens.weight.dtype, self.device
+        memory file other processes map by the path returned. A quantized `kv_dtype` widens
+        each row by its scale (kv_quant.py)."""
+        cfg, device = self.cfg, self.device
+        dtype = kv_dtype or self.model.embed_tokens.weight.dtype
         self.cos_sin = cos_sin_cache(
             cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_model_len
         ).to(device)
-        shape = (num_pages, self.block_size, cfg.num_kv_heads // self.group.size, cfg.head_dim)
+        heads = cfg.num_kv_heads // self.group.size
+        shape = (num_pages, self.block_size, heads, row_width(cfg.head_dim, dtype))
         shared_file = None
         if shared and device.type == "cpu":
             shared_file = create_shared_kv(cfg.num_layers, shape, dtype)

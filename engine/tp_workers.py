@@ -70,12 +70,14 @@ class RankWorkers:
     def pids(self) -> list[int]:
         return [proc.pid for proc in self.procs]
 
-    def allocate(self, num_pages: int, max_model_len: int) -> list[str | None]:
-        """Every other rank allocates its KV pages (its KV heads) and its rotary table; returns
-        the memory file each rank's pages are in (None where it cannot share them)."""
+    def allocate(
+        self, num_pages: int, max_model_len: int, kv_dtype: torch.dtype
+    ) -> list[str | None]:
+        """Every other rank allocates its KV pages (its KV heads, in `kv_dtype`) and its rotary
+        table; returns the memory file each rank's pages are in (None where it cannot share)."""
         with contextlib.suppress(OSError):  # a dead rank is reported by `_expect`
             for conn in self.conns:
-                conn.send(("kv", num_pages, max_model_len))
+                conn.send(("kv", num_pages, max_model_len, kv_dtype))
         return self._expect(READY, "loading the model")
 
     def guard(self, step, *args):
@@ -202,9 +204,10 @@ def rank_main(fd: int) -> None:
         group = connect(rank, size, store, device)
         cfg = load_model_config(model_dir)
         runner = ModelRunner(Path(model_dir), cfg, block_size, dtype, device, group)
-        _, num_pages, max_model_len = conn.recv()
+        _, num_pages, max_model_len, kv_dtype = conn.recv()
         # In a memory file rank 0 maps: it reads and writes these pages itself (kv_shards.py).
-        conn.send((READY, runner.allocate_pages(num_pages, max_model_len, shared=True)))
+        pages = runner.allocate_pages(num_pages, max_model_len, shared=True, kv_dtype=kv_dtype)
+        conn.send((READY, pages))
         while conn.recv() == STEP:
             runner.follow()
     except EOFError:  # rank 0's process is gone

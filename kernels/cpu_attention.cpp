@@ -13,7 +13,10 @@
 //
 // Layouts (DESIGN.md, "KV layout"): a cache is [num_pages, block_size, kv_heads, head_dim];
 // query and out are [num_seqs, q_heads, head_dim], contiguous; block tables
-// [num_seqs, table_width] int32; seq_lens [num_seqs] int32.
+// [num_seqs, table_width] int32; seq_lens [num_seqs] int32. A quantized cache (kv_quant.py:
+// int8, fp8 e4m3 / e5m2) has rows of head_dim + 2: the values, then the row's fp16 scale,
+// which multiplies the key's dot products and the value's weight. The same 64 sequences, hot,
+// one thread, Zen 5 (8 queries on 4 KV heads of 64): bf16 1.37 ms, int8 1.20, e4m3 1.24.
 
 #include <type_traits>
 #include <vector>
@@ -43,6 +46,7 @@ inline void widen(const T* row, int64_t n, float* out) {
 struct Shape {
   int64_t num_seqs, q_heads, kv_heads, head_dim, block_size, table_width;
   float scale;
+  int64_t row;  // elements of a head's row in the cache: head_dim, + 2 for a quantized one's scale
 };
 
 // Each of `rows` rows of `len` scores becomes its softmax, in place.
@@ -65,24 +69,38 @@ inline void softmax_rows(float* scores, int64_t rows, int64_t len) {
 constexpr int64_t kAhead = 8;  // tokens ahead to prefetch: pages are scattered in memory
 
 // One cached token's row of every KV head, in place in its page.
-template <typename T>
-inline const T* token_row(const T* cache, const int32_t* table, int64_t t, const Shape& s) {
+template <typename C>
+inline const C* token_row(const C* cache, const int32_t* table, int64_t t, const Shape& s) {
   const int64_t page = table[t / s.block_size], offset = t % s.block_size;
-  return cache + (page * s.block_size + offset) * s.kv_heads * s.head_dim;
+  return cache + (page * s.block_size + offset) * s.kv_heads * s.row;
+}
+
+// A token's row of every KV head as fp32 values, each head's scaled when the cache is quantized.
+template <typename C>
+inline void widen_token(const C* token, const Shape& s, float* out) {
+  for (int64_t h = 0; h < s.kv_heads; ++h) {
+    const C* head = token + h * s.row;
+    float* values = out + h * s.head_dim;
+    widen(head, s.head_dim, values);
+    if constexpr (kScaled<C>) {
+      const float scale = row_scale(head, s.head_dim);
+      for (int64_t d = 0; d < s.head_dim; ++d) values[d] *= scale;
+    }
+  }
 }
 
 // One sequence: each query head against the `len` cached tokens of its KV head. Tokens are
 // read in order, a row of all KV heads at a time (contiguous within a page), K then V once.
-template <typename T>
-void attend(const T* query, const T* k_cache, const T* v_cache, const int32_t* table,
+template <typename T, typename C>
+void attend(const T* query, const C* k_cache, const C* v_cache, const int32_t* table,
             int64_t len, const Shape& s, T* out) {
   const int64_t group = s.q_heads / s.kv_heads, dim = s.head_dim;
   std::vector<float> q(s.q_heads * dim), acc(s.q_heads * dim, 0.0f), scores(s.q_heads * len);
   for (int64_t i = 0; i < s.q_heads * dim; ++i) q[i] = load(query, i) * s.scale;
   std::vector<float> row(s.kv_heads * dim);  // a token's K or V, widened once for its group
   for (int64_t t = 0; t < len; ++t) {
-    if (t + kAhead < len) prefetch(token_row(k_cache, table, t + kAhead, s), s.kv_heads * dim);
-    widen(token_row(k_cache, table, t, s), s.kv_heads * dim, row.data());
+    if (t + kAhead < len) prefetch(token_row(k_cache, table, t + kAhead, s), s.kv_heads * s.row);
+    widen_token(token_row(k_cache, table, t, s), s, row.data());
     for (int64_t h = 0; h < s.q_heads; ++h) {
       const float* key = row.data() + (h / group) * dim;
       const float* qh = q.data() + h * dim;
@@ -94,8 +112,8 @@ void attend(const T* query, const T* k_cache, const T* v_cache, const int32_t* t
   }
   softmax_rows(scores.data(), s.q_heads, len);
   for (int64_t t = 0; t < len; ++t) {
-    if (t + kAhead < len) prefetch(token_row(v_cache, table, t + kAhead, s), s.kv_heads * dim);
-    widen(token_row(v_cache, table, t, s), s.kv_heads * dim, row.data());
+    if (t + kAhead < len) prefetch(token_row(v_cache, table, t + kAhead, s), s.kv_heads * s.row);
+    widen_token(token_row(v_cache, table, t, s), s, row.data());
     for (int64_t h = 0; h < s.q_heads; ++h) {
       const float* value = row.data() + (h / group) * dim;
       const float p = scores[h * len + t];
@@ -112,8 +130,8 @@ void attend(const T* query, const T* k_cache, const T* v_cache, const int32_t* t
 // queries and accumulators stay in registers, kLanes tokens a tile (16 on AVX-512, 8 on AVX2).
 
 // A head's row of NV vectors, widened to fp32.
-template <int NV, typename T>
-inline void load_row(const T* row, vfloat* out) {
+template <int NV, typename C>
+inline void load_row(const C* row, vfloat* out) {
 #pragma GCC unroll 16
   for (int c = 0; c < NV; ++c) out[c] = vload(row + c * kLanes);
 }
@@ -171,38 +189,47 @@ struct Stream {
 // past its end, of `then` in `then_table` (the pass after it).
 // (Forced inline: gcc left it a call inside score_tile's unrolled loops, spilling the
 // registers around it, which lost all of the gain.)
-template <typename T, int D>
+template <typename C, int D>
 __attribute__((always_inline)) inline void prefetch_ahead(
-    const T* cache, const int32_t* table, int64_t len, const T* then, const int32_t* then_table,
+    const C* cache, const int32_t* table, int64_t len, const C* then, const int32_t* then_table,
     int64_t then_len, int64_t t, int64_t h, const Shape& s) {
   const int64_t ahead = t + kStreamAhead;
   if (ahead < len)
-    prefetch(token_row(cache, table, ahead, s) + h * D, D);
+    prefetch(token_row(cache, table, ahead, s) + h * s.row, D);
   else if (ahead - len < then_len)
-    prefetch(token_row(then, then_table, ahead - len, s) + h * D, D);
+    prefetch(token_row(then, then_table, ahead - len, s) + h * s.row, D);
 }
 
-// Whether a bf16 cache's scores take `vdpbf16ps` (AVX-512 BF16): it multiplies pairs of bf16
-// values exactly and sums them in fp32, so the keys need no widening (the query stays bf16,
-// unscaled; the scale is applied to the sums).
-template <typename T>
+// Whether a bf16 query's scores (T: the query's type, C: the cache's) take `vdpbf16ps`
+// (AVX-512 BF16): it multiplies pairs of bf16 values exactly and sums them in fp32, so a bf16
+// cache's keys need no widening (the query stays bf16, unscaled; the scale is applied to the
+// sums). A quantized cache's values are exact in bf16 too (8-bit integers, fp8's 3-4
+// significant bits): widened to fp32 and packed two vectors into one, they take it as well,
+// half the multiplies of fp32 FMAs (their scales applied to the sums).
+template <typename T, typename C>
 constexpr bool kBf16Dots =
 #if HALFMOON_VEC == 512 && defined(__AVX512BF16__)
-    std::is_same_v<T, uint16_t>;
+    std::is_same_v<T, uint16_t> && (std::is_same_v<C, uint16_t> || kScaled<C>);
 #else
     false;
 #endif
 
 // The G queries' dot products with one token's key row `key` (D values), into dots[j].
-template <typename T, int D, int G>
+template <typename T, typename C, int D, int G>
 __attribute__((always_inline)) inline void token_dots(const float* q, const uint16_t* qb,
-                                                      const T* key, vfloat* dots) {
+                                                      const C* key, vfloat* dots) {
 #if HALFMOON_VEC == 512 && defined(__AVX512BF16__)
-  if constexpr (kBf16Dots<T>) {
+  if constexpr (kBf16Dots<T, C>) {
     constexpr int NP = D / (2 * kLanes);  // 32 bf16 values a vector
     __m512bh k[NP];
 #pragma GCC unroll 4
-    for (int c = 0; c < NP; ++c) k[c] = (__m512bh)_mm512_loadu_si512(key + c * 2 * kLanes);
+    for (int c = 0; c < NP; ++c) {
+      if constexpr (kScaled<C>)  // (high half, low half): the values in their order
+        k[c] = _mm512_cvtne2ps_pbh(vload(key + c * 2 * kLanes + kLanes),
+                                   vload(key + c * 2 * kLanes));
+      else
+        k[c] = (__m512bh)_mm512_loadu_si512(key + c * 2 * kLanes);
+    }
 #pragma GCC unroll 8
     for (int j = 0; j < G; ++j) {
       __m512 dot = _mm512_setzero_ps();
@@ -229,15 +256,17 @@ __attribute__((always_inline)) inline void token_dots(const float* q, const uint
 
 // Scores of the G queries against `n` <= kLanes tokens from `t0` of KV head `h`; query j's land
 // in scores[j * len + t0 ...]. The queries are `q` ([G][D], fp32, pre-scaled), or with
-// kBf16Dots `qb` (the same rows in bf16, unscaled).
-template <typename T, int D, int G>
-inline void score_tile(const float* q, const uint16_t* qb, const T* k_cache, const T* v_cache,
+// kBf16Dots `qb` (the same rows in bf16, unscaled). A quantized cache's key scales multiply
+// the sums.
+template <typename T, typename C, int D, int G>
+inline void score_tile(const float* q, const uint16_t* qb, const C* k_cache, const C* v_cache,
                        const Stream& at, int64_t t0, int n, int64_t h, const Shape& s,
                        float* scores) {
   const int32_t* table = at.table;
   const int64_t len = at.len;
   constexpr int NQ = kLanes / 4;  // quads of tokens in a tile
   vfloat quads[G][NQ];
+  alignas(64) float key_scales[kLanes];
 #pragma GCC unroll 4
   for (int m = 0; m < NQ; ++m) {
     vfloat pairs[G][2];
@@ -247,8 +276,11 @@ inline void score_tile(const float* q, const uint16_t* qb, const T* k_cache, con
 #pragma GCC unroll 2
       for (int r = 0; r < 2; ++r) {
         const int64_t t = t0 + std::min(4 * m + 2 * p + r, n - 1);  // past n: not stored below
-        prefetch_ahead<T, D>(k_cache, table, len, v_cache, table, len, t, h, s);
-        token_dots<T, D, G>(q, qb, token_row(k_cache, table, t, s) + h * D, dots[r]);
+        prefetch_ahead<C, D>(k_cache, table, len, v_cache, table, len, t, h, s);
+        const C* key = token_row(k_cache, table, t, s) + h * s.row;
+        if constexpr (kScaled<C>)
+          key_scales[4 * m + 2 * p + r] = row_scale(key, D) * kVectorUnit<C>;
+        token_dots<T, C, D, G>(q, qb, key, dots[r]);
       }
 #pragma GCC unroll 8
       for (int j = 0; j < G; ++j) pairs[j][p] = pair_sums(dots[0][j], dots[1][j]);
@@ -259,16 +291,18 @@ inline void score_tile(const float* q, const uint16_t* qb, const T* k_cache, con
 #pragma GCC unroll 8
   for (int j = 0; j < G; ++j) {
     vfloat sums = token_sums(quads[j]);
-    if constexpr (kBf16Dots<T>) sums = vmul(sums, vset(s.scale));
+    if constexpr (kBf16Dots<T, C>) sums = vmul(sums, vset(s.scale));
+    if constexpr (kScaled<C>) sums = vmul(sums, vload(key_scales));
     vstore_first(scores + j * len + t0, sums, n);
   }
 }
 
 // Prefetches the rows of KV heads [h0, h1) of the tokens in [t0, t1).
-template <typename T, int D>
-inline void prefetch_tile(const T* cache, const int32_t* table, int64_t t0, int64_t t1,
+template <typename C>
+inline void prefetch_tile(const C* cache, const int32_t* table, int64_t t0, int64_t t1,
                           int64_t h0, int64_t h1, const Shape& s) {
-  for (int64_t t = t0; t < t1; ++t) prefetch(token_row(cache, table, t, s) + h0 * D, (h1 - h0) * D);
+  for (int64_t t = t0; t < t1; ++t)
+    prefetch(token_row(cache, table, t, s) + h0 * s.row, (h1 - h0) * s.row);
 }
 
 // Vectors of a head's row the V pass sums at a time: the whole row where the group's sums fit
@@ -283,9 +317,10 @@ constexpr int value_chunk() {
 }
 
 // The tile's tokens [t0, t1) of KV head h: their V rows weighted by the G queries' scores,
-// summed into acc ([G][D]), `CV` vectors of each row at a time.
-template <typename T, int D, int G>
-inline void value_tile(const T* k_cache, const T* v_cache, const Stream& at, int64_t t0,
+// summed into acc ([G][D]), `CV` vectors of each row at a time (a quantized row's scale
+// folded into its weights).
+template <typename C, int D, int G>
+inline void value_tile(const C* k_cache, const C* v_cache, const Stream& at, int64_t t0,
                        int64_t t1, int64_t h, const Shape& s, const float* scores, float* acc) {
   constexpr int NV = D / kLanes, CV = value_chunk<G, NV>();
   const int64_t len = at.len;
@@ -297,15 +332,19 @@ inline void value_tile(const T* k_cache, const T* v_cache, const Stream& at, int
 #pragma GCC unroll 16
       for (int c = 0; c < CV; ++c) sum[j][c] = vload(acc + j * D + (c0 + c) * kLanes);
     for (int64_t t = t0; t < t1; ++t) {
-      const T* value = token_row(v_cache, at.table, t, s) + h * D + c0 * kLanes;
+      const C* head = token_row(v_cache, at.table, t, s) + h * s.row;
+      const C* value = head + c0 * kLanes;
       if (c0 == 0)
-        prefetch_ahead<T, D>(v_cache, at.table, len, k_cache, at.next_table, at.next_len, t, h,
+        prefetch_ahead<C, D>(v_cache, at.table, len, k_cache, at.next_table, at.next_len, t, h,
                              s);
+      float value_scale = 1.0f;
+      if constexpr (kScaled<C>) value_scale = row_scale(head, D) * kVectorUnit<C>;
       vfloat v[CV];
       load_row<CV>(value, v);
 #pragma GCC unroll 8
       for (int j = 0; j < G; ++j) {
-        const vfloat weight = vset(scores[j * len + t]);
+        const vfloat weight = vset(kScaled<C> ? scores[j * len + t] * value_scale
+                                              : scores[j * len + t]);
 #pragma GCC unroll 16
         for (int c = 0; c < CV; ++c) sum[j][c] = vfmadd(weight, v[c], sum[j][c]);
       }
@@ -321,22 +360,22 @@ inline void value_tile(const T* k_cache, const T* v_cache, const Stream& at, int
 // kLanes tokens at a time, each tile's rows (contiguous within a page) read for every head.
 // `q` holds (h1 - h0) * G * D floats (`qb` as many bf16 values), `scores` (h1 - h0) * G * len,
 // `acc` (h1 - h0) * G * D.
-template <typename T, int D, int G>
-void attend_heads(const T* query, const T* k_cache, const T* v_cache, const Stream& at,
+template <typename T, typename C, int D, int G>
+void attend_heads(const T* query, const C* k_cache, const C* v_cache, const Stream& at,
                   int64_t h0, int64_t h1, const Shape& s, float* q, uint16_t* qb, float* scores,
                   float* acc, T* out) {
   const int32_t* table = at.table;
   const int64_t len = at.len, rows = (h1 - h0) * G;
-  if constexpr (kBf16Dots<T>)
+  if constexpr (kBf16Dots<T, C>)
     std::copy(query + h0 * G * D, query + (h0 * G + rows) * D, qb);
   else
     for (int64_t i = 0; i < rows * D; ++i) q[i] = load(query + h0 * G * D, i) * s.scale;
-  prefetch_tile<T, D>(k_cache, table, 0, std::min(kStreamAhead, len), h0, h1, s);
+  prefetch_tile(k_cache, table, 0, std::min(kStreamAhead, len), h0, h1, s);
   for (int64_t t0 = 0; t0 < len; t0 += kLanes) {
     const int64_t t1 = std::min<int64_t>(t0 + kLanes, len);
     for (int64_t h = h0; h < h1; ++h) {
       const int64_t r = (h - h0) * G;
-      score_tile<T, D, G>(q + r * D, qb + r * D, k_cache, v_cache, at, t0, int(t1 - t0), h, s,
+      score_tile<T, C, D, G>(q + r * D, qb + r * D, k_cache, v_cache, at, t0, int(t1 - t0), h, s,
                           scores + r * len);
     }
   }
@@ -346,7 +385,7 @@ void attend_heads(const T* query, const T* k_cache, const T* v_cache, const Stre
     const int64_t t1 = std::min<int64_t>(t0 + kLanes, len);
     for (int64_t h = h0; h < h1; ++h) {
       const int64_t r = (h - h0) * G;
-      value_tile<T, D, G>(k_cache, v_cache, at, t0, t1, h, s, scores + r * len, acc + r * D);
+      value_tile<C, D, G>(k_cache, v_cache, at, t0, t1, h, s, scores + r * len, acc + r * D);
     }
   }
   for (int64_t i = 0; i < rows * D; ++i) store(out + h0 * G * D, i, acc[i]);
@@ -354,8 +393,8 @@ void attend_heads(const T* query, const T* k_cache, const T* v_cache, const Stre
 
 // Sequences are the unit of work, split by KV heads when there are too few of them to keep
 // every thread busy (a lone long sequence at light load).
-template <typename T, int D, int G>
-void decode_fixed(const T* query, const T* k_cache, const T* v_cache, const int32_t* tables,
+template <typename T, typename C, int D, int G>
+void decode_fixed(const T* query, const C* k_cache, const C* v_cache, const int32_t* tables,
                   const int32_t* seq_lens, const Shape& s, int num_threads, T* out) {
   const int64_t row = s.q_heads * D;
   const int64_t parts = s.num_seqs >= 2 * num_threads ? 1 : s.kv_heads;
@@ -372,28 +411,32 @@ void decode_fixed(const T* query, const T* k_cache, const T* v_cache, const int3
       const Stream at{tables + seq * s.table_width, seq_lens[seq],
                       next ? tables + (seq + 1) * s.table_width : nullptr,
                       next ? seq_lens[seq + 1] : 0};
-      attend_heads<T, D, G>(query + seq * row, k_cache, v_cache, at, h0, h0 + heads, s, q.data(),
+      attend_heads<T, C, D, G>(query + seq * row, k_cache, v_cache, at, h0, h0 + heads, s, q.data(),
                             qb.data(), scores.data(), acc.data(), out + seq * row);
     }
   }
 }
 #endif  // HALFMOON_VEC
 
-template <typename T>
+template <typename T, typename C>
 void decode(const void* query_, const void* k_cache_, const void* v_cache_,
             const int32_t* tables, const int32_t* seq_lens, const Shape& s, int num_threads,
             void* out_) {
-  const T *query = static_cast<const T*>(query_), *k_cache = static_cast<const T*>(k_cache_),
-          *v_cache = static_cast<const T*>(v_cache_);
+  const T* query = static_cast<const T*>(query_);
+  const C *k_cache = static_cast<const C*>(k_cache_), *v_cache = static_cast<const C*>(v_cache_);
   T* out = static_cast<T*>(out_);
 #if defined(HALFMOON_VEC)
-  const int64_t group = s.q_heads / s.kv_heads;
+  // e5m2 (the 8-bit format least worth serving: 2 mantissa bits) keeps to the plain loops:
+  // each format on the vector path costs the build its instantiations (~5 s a variant).
+  if constexpr (!std::is_same_v<C, fp8_e5m2>) {
+    const int64_t group = s.q_heads / s.kv_heads;
 #define HALFMOON_FIXED(D, G)                                                                   \
   if (s.head_dim == D && group == G)                                                           \
-    return decode_fixed<T, D, G>(query, k_cache, v_cache, tables, seq_lens, s, num_threads, out);
-  HALFMOON_FIXED(64, 1) HALFMOON_FIXED(64, 2) HALFMOON_FIXED(64, 4) HALFMOON_FIXED(64, 8)
-  HALFMOON_FIXED(128, 1) HALFMOON_FIXED(128, 2) HALFMOON_FIXED(128, 4) HALFMOON_FIXED(128, 8)
+    return decode_fixed<T, C, D, G>(query, k_cache, v_cache, tables, seq_lens, s, num_threads, out);
+    HALFMOON_FIXED(64, 1) HALFMOON_FIXED(64, 2) HALFMOON_FIXED(64, 4) HALFMOON_FIXED(64, 8)
+    HALFMOON_FIXED(128, 1) HALFMOON_FIXED(128, 2) HALFMOON_FIXED(128, 4) HALFMOON_FIXED(128, 8)
 #undef HALFMOON_FIXED
+  }
 #endif
   const int64_t row = s.q_heads * s.head_dim;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
@@ -407,16 +450,29 @@ void decode(const void* query_, const void* k_cache_, const void* v_cache_,
 
 extern "C" {
 
-// dtype: 0 float32, 1 bfloat16 (query, caches and out alike). Every sequence has len >= 1.
+// dtype: 0 float32, 1 bfloat16 (query and out alike). kv_format: 0 the caches in that dtype
+// too, 1 int8, 2 fp8 e4m3, 3 fp8 e5m2 (rows of head_dim values and an fp16 scale, `row`
+// elements apart: kernels/kv_quant.py). Every sequence has len >= 1.
 void paged_decode_attention(const void* query, const void* k_cache, const void* v_cache,
                             const int32_t* tables, const int32_t* seq_lens, int64_t num_seqs,
                             int64_t q_heads, int64_t kv_heads, int64_t head_dim,
                             int64_t block_size, int64_t table_width, float scale, int dtype,
-                            int num_threads, void* out) {
-  const Shape s{num_seqs, q_heads, kv_heads, head_dim, block_size, table_width, scale};
+                            int kv_format, int64_t row, int num_threads, void* out) {
+  const Shape s{num_seqs, q_heads, kv_heads, head_dim, block_size, table_width, scale, row};
+  const auto run = [&](auto query_type) {
+    using T = decltype(query_type);
+    if (kv_format == 1)
+      decode<T, int8_t>(query, k_cache, v_cache, tables, seq_lens, s, num_threads, out);
+    else if (kv_format == 2)
+      decode<T, fp8_e4m3>(query, k_cache, v_cache, tables, seq_lens, s, num_threads, out);
+    else if (kv_format == 3)
+      decode<T, fp8_e5m2>(query, k_cache, v_cache, tables, seq_lens, s, num_threads, out);
+    else
+      decode<T, T>(query, k_cache, v_cache, tables, seq_lens, s, num_threads, out);
+  };
   if (dtype == 1)
-    decode<uint16_t>(query, k_cache, v_cache, tables, seq_lens, s, num_threads, out);
+    run(uint16_t{});
   else
-    decode<float>(query, k_cache, v_cache, tables, seq_lens, s, num_threads, out);
+    run(float{});
 }
 }

@@ -12,8 +12,11 @@ import ctypes
 import torch
 
 from halfmoon.kernels import cpu_build
+from halfmoon.kernels.kv_quant import head_dim_of
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+# A quantized cache's format code (kv_quant.py); 0: the cache is in the query's dtype.
+KV_FORMATS = {torch.int8: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
 
 
 def available() -> bool:
@@ -22,11 +25,15 @@ def available() -> bool:
 
 
 def supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether this kernel serves these tensors: CPU, one dtype it knows, contiguous caches."""
+    """Whether this kernel serves these tensors: CPU, one dtype it knows (or caches quantized
+    in a format it knows, with their scales), contiguous caches."""
+    kv_dtype = query.dtype if k_cache.dtype in DTYPES else k_cache.dtype
     return (
         query.device.type == "cpu"
         and query.dtype in DTYPES
-        and k_cache.dtype == v_cache.dtype == query.dtype
+        and k_cache.dtype == v_cache.dtype == kv_dtype
+        and (kv_dtype == query.dtype or kv_dtype in KV_FORMATS)
+        and head_dim_of(k_cache) == query.shape[-1]
         and k_cache.is_contiguous()
         and v_cache.is_contiguous()
         and available()
@@ -48,17 +55,18 @@ def paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scal
         return out
     inputs = cpu_build.pointers(query, k_cache, v_cache, tables, lens)
     sizes = (num_seqs, q_heads, kv_heads, head_dim, block_size, tables.shape[1])
-    run = (scale, DTYPES[query.dtype], torch.get_num_threads())
+    kv_format = KV_FORMATS.get(k_cache.dtype, 0)
+    run = (scale, DTYPES[query.dtype], kv_format, k_cache.shape[-1], torch.get_num_threads())
     LIBRARY.get().paged_decode_attention(*inputs, *sizes, *run, out.data_ptr())
     return out
 
 
-_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+_i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 LIBRARY = cpu_build.Library(
     "cpu_attention.cpp",
     {
         "paged_decode_attention": (
-            [_ptr] * 5 + [_i64] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int, _ptr],
+            [_ptr] * 5 + [_i64] * 6 + [ctypes.c_float, _i32, _i32, _i64, _i32, _ptr],
             None,
         )
     },

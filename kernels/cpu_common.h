@@ -3,9 +3,11 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace halfmoon {
 
@@ -30,6 +32,69 @@ inline void store(uint16_t* row, int64_t i, float value) { row[i] = float_to_bf1
 // A value rounded to T's precision, as torch rounds every op's result in T.
 inline float round_as(const float*, float value) { return value; }
 inline float round_as(const uint16_t*, float value) { return bf16_to_float(float_to_bf16(value)); }
+
+// A quantized KV cache's rows (kernels/kv_quant.py): `head_dim` 8-bit values, then the row's
+// scale in fp16. int8_t rows hold int8 values; these two tags the bytes of the fp8 formats.
+struct fp8_e4m3 {
+  uint8_t bits;
+};
+struct fp8_e5m2 {
+  uint8_t bits;
+};
+
+inline float half_to_float(uint16_t bits) {
+  const uint32_t exponent = (bits >> 10) & 0x1F, mantissa = bits & 0x3FF;
+  float value;
+  if (exponent == 0) {
+    value = std::ldexp(static_cast<float>(mantissa), -24);  // zero or subnormal
+  } else if (exponent == 31) {
+    value = mantissa ? NAN : INFINITY;
+  } else {
+    const uint32_t word = ((exponent + 112) << 23) | (mantissa << 13);
+    std::memcpy(&value, &word, sizeof(value));
+  }
+  return bits & 0x8000 ? -value : value;
+}
+
+// Every value of an fp8 format, once (a row is read a value at a time only off the vector path).
+template <typename F>
+inline const float* fp8_table() {
+  static const auto table = [] {
+    std::array<float, 256> values{};
+    for (int b = 0; b < 256; ++b) {
+      const bool e4m3 = std::is_same_v<F, fp8_e4m3>;
+      const int mantissa_bits = e4m3 ? 3 : 2, bias = e4m3 ? 7 : 15;
+      const int exponent = (b & 0x7F) >> mantissa_bits, mantissa = b & ((1 << mantissa_bits) - 1);
+      const float magnitude =
+          exponent == 0 ? std::ldexp(float(mantissa), 1 - bias - mantissa_bits)
+                        : std::ldexp(float(mantissa + (1 << mantissa_bits)),
+                                     exponent - bias - mantissa_bits);
+      values[b] = b & 0x80 ? -magnitude : magnitude;
+    }
+    return values;
+  }();
+  return table.data();
+}
+
+inline float load(const int8_t* row, int64_t i) { return row[i]; }
+inline float load(const fp8_e4m3* row, int64_t i) { return fp8_table<fp8_e4m3>()[row[i].bits]; }
+inline float load(const fp8_e5m2* row, int64_t i) { return fp8_table<fp8_e5m2>()[row[i].bits]; }
+
+// Whether rows of C carry a scale after their values, and that scale (after `dim` values).
+template <typename C>
+constexpr bool kScaled = std::is_same_v<C, int8_t> || std::is_same_v<C, fp8_e4m3> ||
+                         std::is_same_v<C, fp8_e5m2>;
+// What a vector load of C (cpu_vector.h) leaves out of its values: e4m3's are read 2^8 too
+// small. The plain loads above are exact.
+template <typename C>
+constexpr float kVectorUnit = std::is_same_v<C, fp8_e4m3> ? 256.0f : 1.0f;
+
+template <typename C>
+inline float row_scale(const C* row, int64_t dim) {
+  uint16_t bits;
+  std::memcpy(&bits, reinterpret_cast<const char*>(row + dim), sizeof(bits));
+  return half_to_float(bits);
+}
 
 // e^x: 2^k * 2^f with f in [-0.5, 0.5] by a degree-6 polynomial (relative error ~2e-7);
 // x clamped to [kExpMin, kExpMax], where e^x is a normal float. cpu_vector.h's vexp is the

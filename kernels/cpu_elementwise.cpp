@@ -5,6 +5,7 @@
 // Built and loaded by cpu_build.py, called by cpu_elementwise.py; dtype 0 is float32, 1 bf16.
 
 #include "cpu_common.h"
+#include "cpu_quant.h"
 #include "cpu_vector.h"
 
 namespace {
@@ -140,6 +141,40 @@ void store_rows(const T* src, int64_t src_stride, const int64_t* slots, int64_t 
   }
 }
 
+// Each row of `heads` x `dim` values of the tokens with a slot, quantized (cpu_quant.h) into a
+// cache of rows of `dim` codes and a 2-byte scale.
+template <typename C, typename T>
+void store_quantized(const T* src, int64_t src_stride, const int64_t* slots, int64_t tokens,
+                     int64_t heads, int64_t dim, int num_threads, uint8_t* cache) {
+  const int64_t width = dim + 2;
+#pragma omp parallel for num_threads(num_threads) if (tokens >= kParallelRows)
+  for (int64_t n = 0; n < tokens; ++n) {
+    if (slots[n] < 0) continue;
+    for (int64_t h = 0; h < heads; ++h)
+      quantize_row<C>(src + n * src_stride + h * dim, dim, cache + (slots[n] * heads + h) * width);
+  }
+}
+
+template <typename T>
+void store_quantized_kv(const void* key, const void* value, int64_t key_stride,
+                        int64_t value_stride, const int64_t* slots, int64_t tokens, int64_t heads,
+                        int64_t dim, int kv_format, int num_threads, void* k_cache,
+                        void* v_cache) {
+  const auto run = [&](auto code) {
+    using C = decltype(code);
+    store_quantized<C>(static_cast<const T*>(key), key_stride, slots, tokens, heads, dim,
+                       num_threads, static_cast<uint8_t*>(k_cache));
+    store_quantized<C>(static_cast<const T*>(value), value_stride, slots, tokens, heads, dim,
+                       num_threads, static_cast<uint8_t*>(v_cache));
+  };
+  if (kv_format == 1)
+    run(int8_t{});
+  else if (kv_format == 2)
+    run(fp8_e4m3{});
+  else
+    run(fp8_e5m2{});
+}
+
 }  // namespace
 
 extern "C" {
@@ -191,5 +226,19 @@ void store_kv(const void* key, const void* value, int64_t key_stride, int64_t va
     store_rows(static_cast<const float*>(value), value_stride, slots, tokens, row, num_threads,
                static_cast<float*>(v_cache));
   }
+}
+
+// The KV write into a quantized cache (kernels/kv_quant.py): kv_format 1 int8, 2 fp8 e4m3,
+// 3 fp8 e5m2; key and value rows of `heads` x `dim` in `dtype` (0 fp32, 1 bf16).
+void store_kv_quantized(const void* key, const void* value, int64_t key_stride,
+                        int64_t value_stride, const int64_t* slots, int64_t tokens, int64_t heads,
+                        int64_t dim, int dtype, int kv_format, int num_threads, void* k_cache,
+                        void* v_cache) {
+  if (dtype == 1)
+    store_quantized_kv<uint16_t>(key, value, key_stride, value_stride, slots, tokens, heads, dim,
+                                 kv_format, num_threads, k_cache, v_cache);
+  else
+    store_quantized_kv<float>(key, value, key_stride, value_stride, slots, tokens, heads, dim,
+                              kv_format, num_threads, k_cache, v_cache);
 }
 }

@@ -3,6 +3,8 @@ embedding, SwiGLU and the KV write, each one pass where the torch references tak
 
 Each takes its reference's arguments and falls back to it for a layout or dtype the kernel
 does not cover (a tensor not dense where the kernel needs it, a dtype other than fp32 or bf16).
+The KV write into an 8-bit cache (kv_quant.py) quantizes each row as the reference does, bit
+for bit (`cpu_quant.h`).
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ import ctypes
 import torch
 
 from halfmoon.kernels import cpu_build, reference
+from halfmoon.kernels.cpu_attention import KV_FORMATS
 from halfmoon.kernels.cpu_build import pointers
+from halfmoon.kernels.kv_quant import is_quantized
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -62,6 +66,9 @@ def silu_and_mul(x):
 
 def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
     """`reference.store_kv`: row `key[i]`, `value[i]` to slot `slot_mapping[i]`; -1 skips."""
+    if is_quantized(k_cache):
+        _store_quantized(key, value, k_cache, v_cache, slot_mapping)
+        return
     dense = _heads_dense(key) and _heads_dense(value) and _dense(k_cache, v_cache)
     if not (dense and _one_dtype(key, value, k_cache, v_cache)):
         reference.store_kv(key, value, k_cache, v_cache, slot_mapping)
@@ -72,6 +79,25 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
     inputs, caches = pointers(key, value), pointers(k_cache, v_cache)
     kernel = LIBRARY.get().store_kv
     kernel(*inputs, *strides, slots.data_ptr(), *rows, *_dtype_and_threads(key), *caches)
+
+
+def _store_quantized(key, value, k_cache, v_cache, slot_mapping) -> None:
+    """The KV write into a quantized cache: each row quantized as `kv_quant.quantize` does,
+    bit for bit, in one pass."""
+    rows_ok = _heads_dense(key) and _heads_dense(value) and _one_dtype(key, value)
+    caches_ok = (
+        k_cache.dtype == v_cache.dtype and k_cache.is_contiguous() and v_cache.is_contiguous()
+    )
+    if not (rows_ok and caches_ok and k_cache.device.type == "cpu"):
+        reference.store_kv(key, value, k_cache, v_cache, slot_mapping)
+        return
+    slots = slot_mapping.to(torch.int64).contiguous()
+    strides = (key.stride(0), value.stride(0))
+    sizes = (key.shape[0], key.shape[1], key.shape[2])  # tokens, heads, head size
+    kv_format = KV_FORMATS[k_cache.dtype]
+    run = (DTYPES[key.dtype], kv_format, torch.get_num_threads())
+    inputs, caches = pointers(key, value), pointers(k_cache, v_cache)
+    LIBRARY.get().store_kv_quantized(*inputs, *strides, slots.data_ptr(), *sizes, *run, *caches)
 
 
 def _dtype_and_threads(x: torch.Tensor) -> tuple[int, int]:
@@ -119,5 +145,9 @@ LIBRARY = cpu_build.Library(
         "rotary_embedding": ([_ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _i32, _i32], None),
         "silu_and_mul": ([_ptr, _i64, _i64, _i32, _i32, _ptr], None),
         "store_kv": ([_ptr, _ptr, _i64, _i64, _ptr, _i64, _i64, _i32, _i32, _ptr, _ptr], None),
+        "store_kv_quantized": (
+            [_ptr, _ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _i32, _i32, _i32, _ptr, _ptr],
+            None,
+        ),
     },
 )

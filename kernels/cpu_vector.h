@@ -32,6 +32,24 @@ inline vfloat from_bf16(__m256i half) {  // bf16 -> fp32: the bits shifted up by
 inline vfloat vload(const uint16_t* row) {
   return from_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)));
 }
+// 8-bit KV values (cpu_common.h), 16 a vector: int8 widened; an fp8 byte placed in an fp16's
+// bits and converted. e5m2 is an fp16's top byte; e4m3's byte, sign-extended and shifted 7
+// bits up with the shifted sign bit cleared, puts its exponent and mantissa where an fp16's
+// low exponent bits and mantissa are: read 2^8 too small (kVectorUnit), which the kernels fold
+// into the row's scale.
+inline vfloat vload(const int8_t* row) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)row)));
+}
+inline __m256i load_bytes16(const void* row) {
+  return _mm256_cvtepu8_epi16(_mm_loadu_si128(static_cast<const __m128i*>(row)));
+}
+inline vfloat vload(const fp8_e5m2* row) {
+  return _mm512_cvtph_ps(_mm256_slli_epi16(load_bytes16(row), 8));
+}
+inline vfloat vload(const fp8_e4m3* row) {
+  const __m256i wide = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)row));
+  return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(wide, 7), _mm256_set1_epi16(0xBF80)));
+}
 inline void vstore(float* row, vfloat v) { _mm512_storeu_ps(row, v); }
 inline vfloat vadd(vfloat a, vfloat b) { return _mm512_add_ps(a, b); }
 inline vfloat vsub(vfloat a, vfloat b) { return _mm512_sub_ps(a, b); }
@@ -86,6 +104,21 @@ inline vfloat from_bf16(__m128i half) {
 }
 inline vfloat vload(const uint16_t* row) {
   return from_bf16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row)));
+}
+// 8-bit KV values, 8 a vector, as on AVX-512 above (F16C converts the fp16s; e4m3 read 2^8 too
+// small).
+inline vfloat vload(const int8_t* row) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)row)));
+}
+inline __m128i load_bytes8(const void* row) {
+  return _mm_cvtepu8_epi16(_mm_loadl_epi64(static_cast<const __m128i*>(row)));
+}
+inline vfloat vload(const fp8_e5m2* row) {
+  return _mm256_cvtph_ps(_mm_slli_epi16(load_bytes8(row), 8));
+}
+inline vfloat vload(const fp8_e4m3* row) {
+  const __m128i wide = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i*)row));
+  return _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(wide, 7), _mm_set1_epi16(0xBF80)));
 }
 inline void vstore(float* row, vfloat v) { _mm256_storeu_ps(row, v); }
 inline vfloat vadd(vfloat a, vfloat b) { return _mm256_add_ps(a, b); }

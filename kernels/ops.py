@@ -23,6 +23,7 @@ from types import ModuleType
 import torch
 
 from halfmoon.kernels import cpu_attention, cpu_elementwise, cpu_prefill, reference
+from halfmoon.kernels.kv_quant import as_bytes, is_quantized
 
 BACKEND_ENV = "HALFMOON_KERNELS"
 PREFILL_ENV = "HALFMOON_PREFILL_ATTENTION"
@@ -94,10 +95,13 @@ def causal_attention(query, key, value, run_lens, scale):
 
 
 def gather_pages(cache, page_ids):
-    return backend_for(cache).gather_pages(cache, page_ids)
+    # A quantized cache's pages move as bytes (kv_quant.py): values and scales alike.
+    return backend_for(cache).gather_pages(as_bytes(cache), page_ids).view(cache.dtype)
 
 
 def scatter_pages(cache, page_ids, buffer) -> None:
+    if is_quantized(cache):
+        cache, buffer = as_bytes(cache), as_bytes(buffer.to(cache.dtype))
     backend_for(cache).scatter_pages(cache, page_ids, buffer)
 
 

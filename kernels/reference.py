@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from halfmoon.kernels.kv_quant import as_bytes, dequantize, is_quantized, quantize
+
 
 def store_kv(
     key: torch.Tensor,
@@ -17,11 +19,19 @@ def store_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Write rows `key[i]`, `value[i]` ([N, kv_heads, D]) to slot `slot_mapping[i]`; -1 skips."""
+    """Write rows `key[i]`, `value[i]` ([N, kv_heads, D]) to slot `slot_mapping[i]`; -1 skips.
+    A quantized cache (kv_quant.py) takes each row quantized, with its scale."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = key[keep].to(k_cache.dtype)
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = value[keep].to(v_cache.dtype)
+    for rows, cache in ((key[keep], k_cache), (value[keep], v_cache)):
+        if is_quantized(cache):
+            rows = quantize(rows, cache.dtype)
+        as_bytes(cache).view(-1, *cache.shape[2:])[slots] = as_bytes(rows.to(cache.dtype))
+
+
+def widen(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cached rows as values in `dtype` (dequantized when the cache is quantized)."""
+    return dequantize(rows, dtype) if is_quantized(rows) else rows.to(dtype)
 
 
 # Gathered K (and as much V) per chunk of decoding sequences: within L2, and small enough that
@@ -79,16 +89,17 @@ def _decode_chunk(query, k_cache, v_cache, block_tables, seq_lens, chunk, scale)
         stale = (~valid).flatten().nonzero().squeeze(1)
 
     def gather(cache: torch.Tensor) -> torch.Tensor:  # [S, kv_heads, width, D], a strided view
-        rows = cache.flatten(1).index_select(0, pages).view(num_seqs * width, -1)
+        rows = as_bytes(cache).flatten(1).index_select(0, pages).view(num_seqs * width, -1)
         if stale is not None:  # masked slots may hold anything, and 0 * nan is nan
             rows.index_fill_(0, stale, 0)
-        return rows.view(num_seqs, width, num_kv_heads, head_dim).transpose(1, 2)
+        rows = widen(rows.view(cache.dtype).view(num_seqs, width, num_kv_heads, -1), query.dtype)
+        return rows.transpose(1, 2)
 
     mask = None if valid is None else valid[:, None, None, :]
     attn = F.scaled_dot_product_attention(
         query.view(num_seqs, num_kv_heads, -1, head_dim),
-        gather(k_cache).to(query.dtype),
-        gather(v_cache).to(query.dtype),
+        gather(k_cache),
+        gather(v_cache),
         attn_mask=mask,
         scale=scale,
     )
@@ -114,8 +125,8 @@ def prefill_attention(
         start, end = starts[s], starts[s + 1]
         total = prefix_len + end - start
         pages = block_tables[s, : -(-total // block_size)].long()
-        keys = _context(k_cache, pages, total)
-        values = _context(v_cache, pages, total)
+        keys = widen(_context(k_cache, pages, total), query.dtype)
+        values = widen(_context(v_cache, pages, total), query.dtype)
         q = query[start:end].transpose(0, 1)  # [q_heads, n, D]
         mask = None  # no prefix: plain causal, which skips the blocks above the diagonal
         if prefix_len:
@@ -123,8 +134,8 @@ def prefill_attention(
             mask = torch.arange(total, device=query.device)[None, :] <= q_pos[:, None]
         attn = F.scaled_dot_product_attention(
             q.unsqueeze(0),
-            keys.unsqueeze(0).to(q.dtype),
-            values.unsqueeze(0).to(q.dtype),
+            keys.unsqueeze(0),
+            values.unsqueeze(0),
             attn_mask=mask,
             is_causal=mask is None,
             scale=scale,
@@ -136,7 +147,7 @@ def prefill_attention(
 
 def _context(cache: torch.Tensor, pages: torch.Tensor, total: int) -> torch.Tensor:
     """The first `total` tokens on `pages` as `[kv_heads, total, D]` (a strided view)."""
-    rows = cache.flatten(1).index_select(0, pages)  # one memcpy per page
+    rows = as_bytes(cache).flatten(1).index_select(0, pages).view(cache.dtype)  # a memcpy a page
     return rows.view(-1, *cache.shape[2:])[:total].transpose(0, 1)
 
 
@@ -169,12 +180,12 @@ def causal_attention(
 
 def gather_pages(cache: torch.Tensor, page_ids: torch.Tensor) -> torch.Tensor:
     """Pack the listed pages of one layer's cache into one contiguous `[n, block, H, D]` buffer."""
-    return cache[page_ids.long()].contiguous()
+    return as_bytes(cache)[page_ids.long()].contiguous().view(cache.dtype)
 
 
 def scatter_pages(cache: torch.Tensor, page_ids: torch.Tensor, buffer: torch.Tensor) -> None:
     """Unpack a buffer made by `gather_pages` into the listed pages of one layer's cache."""
-    cache[page_ids.long()] = buffer.to(cache.dtype)
+    as_bytes(cache)[page_ids.long()] = as_bytes(buffer.to(cache.dtype))
 
 
 def rms_norm(

@@ -6,6 +6,9 @@ import torch
 import triton
 import triton.language as tl
 
+from halfmoon.kernels.kv_quant import QMAX
+from halfmoon.kernels.triton_paged import kv_format
+
 COPY_BLOCK = 1024
 
 
@@ -26,8 +29,10 @@ def _store_kv_kernel(
     block_size,
     num_heads,
     head_dim,
+    qmax,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    KV_FORMAT: tl.constexpr,
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
@@ -38,12 +43,67 @@ def _store_kv_kernel(
     if slot >= 0:
         page = slot // block_size
         offset = slot % block_size
-        cache_offsets = page * stride_cp + offset * stride_co + heads * stride_ch + dims
+        head_rows = page * stride_cp + offset * stride_co + tl.arange(0, BLOCK_H) * stride_ch
         row = token.to(tl.int64)
-        key = tl.load(key_ptr + row * stride_kn + heads * stride_kh + dims, mask=mask)
-        value = tl.load(value_ptr + row * stride_vn + heads * stride_vh + dims, mask=mask)
-        tl.store(k_cache_ptr + cache_offsets, key.to(k_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(v_cache_ptr + cache_offsets, value.to(v_cache_ptr.dtype.element_ty), mask=mask)
+        key = tl.load(key_ptr + row * stride_kn + heads * stride_kh + dims, mask=mask, other=0.0)
+        value = tl.load(
+            value_ptr + row * stride_vn + heads * stride_vh + dims, mask=mask, other=0.0
+        )
+        head_mask = tl.arange(0, BLOCK_H) < num_heads
+        store_rows(k_cache_ptr, head_rows, dims, mask, head_mask, key, head_dim, qmax, KV_FORMAT)
+        store_rows(v_cache_ptr, head_rows, dims, mask, head_mask, value, head_dim, qmax, KV_FORMAT)
+
+
+@triton.jit
+def store_rows(cache_ptr, head_rows, dims, mask, head_mask, rows, head_dim, qmax, KV_FORMAT):
+    """One token's rows of every head (`head_rows`: each one's offset) into a cache: as they
+    are, or quantized (kv_quant.py): each row over its largest magnitude / `qmax` (an fp16
+    scale, stored in the 2 bytes after its values) into 8-bit codes of the cache's bytes."""
+    offsets = head_rows[:, None] + dims[None, :]
+    if KV_FORMAT == 0:
+        tl.store(cache_ptr + offsets, rows.to(cache_ptr.dtype.element_ty), mask=mask)
+    else:
+        x = rows.to(tl.float32)
+        amax = tl.max(tl.abs(x), 1)
+        # IEEE divisions (div_rn), as torch divides: a CUDA `/` may be 2 ulp off, and a code
+        # or scale one step off the reference's.
+        scale = tl.div_rn(amax, qmax).to(tl.float16)  # rounded up where it rounded down
+        bits = scale.to(tl.uint16, bitcast=True)
+        bits = tl.where(scale.to(tl.float32) * qmax < amax, bits + 1, bits)
+        scale = tl.where(bits > 0, bits.to(tl.float16, bitcast=True), 1.0).to(tl.float16)
+        scaled = x * tl.div_rn(1.0, scale.to(tl.float32))[:, None]
+        scaled = tl.minimum(tl.maximum(scaled, -qmax), qmax)
+        tl.store(cache_ptr + offsets, quantize(scaled, KV_FORMAT), mask=mask)
+        bits = scale.to(tl.uint16, bitcast=True)
+        tl.store(cache_ptr + head_rows + head_dim, (bits & 0xFF).to(tl.uint8), mask=head_mask)
+        tl.store(cache_ptr + head_rows + head_dim + 1, (bits >> 8).to(tl.uint8), mask=head_mask)
+
+
+@triton.jit
+def quantize(x, KV_FORMAT: tl.constexpr):
+    """fp32 values within the format's range as its 8-bit codes (uint8), rounded to nearest
+    even as torch rounds: int8 by adding and taking away 1.5 * 2^23; fp8 on the fp32's bits
+    (its exponent rebiased, the mantissa's low bits rounded off), or below the format's
+    smallest normal as a whole number of its subnormal steps. (Through an fp16 would round
+    twice: 1 value in ~2^7 one step off.)"""
+    if KV_FORMAT == 1:
+        whole = (x + 12582912.0) - 12582912.0
+        return whole.to(tl.int8).to(tl.uint8, bitcast=True)
+    bits = x.to(tl.uint32, bitcast=True)
+    magnitude = bits & 0x7FFFFFFF
+    if KV_FORMAT == 2:  # e4m3: bias 7, 3 mantissa bits, smallest normal 2^-6, steps of 2^-9
+        rebased = magnitude - 0x3C000000
+        normal = (rebased + 0x7FFFF + ((rebased >> 20) & 1)) >> 20
+        steps = tl.abs(x) * 512.0
+        small = tl.abs(x) < 0.015625
+    else:  # e5m2: bias 15, 2 mantissa bits, smallest normal 2^-14, steps of 2^-16
+        rebased = magnitude - 0x38000000
+        normal = (rebased + 0xFFFFF + ((rebased >> 21) & 1)) >> 21
+        steps = tl.abs(x) * 65536.0
+        small = tl.abs(x) < 0.00006103515625
+    subnormal = ((steps + 12582912.0) - 12582912.0).to(tl.uint32)
+    code = tl.where(small, subnormal, normal)
+    return (((bits >> 24) & 0x80) | code).to(tl.uint8)
 
 
 @triton.jit
@@ -93,6 +153,10 @@ def store_kv(
         raise ValueError(
             f"K and V caches differ in strides: {k_cache.stride()} vs {v_cache.stride()}"
         )
+    fmt = kv_format(k_cache)
+    qmax = QMAX.get(k_cache.dtype, 0.0)
+    if fmt:  # written as bytes: codes and scales
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     _store_kv_kernel[(num_tokens,)](
         key,
         value,
@@ -109,8 +173,10 @@ def store_kv(
         k_cache.shape[1],
         num_heads,
         head_dim,
+        qmax,
         BLOCK_H=triton.next_power_of_2(num_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
+        KV_FORMAT=fmt,
     )
 
 

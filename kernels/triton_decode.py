@@ -13,6 +13,7 @@ from halfmoon.kernels.triton_paged import (
     check_cache,
     dot_precision,
     head_dim_block,
+    kernel_caches,
     strides,
 )
 
@@ -47,6 +48,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_FORMAT: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -63,7 +65,9 @@ def _decode_split_kernel(
         q_ptr + seq * stride_qs + heads[:, None] * stride_qh + dims[None, :],
         mask=head_mask,
         other=0.0,
-    ).to(k_cache_ptr.dtype.element_ty)
+    )
+    if KV_FORMAT == 0:  # else the query stays in its dtype, the rows dequantized into it
+        q = q.to(k_cache_ptr.dtype.element_ty)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     row_max = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -86,10 +90,12 @@ def _decode_split_kernel(
         stride_co,
         stride_ch,
         scale_log2,
+        head_dim,
         BLOCK_N,
         APPLY_MASK=True,
         CAUSAL=False,
         DOT_PRECISION=DOT_PRECISION,
+        KV_FORMAT=KV_FORMAT,
     )
     # A split past the end of a short sequence saw no tokens; the reduction skips it.
     safe_sum = tl.where(row_sum > 0, row_sum, 1.0)
@@ -168,11 +174,12 @@ def paged_decode_attention(
     part_lse = torch.empty(part_shape, dtype=torch.float32, device=query.device)
     part_out = torch.empty((*part_shape, head_dim), dtype=torch.float32, device=query.device)
     block_d = head_dim_block(head_dim)
+    k_cache, v_cache, fmt, dot_dtype = kernel_caches(k_cache, v_cache, query)
     tensors = (query, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse)
     splits = (plan.tokens_per_split, plan.num_splits)
     sizes = (block_size, num_q_heads, group, head_dim, *splits)
     meta = dict(BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=BLOCK_N)
-    meta |= dict(SINGLE_SPLIT=single, DOT_PRECISION=dot_precision(k_cache.dtype))
+    meta |= dict(SINGLE_SPLIT=single, DOT_PRECISION=dot_precision(dot_dtype), KV_FORMAT=fmt)
     args = (*tensors, scale * LOG2_E, *strides(query, k_cache, block_tables), *sizes)
     _decode_split_kernel[(num_seqs, num_kv_heads, plan.num_splits)](*args, **meta)
     if not single:

@@ -12,6 +12,7 @@ from halfmoon.kernels.triton_paged import (
     check_cache,
     dot_precision,
     head_dim_block,
+    kernel_caches,
     strides,
 )
 
@@ -61,6 +62,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_FORMAT: tl.constexpr,
 ):
     seq, q_block, q_start, q_len = _find_query_block(cu_seqlens_ptr, num_seqs, BLOCK_S, BLOCK_M)
     if seq < num_seqs:
@@ -73,7 +75,9 @@ def _prefill_kernel(
         io_mask = (rows < q_len)[:, None] & dim_mask[None, :]
         tokens = (q_start + rows).to(tl.int64)
         q_ptrs = q_ptr + tokens[:, None] * stride_qt + head * stride_qh + dims[None, :]
-        q = tl.load(q_ptrs, mask=io_mask, other=0.0).to(k_cache_ptr.dtype.element_ty)
+        q = tl.load(q_ptrs, mask=io_mask, other=0.0)
+        if KV_FORMAT == 0:  # else the query stays in its dtype, the rows dequantized into it
+            q = q.to(k_cache_ptr.dtype.element_ty)
         positions = prefix + rows
         table_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -101,10 +105,12 @@ def _prefill_kernel(
             stride_co,
             stride_ch,
             scale_log2,
+            head_dim,
             BLOCK_N,
             APPLY_MASK=False,
             CAUSAL=False,
             DOT_PRECISION=DOT_PRECISION,
+            KV_FORMAT=KV_FORMAT,
         )
         acc, row_max, row_sum = attend_tiles(
             q,
@@ -125,10 +131,12 @@ def _prefill_kernel(
             stride_co,
             stride_ch,
             scale_log2,
+            head_dim,
             BLOCK_N,
             APPLY_MASK=True,
             CAUSAL=True,
             DOT_PRECISION=DOT_PRECISION,
+            KV_FORMAT=KV_FORMAT,
         )
         out = acc / row_sum[:, None]
         out_ptrs = out_ptr + tokens[:, None] * (num_q_heads * head_dim) + head * head_dim
@@ -157,10 +165,12 @@ def prefill_attention(
     block_tables = block_tables.contiguous()
     # Runs are found on the device; this bounds the query blocks without a host sync.
     grid = (triton.cdiv(num_tokens, BLOCK_M) + num_seqs - 1, num_q_heads)
+    k_cache, v_cache, fmt, dot_dtype = kernel_caches(k_cache, v_cache, query)
     tensors = (query, k_cache, v_cache, cu_seqlens_q, block_tables, prefix_lens, out)
     sizes = (num_seqs, num_q_heads, k_cache.shape[1], num_q_heads // k_cache.shape[2], head_dim)
     meta = dict(BLOCK_S=triton.next_power_of_2(num_seqs), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
-    meta |= dict(BLOCK_D=head_dim_block(head_dim), DOT_PRECISION=dot_precision(k_cache.dtype))
+    meta |= dict(BLOCK_D=head_dim_block(head_dim), DOT_PRECISION=dot_precision(dot_dtype))
+    meta |= dict(KV_FORMAT=fmt)
     args = (*tensors, scale * LOG2_E, *strides(query, k_cache, block_tables), *sizes)
     _prefill_kernel[grid](*args, **meta)
     return out

@@ -25,6 +25,7 @@ from halfmoon.bench.options import bench_parser
 from halfmoon.engine import LLM, SamplingParams
 from halfmoon.engine.errors import ModelLoadError
 from halfmoon.engine.model_source import resolve_model
+from halfmoon.kernels.kv_quant import KV_CACHE_DTYPES
 
 TOPICS = ("the sea", "a cat", "Paris", "rain", "mountains", "a robot", "coffee", "the moon")
 ASKS = (
@@ -97,30 +98,53 @@ def our_picks(llm: LLM, prompt: list[int], continuation: list[int]) -> Picks:
     return Picks([out.token_ids[0] for out in outs], found)
 
 
-def measure(model_dir: str, dtype: str, prompts: int, tokens: int, progress: bool) -> dict:
+def measure(
+    model_dir: str,
+    dtype: str,
+    prompts: int,
+    tokens: int,
+    progress: bool,
+    kv_cache_dtype: str = "auto",
+) -> dict:
+    """The shares and logprob differences of each side; with an 8-bit `kv_cache_dtype`, also
+    ours with KV in it ("ours_kv"), and how often its pick equals ours with KV in `dtype`
+    ("kv_vs_ours", where the two sides differ only in the KV format)."""
     from transformers import AutoModelForCausalLM
 
     def load(torch_dtype):
         return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).eval()
 
-    llm = LLM(model_dir, dtype=dtype, num_pages=2048)
-    ids = chat_prompts(llm.tokenizer, prompts)
+    engines = {"ours": LLM(model_dir, dtype=dtype, num_pages=2048)}
+    if kv_cache_dtype != "auto":
+        engines["ours_kv"] = LLM(
+            model_dir, dtype=dtype, num_pages=2048, kv_cache_dtype=kv_cache_dtype
+        )
+    ids = chat_prompts(engines["ours"].tokenizer, prompts)
     reference_model = load(torch.float32)
     reference = reference_continuations(reference_model, ids, tokens)
     theirs_model = load(getattr(torch, dtype))
-    tally = {"ours": Tally(), "transformers": Tally()}
+    tally = {side: Tally() for side in (*engines, "transformers")}
+    kv_vs_ours = Tally()
     for prompt, continuation in tqdm(
         list(zip(ids, reference, strict=True)), desc="agreement", disable=not progress
     ):
         exact = transformers_picks(reference_model, prompt, continuation).reference_logprobs
-        tally["ours"].add(our_picks(llm, prompt, continuation), continuation, exact)
+        picks = {side: our_picks(llm, prompt, continuation) for side, llm in engines.items()}
+        for side, pick in picks.items():
+            tally[side].add(pick, continuation, exact)
+        if "ours_kv" in picks:
+            kv_vs_ours.add(picks["ours_kv"], picks["ours"].tokens, exact)
         theirs = transformers_picks(theirs_model, prompt, continuation)
         tally["transformers"].add(theirs, continuation, exact)
-    llm.close()
+    for llm in engines.values():
+        llm.close()
     figures = {"model": model_dir, "dtype": dtype, "prompts": len(ids), "tokens": tokens}
+    figures["kv_cache_dtype"] = kv_cache_dtype
     for side, counts in tally.items():
         figures |= {side: counts.share(), f"{side}_logprob_mad": counts.mad()}
     figures["ours_logprob_positions"] = len(tally["ours"].differences)
+    if "ours_kv" in engines:
+        figures["kv_vs_ours"] = kv_vs_ours.share()
     return figures
 
 
@@ -156,6 +180,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     parser.add_argument("--prompts", type=int, default=32, help="chat prompts, 1-32 (32)")
     parser.add_argument("--tokens", type=int, default=64, help="positions a prompt (64)")
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="also ours with its KV cache in this 8-bit format, beside ours in --dtype: each "
+        "against fp32's token, and how often the two of ours agree (auto: not run)",
+    )
     args = parser.parse_args(argv)
     if not 1 <= args.prompts <= len(TOPICS) * len(ASKS) or args.tokens < 1:
         parser.error("--prompts takes 1-32 and --tokens 1 or more")
@@ -164,7 +195,14 @@ def main(argv: list[str] | None = None) -> int:
     except ModelLoadError as error:
         print(f"halfmoon bench agreement: {error}", file=sys.stderr)
         return 2
-    figures = measure(model_dir, args.dtype, args.prompts, args.tokens, not args.disable_tqdm)
+    figures = measure(
+        model_dir,
+        args.dtype,
+        args.prompts,
+        args.tokens,
+        not args.disable_tqdm,
+        args.kv_cache_dtype,
+    )
     if args.json:
         print(json.dumps(figures))
         return 0
@@ -176,6 +214,13 @@ def main(argv: list[str] | None = None) -> int:
         f"ours {mads[0]} (at the {figures['ours_logprob_positions']} positions where ours listed "
         f"it), transformers {mads[1]}"
     )
+    if "kv_vs_ours" in figures:
+        kv = args.kv_cache_dtype
+        print(
+            f"ours with KV in {kv}: {figures['ours_kv']:.3f} equal to fp32's (mean |logprob - "
+            f"fp32's| {_number(figures['ours_kv_logprob_mad'])}); its token equal to ours with "
+            f"KV in {args.dtype} at {figures['kv_vs_ours']:.3f} of positions"
+        )
     return 0
 
 

@@ -1,5 +1,6 @@
-"""`halfmoon bench engine --vs-dtype D`: our engine in `--dtype` against itself in D on the same
-requests and threads, both loaded at once, turns alternating (D, then `--dtype`), each timed
+"""`halfmoon bench engine --vs-dtype D` (or `--vs-kv-cache-dtype K`): our engine in `--dtype`
+(with its KV in `--kv-cache-dtype`) against itself in D (with its KV in K) on the same
+requests and threads, both loaded at once, turns alternating (theirs, then ours), each timed
 run on idle CPUs."""
 
 from __future__ import annotations
@@ -16,23 +17,33 @@ from halfmoon.bench.probes.engine_turns import after_quiet, rounded
 
 def compare_dtypes(model_dir: Path, work: Workload, dtype: torch.dtype, args) -> dict:
     """Medians of `--repeats` turns after an untimed one, and the median of each turn's ratio
-    (D's wall over `--dtype`'s: above 1, `--dtype` is faster)."""
-    other = getattr(torch, args.vs_dtype)
-    name = args.vs_dtype
-    engines = {d: our_llm(model_dir, args.batch_size, args.device, d) for d in (other, dtype)}
-    walls: dict[torch.dtype, list[float]] = {d: [] for d in engines}
+    (theirs' wall over ours: above 1, ours is faster)."""
+    ours = (dtype, args.kv_cache_dtype)
+    if args.vs_kv_cache_dtype:
+        theirs, name = (dtype, args.vs_kv_cache_dtype), f"kv_{args.vs_kv_cache_dtype}"
+    else:
+        theirs, name = (getattr(torch, args.vs_dtype), args.kv_cache_dtype), args.vs_dtype
+    engines = {
+        side: our_llm(model_dir, args.batch_size, args.device, d, kv_cache_dtype=kv)
+        for side, (d, kv) in (("theirs", theirs), ("ours", ours))
+    }
+    walls: dict[str, list[float]] = {side: [] for side in engines}
     for llm in engines.values():
         time_ours(llm, work)
     for turn in range(args.repeats):
-        for d, llm in engines.items():
-            walls[d].append(after_quiet(time_ours, llm, work)[0])
-        ours_s, theirs_s = walls[dtype][-1], walls[other][-1]
+        for side, llm in engines.items():
+            walls[side].append(after_quiet(time_ours, llm, work)[0])
+        ours_s, theirs_s = walls["ours"][-1], walls["theirs"][-1]
         print(f"turn {turn}: ours {ours_s:.1f}s, {name} {theirs_s:.1f}s", file=sys.stderr)
-    ratios = [theirs / ours for ours, theirs in zip(walls[dtype], walls[other], strict=True)]
+    ratios = [t / o for o, t in zip(walls["ours"], walls["theirs"], strict=True)]
     tokens = work.num_output_tokens
-    return {
-        "ours_tok_s": tokens / statistics.median(walls[dtype]),
-        f"{name}_tok_s": tokens / statistics.median(walls[other]),
+    figures = {
+        "ours_tok_s": tokens / statistics.median(walls["ours"]),
+        f"{name}_tok_s": tokens / statistics.median(walls["theirs"]),
         f"ratio_vs_{name}": statistics.median(ratios),
         f"ratios_vs_{name}": rounded(ratios),
     }
+    kv_pages = {side: llm.engine.num_pages for side, llm in engines.items()}
+    if kv_pages["ours"] != kv_pages["theirs"]:  # the same memory holds more pages in 8 bits
+        figures |= {"ours_kv_pages": kv_pages["ours"], f"{name}_kv_pages": kv_pages["theirs"]}
+    return figures

@@ -56,6 +56,7 @@ class Breakdown:
     token_known_s: float = 0.0  # likewise, until the first token was known there
     lent: bool = False  # the decode worker was offered the prefill worker's own pages
     page_copies: int = 0  # layers it copied out of them
+    kv_bytes: int = 0  # the KV bytes the decode worker received for it
 
     @property
     def path(self) -> str:
@@ -115,6 +116,7 @@ async def measure(cluster: Cluster, token_ids: list[int], path: str, rid: str) -
         token_known_s=got.first_token_at - result.last_layer_published_at,
         lent=lend,
         page_copies=page_copies,
+        kv_bytes=got.num_bytes,
     )
 
 
@@ -182,6 +184,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--chunks", default="1,2,4,8", help="chunk counts (1,2,4,8)")
     parser.add_argument(
+        "--kv-cache-dtype",
+        choices=("fp8", "fp8_e4m3", "fp8_e5m2", "int8"),
+        help="instead: the same prompts on a cluster with KV in the model's dtype, then on one "
+        "with KV in this 8-bit format; per path the stall's median and the KV bytes a unit "
+        "moves, side by side, and their ratios",
+    )
+    parser.add_argument(
         "--chunk-tokens", type=int, help="prefill chunk size (64 on cpu, 256 on cuda)"
     )
     parser.add_argument(
@@ -215,6 +224,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.device != "cuda":
         settings["engine.num_pages"] = max(256, max(chunk_counts) * chunk_tokens // 16 + 16)
+    if args.kv_cache_dtype:
+        from halfmoon.bench.probes.transfer_kv import compare_kv_formats
+
+        figures = compare_kv_formats(settings, args, chunk_counts, chunk_tokens)
+        print(json.dumps(figures) if args.json else format_kv_formats(figures))
+        return 0
     cluster = Cluster(load_config(None, settings))
     try:
         cluster.start()
@@ -230,6 +245,31 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         cluster.stop()  # shuts Ray down too when it started it
     return _report(rows, args.json, args.device, samples, (args.prefill_tp, args.decode_tp))
+
+
+def measure_cluster(settings: dict, args, chunk_counts: list[int], chunk_tokens: int) -> tuple:
+    """(every sample of the measured prompts, the model's dtype) on a cluster of `settings`,
+    after a warm-up."""
+    cluster = Cluster(load_config(None, settings))
+    try:
+        cluster.start()
+        asyncio.run(run(cluster, [1], chunk_tokens, 1, args.seed + 1, tag="warm-"))
+        samples: list[Breakdown] = []
+        asyncio.run(run(cluster, chunk_counts, chunk_tokens, args.repeats, args.seed, samples))
+        return samples, cluster.info.dtype
+    finally:
+        cluster.stop()
+
+
+def format_kv_formats(figures: dict) -> str:
+    lines = [f"KV in {figures['model_dtype']} vs {figures['kv_cache_dtype']}, per path:"]
+    for path, row in figures["by_path"].items():
+        lines.append(
+            f"  {path:>5}: stall p50 {row['stall_ms'][0]:.2f} vs {row['stall_ms'][1]:.2f} ms "
+            f"({row['stall_ratio']:.2f}x), KV a unit {row['unit_bytes'][0]:,} vs "
+            f"{row['unit_bytes'][1]:,} bytes ({row['bytes_ratio']:.3f}x)"
+        )
+    return "\n".join(lines)
 
 
 def stall_percentiles(samples: list[Breakdown]) -> dict:

@@ -149,7 +149,7 @@ class Cluster:
     def _profile(self) -> Profile | None:
         """The router's profile: the configured file, or measured now from the workers."""
         if self.config.router.profile is not None:
-            return file_profile(self.config.router.profile, self.config)
+            return priced_for(file_profile(self.config.router.profile, self.config), self.info)
         cache_bytes = self.config.store.host_capacity_bytes
         return profile_workers(list(self.workers.values()), cache_bytes)
 
@@ -311,6 +311,19 @@ def file_profile(path: str, config: ClusterConfig) -> Profile:
     if profile.cost.chunk_tokens != chunk:
         profile.cost = dataclasses.replace(profile.cost, chunk_tokens=chunk)
     return profile
+
+
+def priced_for(profile: Profile, info: WorkerInfo) -> Profile:
+    """A file profile with the KV bytes of workers whose KV is quantized (`--kv-cache-dtype`):
+    a profile states its model's KV at full width, and every transfer and cache price the
+    router makes follows these bytes."""
+    live = info.kv_bytes_per_token
+    if not info.kv_dtype or profile.kv_bytes_per_token == live:
+        return profile
+    log.info("router profile: KV in %s, %d bytes a token", info.kv_dtype, live)
+    note = f"{live}, the workers' {info.kv_dtype} KV ({profile.kv_bytes_per_token} in the file)"
+    assumptions = {**profile.assumptions, "kv_bytes_per_token": note}
+    return dataclasses.replace(profile, kv_bytes_per_token=live, assumptions=assumptions)
 
 
 def pool_degrees(config: ClusterConfig) -> tuple[int, int]:

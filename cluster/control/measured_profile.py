@@ -54,11 +54,11 @@ def measured_profile(
     """Fit the cost model from a prefill and a decode worker's samples, each side at the degree
     of the worker it was measured on; the decode KV capacity is the decode worker's pages."""
     info = prefill_info
-    dtype_bytes = {"float32": 4, "float16": 2, "bfloat16": 2}[info.dtype]
-    kv_bytes_per_token = 2 * info.num_layers * info.num_kv_heads * info.head_dim * dtype_bytes
+    kv_bytes_per_token = info.kv_bytes_per_token  # as stored and moved: quantized or not
+    kv_suffix = f"-kv-{info.kv_dtype}" if info.kv_dtype else ""
     prefill_degree, decode_degree = info.tensor_parallel_size, decode_info.tensor_parallel_size
     return Profile(
-        name=f"measured-{info.architecture}-{info.dtype}",
+        name=f"measured-{info.architecture}-{info.dtype}{kv_suffix}",
         cost=dataclasses.replace(
             CostModel.fit(prefill.prefill, decode.decode), chunk_tokens=prefill.chunk_tokens
         ),

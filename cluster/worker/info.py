@@ -9,6 +9,7 @@ import torch
 from halfmoon.engine.cpu_linear import describe
 from halfmoon.engine.llm_engine import LLMEngine, StepTiming
 from halfmoon.engine.outputs import EngineStats
+from halfmoon.kernels.kv_quant import row_width
 from halfmoon.kvstore.block_events import BlockEvent
 from halfmoon.kvstore.layout import KvLayout
 
@@ -35,12 +36,22 @@ class WorkerInfo:
     kernels: str = ""  # what runs the model (cpu_linear.describe): "avx2 kernels, linear blocks"
     # How its KV crosses nodes: "mooncake tcp", or "ray (why not the engine)"; "" for none.
     kv_transfer: str = ""
+    # The KV pages' storage dtype when quantized (kernels/kv_quant.py: "int8",
+    # "float8_e4m3fn", ...); "": the model's `dtype`.
+    kv_dtype: str = ""
 
     @property
     def kv_layout(self) -> KvLayout:
-        """A block's KV layout on this worker, as the store and the wire hold it."""
-        dtype = getattr(torch, self.dtype)
-        return KvLayout(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, dtype)
+        """A block's KV layout on this worker, as the store and the wire hold it (a quantized
+        row holds its scale after its values)."""
+        dtype = getattr(torch, self.kv_dtype or self.dtype)
+        width = row_width(self.head_dim, dtype)
+        return KvLayout(self.num_layers, self.block_size, self.num_kv_heads, width, dtype)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of one token's K and V over every layer, as stored and moved."""
+        return self.kv_layout.block_bytes // self.block_size
 
 
 def worker_info(name: str, kind: str, engine: LLMEngine, kv_transfer: str = "") -> WorkerInfo:
@@ -63,7 +74,14 @@ def worker_info(name: str, kind: str, engine: LLMEngine, kv_transfer: str = "") 
         tensor_parallel_size=engine.config.tensor_parallel_size,
         kernels=describe(engine.device, engine.dtype),
         kv_transfer=kv_transfer,
+        kv_dtype=_kv_dtype(engine),
     )
+
+
+def _kv_dtype(engine: LLMEngine) -> str:
+    """The engine's KV storage dtype where it is not the model's, else ""."""
+    dtype = engine.kv_cache.dtype
+    return "" if dtype == engine.dtype else str(dtype).removeprefix("torch.")
 
 
 @dataclass(slots=True)

@@ -66,17 +66,44 @@ def test_several_thread_counts_run_in_turns_and_print_the_scaling(tiny_model_dir
 @pytest.mark.timeout(120)
 def test_vs_dtype_times_both_dtypes_in_turns_and_prints_the_ratio(tiny_model_dir, capsys):
     work = bench_engine.make_workload(3, 200, seed=0, scale=0.1)
-    args = argparse.Namespace(vs_dtype="float32", batch_size=4, device="cpu", repeats=2)
+    args = argparse.Namespace(
+        vs_dtype="float32",
+        vs_kv_cache_dtype=None,
+        kv_cache_dtype="auto",
+        batch_size=4,
+        device="cpu",
+        repeats=2,
+    )
     figures = compare_dtypes(tiny_model_dir, work, torch.bfloat16, args)
     assert len(figures["ratios_vs_float32"]) == 2
     assert figures["ours_tok_s"] > 0 and figures["float32_tok_s"] > 0
     assert "turn 1: ours" in capsys.readouterr().err
 
 
+@pytest.mark.timeout(120)
+def test_vs_kv_cache_dtype_times_8_bit_kv_against_the_models_dtype(tiny_model_dir, capsys):
+    work = bench_engine.make_workload(3, 200, seed=0, scale=0.1)
+    args = argparse.Namespace(
+        vs_dtype=None,
+        vs_kv_cache_dtype="auto",
+        kv_cache_dtype="int8",
+        batch_size=4,
+        device="cpu",
+        repeats=1,
+    )
+    figures = compare_dtypes(tiny_model_dir, work, torch.float32, args)
+    assert figures["ours_tok_s"] > 0 and figures["kv_auto_tok_s"] > 0
+    assert len(figures["ratios_vs_kv_auto"]) == 1
+    assert "turn 0: ours" in capsys.readouterr().err
+
+
 def test_vs_dtype_takes_one_thread_count_and_no_peer_or_tp():
     for extra in (["--peer", "vllm"], ["--tp", "2"], ["--threads", "1", "2"]):
         with pytest.raises(SystemExit):
             bench_engine.main(["--vs-dtype", "float32", *extra])
+    for extra in (["--vs-dtype", "float32"], ["--tp", "2"], ["--threads", "1", "2"]):
+        with pytest.raises(SystemExit):
+            bench_engine.main(["--vs-kv-cache-dtype", "auto", *extra])
 
 
 def test_thread_counts_are_distinct_and_several_only_on_cpu_without_tp_and_repeats_one_or_more():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 
@@ -94,3 +95,30 @@ def test_the_command_measures_prompts_its_warm_up_did_not_cache(tiny_model_dir, 
     rows = json.loads(capsys.readouterr().out)["rows"]
     assert [r["path"] for r in rows] == ["pages", "arena", "store", "off"]
     assert all(r["kv_landed_s"] > 0 for r in rows if r["layerwise"]), rows
+
+
+def test_8_bit_kv_is_compared_path_by_path_in_stall_and_bytes(monkeypatch, capsys):
+    """`--kv-cache-dtype K`: the same prompts on a cluster with the model's KV, then with K
+    (tests/cluster/test_cluster_kv_8bit.py measures the bytes on a live one)."""
+    from halfmoon.bench.probes import transfer_kv
+
+    def sample(path, stall_s, kv_bytes):
+        layerwise, direct, lent = bench_transfer.PATHS[path]
+        row = Breakdown(2, layerwise, direct, 0.1, 0.09, stall_s, 0.001, 0.01, lent=lent)
+        row.kv_bytes = kv_bytes
+        return row
+
+    def measured(settings, args, chunk_counts, chunk_tokens):
+        quantized = settings["engine.kv_cache_dtype"] != "auto"
+        stall, size = (0.002, 34) if quantized else (0.004, 128)
+        return [sample(p, stall, 2 * size) for p in bench_transfer.PATHS], "float32"
+
+    monkeypatch.setattr(transfer_kv, "measure_cluster", measured)
+    args = argparse.Namespace(kv_cache_dtype="int8")
+    figures = transfer_kv.compare_kv_formats({}, args, [2], 32)
+    assert figures["model_dtype"] == "float32" and figures["kv_cache_dtype"] == "int8"
+    for row in figures["by_path"].values():
+        assert row["unit_bytes"] == [128, 34] and row["bytes_ratio"] == pytest.approx(34 / 128)
+        assert row["stall_ratio"] == pytest.approx(0.5)
+    text = bench_transfer.format_kv_formats(figures)
+    assert "pages: stall p50 4.00 vs 2.00 ms (0.50x), KV a unit 128 vs 34 bytes (0.266x)" in text

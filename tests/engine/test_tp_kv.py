@@ -12,6 +12,7 @@ import torch
 
 from halfmoon.engine import LLM, InvalidRequestError, SamplingParams
 from halfmoon.engine.kv_shards import ShardedKvCache
+from halfmoon.kernels.kv_quant import dequantize
 from halfmoon.kvstore.keys import block_keys
 from halfmoon.kvstore.layout import LayerKV
 
@@ -126,3 +127,30 @@ def test_blocks_read_at_one_degree_are_a_cached_prefix_at_the_other(one, two, ti
     (out,) = target.generate([longer], GREEDY)
     assert out.num_cached_tokens == 48
     assert out.token_ids == tiny_llm.generate([longer], GREEDY)[0].token_ids
+
+
+def test_8_bit_kv_at_two_ranks_reads_the_layer_and_tokens_of_one_rank(tiny_model_dir):
+    """Each rank's pages hold its heads' quantized rows with their scales; read whole-head,
+    they are the bytes one rank stores, and the tokens are one rank's."""
+    args = {**ENGINE_ARGS, "kv_cache_dtype": "int8"}
+    single = LLM(str(tiny_model_dir), **args)
+    double = LLM(str(tiny_model_dir), tensor_parallel_size=2, **args)
+    try:
+        prompt = _prompt(7, 40)
+        _, layers_one = _blocks(single, prompt)
+        _, layers_two = _blocks(double, prompt)
+        assert layers_two[0].k.dtype == torch.int8 and layers_two[0].k.shape[-1] == 32 + 2
+        # Layer 0 from the embedding alone: the same bytes. Later layers' inputs went through
+        # all-reduces, which round differently: the same rows within one int8 step.
+        assert torch.equal(layers_one[0].k, layers_two[0].k)
+        for a, b in zip(layers_one, layers_two, strict=True):
+            for x, y in ((a.k, b.k), (a.v, b.v)):
+                step = dequantize(x, torch.float32).abs().amax(-1, keepdim=True) / 127
+                close = dequantize(x, torch.float32) - dequantize(y, torch.float32)
+                assert (close.abs() <= 1.01 * step + 1e-6).all()
+        new = _prompt(8, 30)
+        assert double.generate([new], GREEDY)[0].token_ids == (
+            single.generate([new], GREEDY)[0].token_ids
+        )
+    finally:
+        double.close()

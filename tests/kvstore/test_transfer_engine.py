@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 
+from halfmoon.kernels.kv_quant import quantize, row_width
 from halfmoon.kvstore.config import TransferSettings
 from halfmoon.kvstore.layout import KvLayout
 from halfmoon.kvstore.transfer.engine import (
@@ -73,6 +74,28 @@ def test_a_grants_places_are_its_blocks_k_and_v_of_each_layer(endpoints):
         )
         landed = staging.layer(grant, layer, 0, 2)
         assert torch.equal(landed.k, k) and torch.equal(landed.v, v)
+    staging.close()
+
+
+def test_8_bit_kv_lands_with_its_scales_as_it_was_written(endpoints):
+    """KV in 8 bits (kernels/kv_quant.py) crosses on the engine as what it is: rows of fp8
+    values and their fp16 scales, in the layout's storage dtype, byte for byte."""
+    receiver, writer = endpoints
+    fp8 = torch.float8_e4m3fn
+    layout = KvLayout(2, 16, 2, row_width(8, fp8), fp8)
+    assert layout.block_bytes == LAYOUT.block_bytes * 10 // 16  # rows of 10 bytes, fp16's 16
+    staging = StagingArea(layout, 4 * layout.block_bytes, receiver)
+    grant = staging.grant(2)
+    for layer in range(layout.num_layers):
+        k, v = (quantize(torch.randn(2, 16, 2, 8), fp8) for _ in range(2))
+        k_at, v_at = grant.places(layer, 0)
+        writer.write(
+            grant.session, [(k.data_ptr(), k_at, k.nbytes), (v.data_ptr(), v_at, v.nbytes)]
+        )
+        landed = staging.layer(grant, layer, 0, 2)
+        assert landed.k.dtype == fp8 and landed.k.shape == k.shape
+        assert torch.equal(landed.k.view(torch.uint8), k.view(torch.uint8))
+        assert torch.equal(landed.v.view(torch.uint8), v.view(torch.uint8))
     staging.close()
 
 
