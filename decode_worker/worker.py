@@ -116,7 +116,7 @@ class DecodeWorker(EngineWorker):
             return aborted(task.request_id)
         try:
             store = self.receiver.store_named(task.store_name)
-            pages = await self._engine().reserve(
+            pages, fence = await self._engine().reserve(
                 task.token_ids,
                 task.params,
                 task.request_id,
@@ -127,7 +127,7 @@ class DecodeWorker(EngineWorker):
             return WorkerError.of(error)
         key = task.ticket or task.request_id
         reservation = self.notices.add(task.request_id, key, task.direct, task.first_token_id)
-        reservation.fence = self.kv_cache.mark()  # the reserved pages' last readers are before it
+        reservation.fence = fence  # on the step thread: the pages' last readers are before it
         reservation.num_tokens = len(task.token_ids)
         if task.direct and task.store_name not in (None, local_store_name()):
             self.receiver.engine.expect(reservation)  # its prefill worker is on another node

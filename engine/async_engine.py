@@ -92,11 +92,15 @@ class AsyncEngine:
 
     async def reserve(
         self, prompt: Prompt, params: SamplingParams, request_id: str, *args, **kwargs
-    ) -> list[int]:
-        """Hold pages for a prompt whose KV arrives from outside; see `LLMEngine.reserve`."""
+    ) -> tuple[list[int], object | None]:
+        """Hold pages for a prompt whose KV arrives from outside (`LLMEngine.reserve`): the
+        pages, and the fence to write into them after (`PagedKvCache.mark()`, None on CPU),
+        recorded on the step thread as soon as they are reserved: every step that read them
+        before is queued ahead of it, and none queued since waits for it."""
 
-        def reserve() -> tuple[str, list[int]]:
-            return request_id, self.engine.reserve(prompt, params, request_id, *args, **kwargs)
+        def reserve() -> tuple[str, tuple[list[int], object | None]]:
+            pages = self.engine.reserve(prompt, params, request_id, *args, **kwargs)
+            return request_id, (pages, self.engine.kv_cache.mark())
 
         return await self._open(request_id, reserve)
 

@@ -5,6 +5,7 @@ for a step."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 from halfmoon.engine import LLM, SamplingParams
@@ -169,3 +170,24 @@ def test_a_consumer_that_leaves_late_leaves_a_newer_request_under_its_id_alone(t
         front.shutdown()
     assert outs[-1].finished and outs[-1].finish_reason == "length"
     assert sum(len(out.new_token_ids) for out in outs) == 40
+
+
+def test_a_reserve_records_its_pages_fence_on_the_step_thread(tiny_model_dir, monkeypatch):
+    """The fence the decode worker's writes into reserved pages wait on is recorded on the step
+    thread right after the reserve (before any later step is queued), not on the event loop
+    after the await returns, a step late (issue 51)."""
+    engine = LLM(str(tiny_model_dir), num_pages=16).engine
+    marked = []
+
+    def mark():
+        marked.append(threading.current_thread().name)
+        return "fence"
+
+    monkeypatch.setattr(engine.kv_cache, "mark", mark)
+    front = AsyncEngine(engine)
+    try:
+        pages, fence = asyncio.run(front.reserve(PROMPTS[5], PARAMS, "held"))
+    finally:
+        front.shutdown()
+    assert fence == "fence" and len(pages) > 0
+    assert marked == ["engine-step"]
