@@ -41,9 +41,10 @@ def rms_norm(x, weight, eps: float, residual=None):
 
 def rotary_embedding(positions, query, key, cos_sin_cache) -> None:
     """`reference.rotary_embedding`: rotates `query` and `key` ([N, heads, D]) in place."""
-    positions = positions.to(torch.int64).contiguous()
     head_dim = query.shape[-1]
     dense = _heads_dense(query) and _heads_dense(key) and _fits_cache(cos_sin_cache, head_dim)
+    dense = dense and _on_cpu(positions)
+    positions = positions.to(torch.int64).contiguous()
     if not (dense and _one_dtype(query, key)):
         reference.rotary_embedding(positions, query, key, cos_sin_cache)
         return
@@ -58,7 +59,7 @@ def silu_and_mul(x):
     if not _dense(x):
         return reference.silu_and_mul(x)
     width = x.shape[-1] // 2
-    out = torch.empty(*x.shape[:-1], width, dtype=x.dtype)
+    out = torch.empty(*x.shape[:-1], width, dtype=x.dtype, device=x.device)
     rows = x.numel() // x.shape[-1]
     LIBRARY.get().silu_and_mul(x.data_ptr(), rows, width, *_dtype_and_threads(x), out.data_ptr())
     return out
@@ -70,7 +71,7 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
         _store_quantized(key, value, k_cache, v_cache, slot_mapping)
         return
     dense = _heads_dense(key) and _heads_dense(value) and _dense(k_cache, v_cache)
-    if not (dense and _one_dtype(key, value, k_cache, v_cache)):
+    if not (dense and _on_cpu(slot_mapping) and _one_dtype(key, value, k_cache, v_cache)):
         reference.store_kv(key, value, k_cache, v_cache, slot_mapping)
         return
     slots = slot_mapping.to(torch.int64).contiguous()
@@ -88,7 +89,7 @@ def _store_quantized(key, value, k_cache, v_cache, slot_mapping) -> None:
     caches_ok = (
         k_cache.dtype == v_cache.dtype and k_cache.is_contiguous() and v_cache.is_contiguous()
     )
-    if not (rows_ok and caches_ok and k_cache.device.type == "cpu"):
+    if not (rows_ok and caches_ok and _on_cpu(k_cache, v_cache, slot_mapping)):
         reference.store_kv(key, value, k_cache, v_cache, slot_mapping)
         return
     slots = slot_mapping.to(torch.int64).contiguous()
@@ -128,9 +129,15 @@ def _heads_dense(x: torch.Tensor) -> bool:
     )
 
 
+def _on_cpu(*tensors: torch.Tensor) -> bool:
+    """Every one of `tensors` in host memory: the kernels read each through its pointer."""
+    return all(t.device.type == "cpu" for t in tensors)
+
+
 def _fits_cache(cos_sin_cache: torch.Tensor, head_dim: int) -> bool:
     return (
-        cos_sin_cache.dtype == torch.float32
+        _on_cpu(cos_sin_cache)
+        and cos_sin_cache.dtype == torch.float32
         and cos_sin_cache.is_contiguous()
         and cos_sin_cache.shape[-1] == head_dim
         and head_dim % 2 == 0

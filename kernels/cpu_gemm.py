@@ -62,7 +62,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
         name = str(dtype).removeprefix("torch.")
         raise ValueError(f"cpu_gemm.linear: a CPU {name} [M, {k}] input, not {tuple(x.shape)}")
     x = x.contiguous()
-    out = torch.empty(x.shape[0], n, dtype=dtype)
+    out = torch.empty(x.shape[0], n, dtype=dtype, device=x.device)  # the CPU, not the default
     if x.shape[0] == 0:
         return out
     entry = _ENTRY[dtype, blocks]

@@ -42,30 +42,36 @@ def backend_for(tensor: torch.Tensor) -> ModuleType:
 
 
 def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
-    _per_token(key).store_kv(key, value, k_cache, v_cache, slot_mapping)
+    _per_token(key, value, k_cache, v_cache, slot_mapping).store_kv(
+        key, value, k_cache, v_cache, slot_mapping
+    )
 
 
 def paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale):
-    if _native_cpu(query) and cpu_attention.supports(query, k_cache, v_cache):
+    native = _native_cpu(query, k_cache, v_cache, block_tables, seq_lens)
+    if native and cpu_attention.supports(query, k_cache, v_cache):
         backend = cpu_attention
     else:
         backend = backend_for(query)
     return backend.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale)
 
 
-def _per_token(tensor: torch.Tensor) -> ModuleType:
+def _per_token(*tensors: torch.Tensor | None) -> ModuleType:
     """Where RMSNorm, rotary, SwiGLU and the KV write run: Triton on CUDA, the compiled
     `cpu_elementwise` on CPU (when it builds), the torch references when forced or else."""
-    if _native_cpu(tensor) and cpu_elementwise.available():
+    if _native_cpu(*tensors) and cpu_elementwise.available():
         return cpu_elementwise
-    return backend_for(tensor)
+    return backend_for(tensors[0])
 
 
-def _native_cpu(tensor: torch.Tensor) -> bool:
-    """Whether `tensor` may take the compiled C++ kernels: a CPU tensor, unless
-    `HALFMOON_KERNELS` asks for the references alone (or names another backend). Checked on
-    every call, before `backend_for`, being the engine's common case on CPU."""
-    return tensor.device.type == "cpu" and os.environ.get(BACKEND_ENV, "auto") == "auto"
+def _native_cpu(*tensors: torch.Tensor | None) -> bool:
+    """Whether `tensors` may take the compiled C++ kernels: every one (None: absent) on the
+    CPU, since the kernels read each through its pointer (one on a GPU would crash the
+    process), unless `HALFMOON_KERNELS` asks for the references alone (or names another
+    backend). Checked on every call, before `backend_for`, being the common case on CPU."""
+    if os.environ.get(BACKEND_ENV, "auto") != "auto":
+        return False
+    return all(t is None or t.device.type == "cpu" for t in tensors)
 
 
 def prefill_attention(query, k_cache, v_cache, cu_seqlens_q, block_tables, prefix_lens, scale):
@@ -78,7 +84,7 @@ def prefill_attention(query, k_cache, v_cache, cu_seqlens_q, block_tables, prefi
 def native_prefill(query, k_cache, v_cache) -> bool:
     """Whether `cpu_prefill` serves these tensors; then runs without a cached prefix read the
     pages too rather than take `causal_attention`."""
-    return _native_cpu(query) and cpu_prefill.supports(query, k_cache, v_cache)
+    return _native_cpu(query, k_cache, v_cache) and cpu_prefill.supports(query, k_cache, v_cache)
 
 
 def dense_prefill() -> bool:
@@ -106,7 +112,7 @@ def scatter_pages(cache, page_ids, buffer) -> None:
 
 
 def rms_norm(x, weight, eps, residual=None):
-    return _per_token(x).rms_norm(x, weight, eps, residual)
+    return _per_token(x, weight, residual).rms_norm(x, weight, eps, residual)
 
 
 def silu_and_mul(x):
@@ -115,4 +121,5 @@ def silu_and_mul(x):
 
 
 def rotary_embedding(positions, query, key, cos_sin_cache) -> None:
-    _per_token(query).rotary_embedding(positions, query, key, cos_sin_cache)
+    backend = _per_token(query, key, positions, cos_sin_cache)
+    backend.rotary_embedding(positions, query, key, cos_sin_cache)
