@@ -17,7 +17,12 @@ from typing import TypeVar
 
 import torch
 
-from halfmoon.engine.errors import HalfmoonError, RequestNotFoundError
+from halfmoon.engine.errors import (
+    DeviceFailedError,
+    HalfmoonError,
+    RequestNotFoundError,
+    is_device_failure,
+)
 from halfmoon.engine.llm_engine import LLMEngine, RequestOutput, StepTiming
 from halfmoon.engine.openmp_pool import release_thread_pool
 from halfmoon.engine.outputs import EngineStats
@@ -55,6 +60,8 @@ class AsyncEngine:
         # The step thread's results of inbox calls, by the loop that awaits them (`_settle_all`).
         self._settled: dict[asyncio.AbstractEventLoop, list] = {}
         self._stopped = False
+        # Set once a step failed with an error the device keeps: nothing is taken after it.
+        self.failed: DeviceFailedError | None = None
         self._published = Published(engine)  # for readers that must not wait for a step
         self._thread = threading.Thread(target=self._loop, name="engine-step", daemon=True)
         self._thread.start()
@@ -184,6 +191,7 @@ class AsyncEngine:
         stream = (asyncio.get_running_loop(), asyncio.Queue())
 
         def opened() -> T:
+            self.check()  # a failed device takes nothing more
             added, result = fn()
             self._streams.open(added, stream)
             return result
@@ -265,11 +273,21 @@ class AsyncEngine:
         self._streams.deliver_step(outputs)
         return True
 
+    def check(self) -> None:
+        """Raise the `DeviceFailedError` once a step has left the device unusable (the
+        worker's health check: its controller then replaces it)."""
+        if self.failed is not None:
+            raise self.failed
+
     def _step(self) -> list[RequestOutput]:
         try:
             return self.engine.step()
         except Exception as error:  # noqa: BLE001 - a failed step must not kill serving
-            log.exception("engine step failed; ending the requests in flight")
+            if is_device_failure(error):
+                log.exception("engine step failed on its device; taking no more requests")
+                self.failed = DeviceFailedError(f"the engine's device failed in a step: {error}")
+            else:
+                log.exception("engine step failed; ending the requests in flight")
             self._fail_all(error)
             return []
 

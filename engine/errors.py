@@ -53,3 +53,32 @@ class OutOfPagesError(HalfmoonError):
 
 class RankFailedError(HalfmoonError):
     """A rank of a tensor-parallel engine died or failed; the engine cannot step without it."""
+
+
+class DeviceFailedError(HalfmoonError):
+    """A step failed with an error the device keeps (a CUDA error such as an illegal memory
+    access sticks to the process's context): the engine cannot step again, and its worker
+    fails its health check so that the controller replaces it."""
+
+
+# What a device error's message says where torch raises it as a plain RuntimeError.
+STICKY_DEVICE_ERRORS = (
+    "CUDA error",
+    "illegal memory access",
+    "device-side assert",
+    "CUBLAS_STATUS",
+    "CUDNN_STATUS",
+    "unspecified launch failure",
+)
+
+
+def is_device_failure(error: BaseException) -> bool:
+    """Whether a step's error leaves the device unusable (see `DeviceFailedError`): torch's
+    `AcceleratorError`, or a RuntimeError naming a CUDA error. An ordinary exception (a bad
+    input that got through, a store gone mid-load) leaves the engine serving."""
+    import torch  # here: the errors are imported by clients that never load torch
+
+    accelerator = getattr(torch, "AcceleratorError", ())
+    if accelerator and isinstance(error, accelerator):
+        return True
+    return isinstance(error, RuntimeError) and any(m in str(error) for m in STICKY_DEVICE_ERRORS)

@@ -83,9 +83,11 @@ class EngineWorker:
         return await self._engine().run(lambda engine: profile_engine(engine, 0, prefill, decode))
 
     async def ping(self) -> str:
-        """This worker's name; raises RankFailedError once a rank of its engine has died, so
-        the controller replaces it (the engine cannot step again)."""
+        """This worker's name; raises RankFailedError once a rank of its engine has died, or
+        DeviceFailedError once a step left its device unusable (a sticky CUDA error), so the
+        controller replaces it (the engine cannot step again)."""
         self.engine.check_ranks()
+        self._engine().check()
         return self.name
 
     async def node_id(self) -> str:

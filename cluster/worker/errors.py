@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from halfmoon.engine.errors import (
+    DeviceFailedError,
     HalfmoonError,
     InvalidRequestError,
     OutOfPagesError,
@@ -17,6 +18,7 @@ CODE_BY_ERROR: tuple[tuple[type[HalfmoonError], str], ...] = (
     (InvalidRequestError, "INVALID_ARGUMENT"),
     (RequestNotFoundError, "NOT_FOUND"),
     (OutOfPagesError, "UNAVAILABLE"),
+    (DeviceFailedError, "UNAVAILABLE"),  # the worker is being replaced: another one serves
 )
 
 
@@ -32,9 +34,11 @@ class WorkerError:
 
     @classmethod
     def of(cls, error: HalfmoonError) -> WorkerError:
+        # A failed device refused the request before computing any of it: run it elsewhere.
+        retryable = isinstance(error, DeviceFailedError)
         for error_type, code in CODE_BY_ERROR:
             if isinstance(error, error_type):
-                return cls(code, str(error))
+                return cls(code, str(error), retryable)
         return cls("INTERNAL", str(error))
 
 

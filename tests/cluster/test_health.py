@@ -54,3 +54,22 @@ def test_a_killed_worker_is_replaced_on_the_next_check(tiny_model_dir):
         os.kill(pid, signal.SIGKILL)
         assert wait_for(lambda: "prefill-0" in controller.check_health(), 60)
         assert controller.num_restarts == 1
+
+
+def test_a_worker_whose_device_failed_is_replaced_and_the_next_request_served(tiny_model_dir):
+    """A step that left the device unusable (a sticky CUDA error: engine/errors.py) makes the
+    worker fail its health check though its process answers; the controller replaces it."""
+    with running_cluster(tiny_model_dir, **{"health.unresponsive_s": 600.0}) as (cluster, client):
+        controller = Controller(cluster)
+
+        def fail_its_device(actor) -> None:
+            from halfmoon.engine.errors import DeviceFailedError
+
+            actor._engine().failed = DeviceFailedError("the engine's device failed in a step")
+
+        ray.get(worker(cluster, "decode-1").__ray_call__.remote(fail_its_device))
+        assert wait_for(lambda: "decode-1" in controller.check_health(), 60)
+        assert controller.num_restarts == 1 and "decode-1" not in cluster.workers
+        assert wait_for(lambda: controller.register_started() or not controller.pending, 120)
+        done = client.complete("Served after the replacement", max_tokens=4, temperature=0.0)
+        assert len(done.token_ids) == 4

@@ -8,8 +8,12 @@ import asyncio
 import threading
 import time
 
+import pytest
+import torch
+
 from halfmoon.engine import LLM, SamplingParams
-from halfmoon.engine.async_engine import AsyncEngine, _settle_each
+from halfmoon.engine.async_engine import AsyncEngine, EngineFailure, _settle_each
+from halfmoon.engine.errors import DeviceFailedError, is_device_failure
 
 PROMPTS = [[10 + i, 20, 30 + i] * (i + 1) for i in range(6)]
 PARAMS = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
@@ -191,3 +195,47 @@ def test_a_reserve_records_its_pages_fence_on_the_step_thread(tiny_model_dir, mo
         front.shutdown()
     assert fence == "fence" and len(pages) > 0
     assert marked == ["engine-step"]
+
+
+def test_a_step_failed_on_its_device_ends_the_engine_and_its_health_check(tiny_model_dir):
+    """A sticky device error (a CUDA illegal address keeps failing every later call while the
+    process lives) is fatal: the requests in flight end with EngineFailure, new ones are
+    refused with DeviceFailedError, and `check()` (the worker's ping) raises it so that the
+    controller replaces the worker. Any other failed step keeps the engine serving."""
+    engine = LLM(str(tiny_model_dir), num_pages=16).engine
+    front = AsyncEngine(engine)
+    step = engine.step
+    raised = {"error": RuntimeError("boom: not the device")}
+
+    def failing_step():
+        error = raised.pop("error", None)
+        if error is not None:
+            raise error
+        return step()
+
+    engine.step = failing_step
+
+    async def run(request_id: str) -> list:
+        return [out async for out in front.generate(PROMPTS[5], PARAMS, request_id)]
+
+    try:
+        with pytest.raises(EngineFailure, match="boom"):
+            asyncio.run(run("ordinary"))
+        front.check()  # an ordinary failure: still serving
+        assert asyncio.run(run("after"))[-1].finished
+        raised["error"] = torch.AcceleratorError("CUDA error: an illegal memory access")
+        with pytest.raises(EngineFailure, match="illegal memory access"):
+            asyncio.run(run("sticky"))
+        with pytest.raises(DeviceFailedError, match="device failed"):
+            front.check()
+        with pytest.raises(DeviceFailedError):
+            asyncio.run(run("refused"))
+    finally:
+        front.shutdown()
+
+
+def test_device_failures_are_told_from_ordinary_ones():
+    assert is_device_failure(RuntimeError("CUDA error: device-side assert triggered"))
+    assert is_device_failure(RuntimeError("CUBLAS_STATUS_EXECUTION_FAILED when calling ..."))
+    assert not is_device_failure(RuntimeError("shape mismatch"))
+    assert not is_device_failure(ValueError("CUDA error"))  # only what torch raises
