@@ -45,11 +45,26 @@ MANIFEST = "wheelhouse.json"
 # Tools of the `dev` extra that running halfmoon and its tests does not need.
 SKIP = {"ruff": "a linter", "grpcio-tools": "regenerates the checked-in stubs (`make proto`)"}
 # Carried even when the host has them, at this checkout's version: the generated stubs in
-# cluster/api refuse a grpcio or protobuf runtime older than the grpcio-tools that made them.
-ALWAYS_CARRY = {"grpcio", "protobuf"}
+# cluster/api refuse a grpcio or protobuf runtime older than the grpcio-tools that made them;
+# pydantic needs typing-extensions >= 4.16 and Ray packaging >= 24.2, and the image's list
+# (names only) cannot say which it holds (both wheels are under 100 KB).
+ALWAYS_CARRY = {"grpcio", "protobuf", "typing-extensions", "packaging"}
+# What one device call may carry in all (the wheelhouse and the checkout's tracked files), less
+# a margin for untracked files that travel too: `build` fails past it, not a GPU session.
+CARRY_LIMIT_BYTES = 62 << 20
 # Ray's wheel is ~79 MB; without its Java jars, RLlib and the dashboard's web client it is
-# ~52 MB, and halfmoon uses none of them.
-RAY_DROP = ("ray/jars/", "ray/rllib/", "ray/dashboard/client/")
+# ~52 MB (43 MB for 2.60), and without its libraries (Data, Serve, Train, Tune, LLM) 3-4 MB less
+# again; halfmoon uses none of them (the wheelhouse rehearsal in tests/ops serves from it).
+RAY_DROP = (
+    "ray/jars/",
+    "ray/rllib/",
+    "ray/dashboard/client/",
+    "ray/data/",
+    "ray/serve/",
+    "ray/train/",
+    "ray/tune/",
+    "ray/llm/",
+)
 DEBS = ["redis-server", "redis-tools", "liblzf1", "libjemalloc2"]
 DEB_ARCH = {"x86_64": "amd64", "aarch64": "arm64"}
 # In PREFIX: the digest of the wheelhouse.json installed there, so a second `install` of the
@@ -158,7 +173,7 @@ def slim_ray(wheel: Path) -> None:
             if info.filename.startswith(RAY_DROP) or info.filename == record:
                 continue
             data = src.read(info)
-            dst.writestr(info, data)
+            dst.writestr(info, data, compress_type=zipfile.ZIP_DEFLATED, compresslevel=9)
             digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=")
             rows.append(f"{info.filename},sha256={digest.decode()},{len(data)}")
         dst.writestr(record, "\n".join([*rows, f"{record},,"]) + "\n")
@@ -236,7 +251,33 @@ def build(args: argparse.Namespace) -> int:
         f"wheelhouse: {out}/ holds {len(manifest['wheels'])} wheels, {len(debs)} .debs, "
         f"{size / 2**20:.0f} MiB"
     )
+    problem = carry_problem(size, tracked_bytes())
+    if problem:
+        print(f"wheelhouse: {problem}", file=sys.stderr)
+        return 1
     return 0
+
+
+def tracked_bytes(root: Path = ROOT) -> int:
+    """Bytes of the checkout's tracked files: the working tree a device call copies."""
+    names = subprocess.run(
+        ["git", "-C", str(root), "ls-files", "-z"], check=True, capture_output=True
+    ).stdout.split(b"\0")
+    paths = (root / name.decode() for name in names if name)
+    return sum(path.stat().st_size for path in paths if path.is_file())
+
+
+def carry_problem(wheelhouse_bytes: int, tree_bytes: int) -> str | None:
+    """Why a wheelhouse and the tree would not fit one device call's carry (None: they do)."""
+    total = wheelhouse_bytes + tree_bytes
+    if total <= CARRY_LIMIT_BYTES:
+        return None
+    return (
+        f"the wheelhouse ({wheelhouse_bytes / 2**20:.1f} MiB) and the tracked tree "
+        f"({tree_bytes / 2**20:.1f} MiB) come to {total / 2**20:.1f} MiB, past the "
+        f"{CARRY_LIMIT_BYTES >> 20} MiB a device call may carry with room to spare: slim a "
+        "wheel (RAY_DROP) or carry less"
+    )
 
 
 def install(args: argparse.Namespace) -> int:

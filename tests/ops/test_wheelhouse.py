@@ -71,8 +71,9 @@ def test_plan_carries_what_the_device_image_lacks_at_this_checkouts_versions():
         "jsonschema",
         "rpds-py",
     } <= set(carried)
-    # Always carried, whatever the image holds: the stubs need this checkout's runtime.
-    assert {"grpcio", "protobuf"} <= set(carried)
+    # Always carried, whatever the image holds: the stubs need this checkout's runtime, and
+    # pydantic and Ray newer typing-extensions and packaging than an image may hold.
+    assert {"grpcio", "protobuf", "typing-extensions", "packaging"} <= set(carried)
     assert not set(carried) & (image - wheelhouse.ALWAYS_CARRY)
     assert not set(carried) & set(wheelhouse.SKIP)
     # Nor the `transfer-*` extras: Mooncake's Transfer Engine wheel does not fit the carry.
@@ -370,3 +371,12 @@ def test_cpu_kernel_and_engine_tests_pass_on_the_gpu_images_versions():
     versions = f"triton {pins['triton']} transformers {pins['transformers']}"
     assert f"rehearse-image: {versions}" in result.stdout
     assert re.search(r"\d+ passed", result.stdout) and " failed" not in result.stdout
+
+
+def test_a_wheelhouse_past_the_carry_limit_fails_its_build_with_the_sizes():
+    tree = wheelhouse.tracked_bytes()
+    assert 0 < tree < 16 << 20  # the checkout's tracked files, as a device call copies them
+    assert wheelhouse.carry_problem(50 << 20, tree) is None
+    problem = wheelhouse.carry_problem(61 << 20, 3 << 20)
+    assert "61.0 MiB" in problem and "3.0 MiB" in problem and "64.0 MiB" in problem
+    assert "past the 62 MiB" in problem
