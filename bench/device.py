@@ -24,7 +24,11 @@ def add_device_options(parser: argparse.ArgumentParser, on_cpu: str) -> None:
         help=f"cpu: {on_cpu}; cuda: the ~0.9B shape of the GPU issues in bf16, both workers "
         "sharing the GPU (default: cuda when one is visible)",
     )
-    parser.add_argument("--model", help="checkpoint directory (default: by --device)")
+    parser.add_argument(
+        "--model",
+        help="checkpoint directory (default: by --device), or launch-bound: a generated model of "
+        "32 layers of width 128, whose prefill is per-layer host work as an eager GPU one is",
+    )
 
 
 def parse_device_args(
@@ -41,7 +45,10 @@ def parse_device_args(
 
 def bench_model(device: str, model: str | None = None) -> str:
     """`model`, else the bench checkpoint for `device` (made on first use): the ~50M model on
-    cpu, the ~0.9B shape of the GPU issues on cuda."""
+    cpu, the ~0.9B shape of the GPU issues on cuda; "launch-bound": the generated 32-layer
+    model of width 128."""
+    if model == "launch-bound":  # generated: 32 thin layers, host-bound (SHAPES["launch"])
+        return str(ensure_model(default_model_dir().with_name(model), SHAPES["launch"]))
     if model:
         return model
     name, shape = ("bench-0.9b", "gpu") if device == "cuda" else ("bench-50m", "bench")

@@ -34,6 +34,9 @@ class TinyModelShape:
 SHAPES = {
     "tiny": TinyModelShape(128, 352, 4, 4, 2),  # ~1M parameters: the serving default
     "bench": TinyModelShape(512, 1792, 14, 8, 4),  # ~50M: the CPU benchmarks' model
+    # ~4M in 32 layers of width 128: a prefill dominated by per-layer host work, as an eager
+    # GPU prefill is (issue 51: the prefill worker's overhead seen on CPU).
+    "launch": TinyModelShape(128, 352, 32, 4, 2),
     "gpu": TinyModelShape(2048, 5632, 16, 32, 8),  # ~0.9B: the GPU issues' figures were measured at
 }
 

@@ -47,6 +47,27 @@ class ModeResult:
     mode: str
     ttft_s: list[float] = field(default_factory=list)
     stages: dict[str, list[float]] = field(default_factory=dict)
+    # Disaggregated: the prefill workers' time inside model forward passes, a request on
+    # average (their `forward_s` over the run; one at a time, it is each request's own).
+    engine_compute_s: float | None = None
+
+    def split_ms(self) -> dict[str, float] | None:
+        """Served TTFT's p50 parts: waiting for the prefill to start, the prefill worker's
+        compute (its step with hooks and publishing), the engine's own forward passes within
+        it, and the hand-off to the first token out."""
+        stages = self.stages
+        names = ("prefill compute began", "prefill compute ended", "first token out")
+        if self.engine_compute_s is None or not all(stages.get(n) for n in names):
+            return None
+        began, ended, first = (stages[n] for n in names)
+        worker = [end - start for start, end in zip(began, ended, strict=False)]
+        hand_off = [token - end for end, token in zip(ended, first, strict=False)]
+        return {
+            "queue": statistics.median(began) * 1e3,
+            "worker_compute": statistics.median(worker) * 1e3,
+            "engine_compute": self.engine_compute_s * 1e3,
+            "hand_off": statistics.median(hand_off) * 1e3,
+        }
 
     def add_timeline(self, timeline: list[tuple[str, float]]) -> None:
         seen = set()
@@ -146,13 +167,23 @@ def serve_mode(config: ClusterConfig, prompts, max_tokens: int, rate: float, bar
     try:
         ports = cluster.start()
         address = f"127.0.0.1:{ports['grpc_port']}"
+        forward_before = _prefill_forward_s(cluster)
         served = asyncio.run(serve_prompts(address, prompts, max_tokens, rate, bar))
+        if config.mode == "disaggregated":  # (a colocated worker's forward passes decode too)
+            forward_s = _prefill_forward_s(cluster) - forward_before
+            result.engine_compute_s = forward_s / (len(prompts) + 1)  # the warm-up's too
         for request_id, ttft_s in served:
             result.ttft_s.append(ttft_s)
             result.add_timeline(ray.get(cluster.router.timeline.remote(request_id)))
     finally:
         cluster.stop()
     return result
+
+
+def _prefill_forward_s(cluster: Cluster) -> float:
+    """The prefill workers' seconds inside model forward passes so far."""
+    prefills = [w.actor for w in cluster.workers.values() if w.kind == "prefill"]
+    return sum(c["forward_s"] for c in ray.get([a.counters.remote() for a in prefills]))
 
 
 def report(engine_s: list[float], results: list[ModeResult], args) -> dict:
@@ -178,6 +209,7 @@ def report(engine_s: list[float], results: list[ModeResult], args) -> dict:
             "overhead_p50_ms": (ttft_p50 - engine_p50) * 1e3,
             "goal_met": ttft_p50 <= goal_s,
             "stages_p50_ms": stages,
+            "split_p50_ms": result.split_ms(),
         }
     return out
 
@@ -196,6 +228,13 @@ def print_report(out: dict) -> None:
             f"  {m['ttft_over_engine']:.2f}x the engine alone ({m['overhead_p50_ms']:+.2f} ms); "
             f"goal {'met' if m['goal_met'] else 'missed'}"
         )
+        if split := m.get("split_p50_ms"):
+            worker, engine = split["worker_compute"], split["engine_compute"]
+            print(
+                f"  split p50: queue {split['queue']:.2f} ms, prefill worker compute "
+                f"{worker:.2f} ms (engine forward {engine:.2f} ms, {worker / engine:.2f}x), "
+                f"hand-off {split['hand_off']:.2f} ms"
+            )
         print("  router timeline p50 (ms since arrival):")
         for stage, offset in m["stages_p50_ms"].items():
             print(f"    {offset:9.2f}  {stage}")
