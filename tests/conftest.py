@@ -56,11 +56,22 @@ LONGEST_FIRST = (
 )
 
 
+# Every `gpu` test outside tests/kernels builds an engine or a cluster that sizes its KV from
+# the GPU's memory (a share of it each): several at once on one GPU asked for ~190 GB of 143.
+# They share one xdist group, so `--dist loadgroup` runs them one after another on one worker
+# while the rest spread (deploy/gpu/visit.sh); without xdist the mark does nothing.
+GPU_MEMORY_GROUP = pytest.mark.xdist_group("gpu-memory")
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     """The longest files first (`LONGEST_FIRST`); tests marked `gpu` need CUDA: without it
-    they are skipped, so `make test` runs anywhere."""
+    they are skipped, so `make test` runs anywhere; those that take GPU memory run one at a
+    time under xdist (`GPU_MEMORY_GROUP`)."""
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+    for item in items:
+        if "gpu" in item.keywords and item.path.parent.name != "kernels":
+            item.add_marker(GPU_MEMORY_GROUP)
     if HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run `make test-gpu` on a GPU host)")

@@ -72,7 +72,9 @@ for what in "$@"; do
       timeout -k 15 240 "${pytest[@]}" -n 6 --timeout 150 -m "not slow" tests/kernels \
         --junitxml="$logs/kernels.xml" >"$logs/kernels.log" 2>&1 &
       kernels=$!
-      part gpu-tests 270 "${pytest[@]}" -n 4 --dist loadfile --timeout 170 -m gpu tests \
+      # loadgroup: the tests that take GPU memory (an engine or a cluster each) share one
+      # worker, one at a time (tests/conftest.py); several at once asked for more than the GPU has
+      part gpu-tests 270 "${pytest[@]}" -n 4 --dist loadgroup --timeout 170 -m gpu tests \
         --junitxml="$logs/gpu-tests.xml"
       wait "$kernels"
       say "kernel-tests: rc=$? $(tail -n 1 "$logs/kernels.log")"

@@ -148,3 +148,42 @@ def test_a_short_visit_bundles_its_logs_into_one_file_the_device_returns(tmp_pat
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["summary.txt", "visit.tgz"]
     with tarfile.open(tmp_path / "out" / "visit.tgz") as bundle:
         assert {"./preflight.log", "./kernels.log", "./summary.txt"} <= set(bundle.getnames())
+
+
+def test_gpu_tests_that_take_gpu_memory_share_one_xdist_group(tmp_path):
+    """Several engines or clusters at once on one GPU asked for ~190 GB of 143 (issue 51): the
+    `gpu` tests outside tests/kernels share one group, which the visit's `--dist loadgroup`
+    runs on one worker, one at a time."""
+    plugin = tmp_path / "groups_probe.py"
+    plugin.write_text(
+        "def pytest_collection_finish(session):\n"
+        "    for item in session.items:\n"
+        "        if 'gpu' in item.keywords:\n"
+        "            groups = [m.args for m in item.iter_markers('xdist_group')]\n"
+        "            print('GROUP', item.path.parent.name, groups)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    probe = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "--collect-only",
+            "-q",
+            "-p",
+            "groups_probe",
+            "-p",
+            "no:cacheprovider",
+            "tests/engine/test_warmup.py",
+            "tests/cluster/test_gpu_cluster.py",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=120,
+    )
+    lines = [line for line in probe.stdout.splitlines() if line.startswith("GROUP")]
+    assert lines, probe.stdout[-2000:] + probe.stderr[-2000:]
+    assert all(line.endswith("[('gpu-memory',)]") for line in lines), lines
+    assert "--dist loadgroup" in (ROOT / "deploy/gpu/visit.sh").read_text()
