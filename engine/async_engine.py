@@ -283,19 +283,25 @@ class AsyncEngine:
         try:
             return self.engine.step()
         except Exception as error:  # noqa: BLE001 - a failed step must not kill serving
-            if is_device_failure(error):
-                log.exception("engine step failed on its device; taking no more requests")
-                self.failed = DeviceFailedError(f"the engine's device failed in a step: {error}")
-            else:
-                log.exception("engine step failed; ending the requests in flight")
-            self._fail_all(error)
+            self.failed = end_failed_step(self.engine, self._streams, error) or self.failed
             return []
 
-    def _fail_all(self, error: Exception) -> None:
-        for request_id in list(self.engine.requests):
-            self.engine.abort(request_id)
-            failure = EngineFailure(f"request {request_id} failed: {error}")
-            self._streams.deliver(failure, request_id)
+
+def end_failed_step(
+    engine: LLMEngine, streams: Streams, error: Exception
+) -> DeviceFailedError | None:
+    """A step raised `error`: every request in flight ends with an EngineFailure on its
+    stream. Returns the DeviceFailedError the error amounts to when it left the device
+    unusable (`is_device_failure`: the engine then takes nothing more), else None."""
+    fatal = is_device_failure(error)
+    log.exception(
+        "engine step failed%s; ending the requests in flight",
+        " on its device, taking no more requests" if fatal else "",
+    )
+    for request_id in list(engine.requests):
+        engine.abort(request_id)
+        streams.deliver(EngineFailure(f"request {request_id} failed: {error}"), request_id)
+    return DeviceFailedError(f"the engine's device failed in a step: {error}") if fatal else None
 
 
 def _settle_each(settled: list[tuple[asyncio.Future, object, Exception | None]]) -> None:
