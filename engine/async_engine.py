@@ -283,17 +283,17 @@ class AsyncEngine:
         try:
             return self.engine.step()
         except Exception as error:  # noqa: BLE001 - a failed step must not kill serving
-            self.failed = end_failed_step(self.engine, self._streams, error) or self.failed
+            fatal = is_device_failure(error)
+            if fatal:  # before the requests' streams end: their callers may ask at once
+                self.failed = DeviceFailedError(f"the engine's device failed in a step: {error}")
+            end_failed_step(self.engine, self._streams, error, fatal)
             return []
 
 
-def end_failed_step(
-    engine: LLMEngine, streams: Streams, error: Exception
-) -> DeviceFailedError | None:
+def end_failed_step(engine: LLMEngine, streams: Streams, error: Exception, fatal: bool) -> None:
     """A step raised `error`: every request in flight ends with an EngineFailure on its
-    stream. Returns the DeviceFailedError the error amounts to when it left the device
-    unusable (`is_device_failure`: the engine then takes nothing more), else None."""
-    fatal = is_device_failure(error)
+    stream; `fatal`: it left the device unusable (`is_device_failure`: the engine then takes
+    nothing more)."""
     log.exception(
         "engine step failed%s; ending the requests in flight",
         " on its device, taking no more requests" if fatal else "",
@@ -301,7 +301,6 @@ def end_failed_step(
     for request_id in list(engine.requests):
         engine.abort(request_id)
         streams.deliver(EngineFailure(f"request {request_id} failed: {error}"), request_id)
-    return DeviceFailedError(f"the engine's device failed in a step: {error}") if fatal else None
 
 
 def _settle_each(settled: list[tuple[asyncio.Future, object, Exception | None]]) -> None:
