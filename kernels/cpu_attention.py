@@ -12,11 +12,10 @@ import ctypes
 import torch
 
 from halfmoon.kernels import cpu_build
-from halfmoon.kernels.kv_quant import head_dim_of
+from halfmoon.kernels.kv_quant import FORMAT_CODES, head_dim_of
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-# A quantized cache's format code (kv_quant.py); 0: the cache is in the query's dtype.
-KV_FORMATS = {torch.int8: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
+KV_FORMATS = FORMAT_CODES  # a quantized cache's format code; 0: in the query's dtype
 
 
 def available() -> bool:

@@ -36,6 +36,8 @@ QMAX: dict[torch.dtype, float] = {
     torch.float8_e5m2: 256.0,
 }
 SCALE_BYTES = 2  # the fp16 scale after each row's values
+# The code the compiled and Triton kernels know each storage dtype by (0: a cache of values).
+FORMAT_CODES: dict[torch.dtype, int] = {torch.int8: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
 
 
 def canonical(kv_cache_dtype: str) -> str:

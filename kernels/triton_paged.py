@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from halfmoon.kernels.kv_quant import FORMAT_CODES
+
 LOG2_E = 1.4426950408889634
 
 
@@ -117,12 +119,8 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-# The KV_FORMAT code of a cache's storage dtype (kv_quant.py); 0: it holds values.
-KV_FORMATS = {torch.int8: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
-
-
 def kv_format(cache: torch.Tensor) -> int:
-    return KV_FORMATS.get(cache.dtype, 0)
+    return FORMAT_CODES.get(cache.dtype, 0)
 
 
 def kernel_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, query: torch.Tensor) -> tuple:
