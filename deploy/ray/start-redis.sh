@@ -12,10 +12,22 @@ if [ ! -s "$password_file" ]; then
     exit 1
 fi
 address=$(hostname -I | cut -d' ' -f1)
+log=/tmp/halfmoon-redis-$port.log
 REDISCLI_AUTH=$(cat "$password_file") redis-cli -h "$address" -p "$port" shutdown nosave \
     2>/dev/null || true
 printf 'requirepass %s\n' "$(cat "$password_file")" | redis-server - --port "$port" \
   --bind "$address" 127.0.0.1 --protected-mode yes \
   --save "" --appendonly no --maxmemory "$maxmemory" --maxmemory-policy allkeys-lru \
-  --daemonize yes --logfile /tmp/halfmoon-redis.log
-echo "redis://:<deploy/ray/secrets/redis-password>@$address:$port/0"
+  --daemonize yes --logfile "$log"
+# --daemonize returns before the server listens: wait until it answers (or say why it did not).
+for _ in $(seq 100); do
+    if REDISCLI_AUTH=$(cat "$password_file") redis-cli -h 127.0.0.1 -p "$port" ping \
+        2>/dev/null | grep -q PONG; then
+        echo "redis://:<deploy/ray/secrets/redis-password>@$address:$port/0"
+        exit 0
+    fi
+    sleep 0.1
+done
+echo "start-redis.sh: redis-server did not answer on port $port within 10 s; its log:" >&2
+tail -n 20 "$log" >&2 || true
+exit 1
