@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 
-from halfmoon.decode_worker.notices import Notices, Reservation
+from halfmoon.decode_worker.receives import Receive, Receives
 from halfmoon.engine.kv_cache import PagedKvCache
 from halfmoon.kvstore.config import TransferSettings
 from halfmoon.kvstore.transfer.engine import EngineAddress, FirstToken, open_endpoint, parse_notice
@@ -29,8 +29,8 @@ POLL_S = 0.0002  # between two reads of the engine's notifications while receive
 class EngineReceiver:
     """Grants staging slots to remote prefill workers and takes their landed notices."""
 
-    def __init__(self, kv_cache: PagedKvCache, notices: Notices, settings: TransferSettings):
-        self.notices = notices
+    def __init__(self, kv_cache: PagedKvCache, receives: Receives, settings: TransferSettings):
+        self.receives = receives
         self.endpoint, self.path = open_endpoint(settings)
         self.staging = None
         if self.endpoint is not None:
@@ -63,29 +63,29 @@ class EngineReceiver:
         self.advertised = True
         return EngineAddress(self.endpoint.session, actor_name)
 
-    def expect(self, reservation: Reservation) -> None:
+    def expect(self, receive: Receive) -> None:
         """At reserve: a receive from another node, whose prefill worker was given this
         worker's address, waits for that worker's word."""
         if self.advertised:
-            reservation.engine = asyncio.get_running_loop().create_future()
+            receive.engine = asyncio.get_running_loop().create_future()
 
     async def grant(self, key: str, accept: bool, wait_s: float) -> Grant | None:
         """A prefill worker's word on the receive `key` (it can write: `accept`): the slots it
         writes into, or None (through the store). Waits `wait_s` for the reserve it may have
         overtaken."""
-        reservation = await self._reservation(key, wait_s)
-        if reservation is None or reservation.engine is None or reservation.engine.done():
+        receive = await self._receive(key, wait_s)
+        if receive is None or receive.engine is None or receive.engine.done():
             return None
-        num_blocks = -(-reservation.num_tokens // self.block_size)
+        num_blocks = -(-receive.num_tokens // self.block_size)
         grant = self.staging.grant(num_blocks) if accept else None
-        reservation.engine.set_result(grant)
+        receive.engine.set_result(grant)
         return grant
 
-    async def _reservation(self, key: str, wait_s: float) -> Reservation | None:
+    async def _receive(self, key: str, wait_s: float) -> Receive | None:
         deadline = time.monotonic() + wait_s
-        while (reservation := self.notices.find(key)) is None and time.monotonic() < deadline:
+        while (receive := self.receives.live(key)) is None and time.monotonic() < deadline:
             await asyncio.sleep(0.001)  # the reserve, sent with the prefill, is a moment away
-        return reservation
+        return receive
 
     def opened(self) -> None:
         """A receive now waits for landed notices: read them until it ends (`closed`)."""
@@ -93,11 +93,11 @@ class EngineReceiver:
         self.open += 1
         self.wake.set()
 
-    def closed(self, reservation: Reservation, grant: Grant, clean: bool) -> None:
+    def closed(self, receive: Receive, grant: Grant, clean: bool) -> None:
         """The receive ended: its slots go back; the notices are read on until its first
         token is known too (its notice may come after the last layer's)."""
         self.staging.release(grant, clean)
-        token = reservation.first_token
+        token = receive.first_token
         if clean and not token.done():
             token.add_done_callback(lambda _: self._unwatch())
         else:
@@ -124,23 +124,22 @@ class EngineReceiver:
     def _on_notes(self, notes: list[tuple[str, str]]) -> None:
         for name, message in notes:
             notice = parse_notice(name, message)
-            reservation = self.notices.find(name) if notice is not None else None
+            receive = self.receives.live(name) if notice is not None else None
             grant = None
-            if reservation is not None and reservation.engine is not None:
-                engine = reservation.engine
+            if receive is not None and receive.engine is not None:
+                engine = receive.engine
                 grant = engine.result() if engine.done() and not engine.cancelled() else None
             if grant is None or notice.token != grant.token or not self._fits(notice):
-                if reservation is not None or notice is None:  # else: a receive that ended
+                if receive is not None or notice is None:  # else: a receive that ended
                     self.num_refused += 1
                     log.warning("refused a transfer notice %r for %r", message[:64], name[:64])
                 continue
             if isinstance(notice, FirstToken):
-                if not reservation.first_token.done():
-                    reservation.first_token.set_result(notice.token_id)
+                receive.give_first_token(notice.token_id)
                 continue
             self.num_landed += 1
-            reservation.landed.add((notice.unit, notice.layer))
-            reservation.arrived.set()
+            receive.landed.add((notice.unit, notice.layer))
+            receive.arrived.set()
 
     def _fits(self, notice) -> bool:
         return isinstance(notice, FirstToken) or notice.layer < self.num_layers

@@ -6,15 +6,14 @@ wrote into on the transfer engine (decode_worker/engine_receive.py)."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 import uuid
-from collections import OrderedDict
 
 import ray
 
 from halfmoon.decode_worker.engine_receive import EngineReceiver
-from halfmoon.decode_worker.notices import Notices, Reservation
+from halfmoon.decode_worker.notices import Notices
+from halfmoon.decode_worker.receives import Receive, ReceiveTimings
 from halfmoon.engine.kv_cache import PagedKvCache
 from halfmoon.kvstore.locate import local_store
 from halfmoon.kvstore.shared_arena import MappedArena, map_arena
@@ -23,7 +22,6 @@ from halfmoon.kvstore.transfer.notice_format import LayerNotice, PagesNotice
 from halfmoon.kvstore.transfer.plan import TransferUnit
 from halfmoon.kvstore.transfer.staging import Grant
 
-RECENT_TIMINGS = 1024
 # Until the router hands the request over (its prefill returned), the reads wait for the
 # prefill however long it queues and computes, up to this bound: the router aborts the
 # reservation when the prefill fails or its worker dies. After the hand-off, what is still
@@ -31,20 +29,8 @@ RECENT_TIMINGS = 1024
 PREFILL_WAIT_S = 3600.0
 
 
-@dataclasses.dataclass(slots=True)
-class ReceiveTimings:
-    """When a request's KV arrived (wall-clock seconds since epoch)."""
-
-    reserved_at: float
-    first_layer_received_at: float = 0.0
-    all_received_at: float = 0.0
-    first_token_at: float = 0.0  # the first token became known here
-    joined_at: float = 0.0
-    num_bytes: int = 0
-
-
 class Receiver:
-    """Copies prompts' KV into reserved pages; keeps each receive's timings."""
+    """Copies prompts' KV into reserved pages, noting its timings on each receive."""
 
     def __init__(
         self,
@@ -62,7 +48,6 @@ class Receiver:
         self.stores: dict[str, object] = {}
         self.arenas: dict[object, MappedArena | None] = {}  # by store name or handle id
         self.transfers: list[tuple[int, float]] = []  # (bytes, seconds) of finished receives
-        self.timings: OrderedDict[str, ReceiveTimings] = OrderedDict()
         self.num_shared_reads = 0
         self.num_direct_receives = 0
         self.num_page_copies = 0  # layers copied out of a prefill worker's lent pages
@@ -92,16 +77,6 @@ class Receiver:
         self.stores.pop(name, None)
         self.arenas.clear()  # mapped again on next use (this node's is keyed by its handle)
 
-    def start(self, request_id: str) -> ReceiveTimings:
-        timings = self.timings[request_id] = ReceiveTimings(reserved_at=time.time())
-        while len(self.timings) > RECENT_TIMINGS:
-            self.timings.popitem(last=False)
-        return timings
-
-    def timings_of(self, request_id: str) -> ReceiveTimings | None:
-        """The timings of a recent receive (the last RECENT_TIMINGS are kept)."""
-        return self.timings.get(request_id)
-
     def take_transfers(self) -> list[tuple[int, float]]:
         """(bytes, seconds) of each receive finished since the last call."""
         transfers, self.transfers = self.transfers, []
@@ -110,28 +85,27 @@ class Receiver:
     async def receive(
         self,
         store,
-        request_id: str,
+        receive: Receive,
         units: list[TransferUnit],
         pages: list[int],
         store_name: str | None,
-        reservation: Reservation,
     ) -> None:
         """Copy the prompt's KV into `pages`: as the notices say when told directly and the
         store is on this node; from another node, out of the staging slots its prefill worker
         wrote into when it took a grant; else from the store's stream."""
-        if reservation.engine is not None and (grant := await reservation.engine) is not None:
+        if receive.engine is not None and (grant := await receive.engine) is not None:
             self.num_engine_receives += 1
-            await self._engine_received(request_id, units, pages, reservation, grant)
+            await self._engine_received(receive, units, pages, grant)
             return
         arena = await self._arena(store, store_name)
-        if reservation.direct and arena is not None:
+        if receive.direct and arena is not None:
             self.num_direct_receives += 1
-            await self._notified(request_id, units, pages, arena, reservation)
+            await self._notified(receive, units, pages, arena)
             return
-        if reservation.direct:  # the store is elsewhere after all: its stream it is
-            reservation.direct = False
-            self.notices.undirect(reservation)
-        await self._streamed(store, request_id, units, pages, arena, reservation.fence)
+        if receive.direct:  # the store is elsewhere after all: its stream it is
+            receive.direct = False
+            self.notices.undirect(receive)
+        await self._streamed(store, receive, units, pages, arena)
 
     async def _arena(self, store, store_name: str | None) -> MappedArena | None:
         """The store node's shared arena, when it is on this node (mapped once per store)."""
@@ -142,49 +116,46 @@ class Receiver:
         return self.arenas[key]
 
     async def _notified(
-        self, request_id: str, units, pages: list[int], arena: MappedArena, reservation
+        self, receive: Receive, units, pages: list[int], arena: MappedArena
     ) -> None:
         """Each layer of each unit from the prefill worker's own pages or the arena slots its
         notices name (the pages when both are offered: they come first, and cost one copy on
         the device); each unit's claim is released once its last layer is copied, the lent
         pages once everything has landed."""
-        timings = self.timings[request_id]
+        timings = receive.timings
         written = None
         async with asyncio.timeout(PREFILL_WAIT_S):  # the router aborts long before
             for index, unit in enumerate(units):
                 unit_pages = pages[unit.first_block : unit.first_block + len(unit.keys)]
                 for layer in range(self.kv_cache.num_layers):
                     where = (index, layer)
-                    lent, notice = await self.notices.next_offer(reservation, where)
+                    lent, notice = await self.notices.next_offer(receive, where)
                     if lent is not None:
-                        written = self._copy_lent(reservation, where, lent, unit_pages, timings)
+                        written = self._copy_lent(receive, where, lent, unit_pages)
                     else:
-                        written = self._copy_slots(
-                            arena, notice, layer, unit_pages, timings, reservation.fence
-                        )
+                        written = self._copy_slots(arena, notice, layer, unit_pages, receive)
                     _first_layer(timings)
         await self._all_written(written, timings)
-        self.notices.answer_lenders(reservation)
+        self.notices.answer_lenders(receive)
 
     def _copy_lent(
         self,
-        reservation: Reservation,
+        receive: Receive,
         where: tuple[int, int],
         lent: tuple[PagesNotice, NoticeConn],
         unit_pages: list[int],
-        timings: ReceiveTimings,
     ):
         """One layer out of a prefill worker's lent pages (its arena copy, if offered, goes)."""
         kv_cache = self.kv_cache
         pages_notice, conn = lent
-        reservation.copied.add(where)
-        if (slots := reservation.layers.pop(where, None)) is not None:
+        receive.copied.add(where)
+        if (slots := receive.layers.pop(where, None)) is not None:
             self.notices.release([slots.lease])
         named = pages_notice.pages
         _check_places(pages_notice, named, "pages", len(unit_pages), conn.cache.num_pages)
-        written = kv_cache.copy_pages(where[1], conn.cache, named, unit_pages, reservation.fence)
+        written = kv_cache.copy_pages(where[1], conn.cache, named, unit_pages, receive.fence)
         self.num_page_copies += 1
-        timings.num_bytes += len(unit_pages) * kv_cache.page_layer_bytes
+        receive.timings.num_bytes += len(unit_pages) * kv_cache.page_layer_bytes
         return written
 
     def _copy_slots(
@@ -193,8 +164,7 @@ class Receiver:
         notice: LayerNotice,
         layer: int,
         unit_pages: list[int],
-        timings: ReceiveTimings,
-        after=None,
+        receive: Receive,
     ):
         """One layer out of the arena slots a notice names; its claim is released after."""
         kv_cache = self.kv_cache
@@ -205,15 +175,15 @@ class Receiver:
         finally:
             self.notices.release([notice.lease])  # copied out (or never will be)
         self.num_shared_reads += 1
-        timings.num_bytes += kv.nbytes
-        return kv_cache.write_layer(layer, unit_pages, kv, ordered=False, after=after)
+        receive.timings.num_bytes += kv.nbytes
+        return kv_cache.write_layer(layer, unit_pages, kv, ordered=False, after=receive.fence)
 
     async def _engine_received(
-        self, request_id: str, units, pages: list[int], reservation: Reservation, grant: Grant
+        self, receive: Receive, units, pages: list[int], grant: Grant
     ) -> None:
         """Each layer of each unit out of the staging slots, once its landed notice came."""
         kv_cache, staging = self.kv_cache, self.engine.staging
-        timings = self.timings[request_id]
+        timings = receive.timings
         written, clean = None, False
         self.engine.opened()
         try:
@@ -221,36 +191,35 @@ class Receiver:
                 for index, unit in enumerate(units):
                     first, count = unit.first_block, len(unit.keys)
                     for layer in range(kv_cache.num_layers):
-                        while (index, layer) not in reservation.landed:
-                            reservation.arrived.clear()
-                            await reservation.arrived.wait()
+                        while (index, layer) not in receive.landed:
+                            receive.arrived.clear()
+                            await receive.arrived.wait()
                         kv = staging.layer(grant, layer, first, count)
                         written = kv_cache.write_layer(
                             layer,
                             pages[first : first + count],
                             kv,
                             ordered=False,
-                            after=reservation.fence,
+                            after=receive.fence,
                         )
                         timings.num_bytes += kv.nbytes
                         _first_layer(timings)
             await self._all_written(written, timings)
             clean = True
         finally:
-            self.engine.closed(reservation, grant, clean)
+            self.engine.closed(receive, grant, clean)
 
     async def _streamed(
-        self, store, request_id: str, units, pages: list[int], arena: MappedArena | None, after
+        self, store, receive: Receive, units, pages: list[int], arena: MappedArena | None
     ) -> None:
-        kv_cache = self.kv_cache
-        timings = self.timings[request_id]
+        kv_cache, timings, after = self.kv_cache, receive.timings, receive.fence
         # One stream for the whole prompt: the store sends each layer of each unit as soon as
         # it is put, so a prompt whose KV is all published costs one round trip, and the
         # store holds one call for this request however many units and layers it has. On
         # the store's own node it sends only where the layer is in its shared arena, and
         # the layer is copied from there (no Ray object carries it).
         method = store.stream_layers if arena is None else store.stream_slots
-        extra = () if arena is None else (f"{request_id}/{uuid.uuid4().hex}",)
+        extra = () if arena is None else (f"{receive.request_id}/{uuid.uuid4().hex}",)
         wait_s = max(self.get_timeout_s, PREFILL_WAIT_S)  # the store's, for each layer
         stream = method.options(num_returns="streaming").remote(
             [unit.keys for unit in units], kv_cache.num_layers, wait_s, *extra

@@ -22,7 +22,7 @@ from halfmoon.engine.page_pool import PagePool
 from halfmoon.engine.sampler import sample
 from halfmoon.engine.sampling_params import SamplingParams
 from halfmoon.engine.scheduler import Scheduler
-from halfmoon.engine.sequence import Sequence, TokenLogprobs
+from halfmoon.engine.sequence import Sequence, SequenceStatus, TokenLogprobs
 from halfmoon.engine.step_meter import StepMeter
 from halfmoon.engine.stopping import Stopping
 from halfmoon.engine.tokenizer import Prompt
@@ -150,7 +150,10 @@ class LLMEngine:
         """A reserved prompt's KV is all in its pages: start decoding after its first token,
         one per sequence of the request (a list when `n` > 1, which forks it here)."""
         ids = first_token_ids if isinstance(first_token_ids, list) else [first_token_ids]
-        seq = self.scheduler.join(request_id, ids)
+        seq = self.requests.get(request_id)
+        if seq is None or seq.status is not SequenceStatus.RESERVED:
+            raise RequestNotFoundError(request_id)
+        self.scheduler.join(seq, ids)
         group = self.forks.fork(seq) if seq.num_forks > 1 else [seq]
         parked = self.grammars.park(group)  # decodes once its grammar is compiled
         self.scheduler.hold(group, parked)  # or once the batch has room (max_num_seqs)
@@ -206,7 +209,6 @@ class LLMEngine:
         seq = self.requests.pop(request_id, None)
         if seq is None:
             raise RequestNotFoundError(request_id)
-        self.scheduler.reserved.pop(request_id, None)
         live = [s for s in seq.group if not s.finished]
         for s in live:
             self.scheduler.finish(s, "abort")

@@ -7,7 +7,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from halfmoon.engine.errors import InvalidRequestError, OutOfPagesError, RequestNotFoundError
+from halfmoon.engine.errors import InvalidRequestError, OutOfPagesError
 from halfmoon.engine.hooks import KVHooks
 from halfmoon.engine.page_pool import PagePool
 from halfmoon.engine.sequence import Sequence, SequenceStatus
@@ -35,7 +35,6 @@ class Scheduler:
         self.hooks = hooks
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.reserved: dict[str, Sequence] = {}  # by request id: their KV is on its way in
         # Joined (their KV written from outside) past max_num_seqs, the largest decode graph.
         self.joined: deque[list[Sequence]] = deque()
         self.num_preemptions = 0
@@ -71,24 +70,19 @@ class Scheduler:
         if not self.pool.can_grow(seq, len(seq)):
             raise OutOfPagesError(self.pool.pages_needed(seq, len(seq)), self.pool.num_free_pages)
         self.pool.grow(seq, len(seq))
-        self.reserved[seq.request_id] = seq
+        seq.status = SequenceStatus.RESERVED
 
-    def join(self, request_id: str, first_token_ids: list[int]) -> Sequence:
-        """The reserved sequence of `request_id`, its prompt's KV all in its pages, runs from
-        its first tokens (one for each sequence it becomes)."""
-        seq = self.reserved.get(request_id)
-        if seq is None:
-            raise RequestNotFoundError(request_id)
+    def join(self, seq: Sequence, first_token_ids: list[int]) -> None:
+        """The reserved `seq`, its prompt's KV all in its pages, runs from its first tokens
+        (one for each sequence it becomes)."""
         if len(first_token_ids) != seq.num_forks:
             raise InvalidRequestError(
                 "first_token_ids", first_token_ids, f"must be one per sequence: n = {seq.num_forks}"
             )
-        del self.reserved[request_id]
         seq.num_computed_tokens = seq.num_prompt_tokens
         seq.status = SequenceStatus.RUNNING
         self.pool.cache_full_blocks(seq)
         self.running.append(seq)
-        return seq
 
     def hold(self, group: list[Sequence], parked: bool) -> None:
         """A joined request's sequences, just added to the batch, leave it while their grammar

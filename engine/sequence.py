@@ -17,6 +17,9 @@ if TYPE_CHECKING:
 
 class SequenceStatus(Enum):
     WAITING = "waiting"
+    # Its pages held while its prompt's KV is written from outside (disaggregated decode),
+    # until it joins the batch (vLLM's WAITING_FOR_REMOTE_KVS).
+    RESERVED = "reserved"
     RUNNING = "running"
     FINISHED = "finished"
 

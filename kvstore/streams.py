@@ -18,8 +18,8 @@ from halfmoon.kvstore.errors import LayerTimeout
 from halfmoon.kvstore.layout import LayerKV
 from halfmoon.kvstore.stats import LatencyStats
 
-# `stream_slots` streams whose leases are tracked at once (the oldest are ended beyond it).
-MAX_OPEN_STREAMS = 65536
+# `stream_slots` streams tracked, open or ended (beyond it, the oldest are ended and forgotten).
+MAX_STREAMS = 131072
 
 
 class LayerStreams:
@@ -29,8 +29,8 @@ class LayerStreams:
         self._blocks = blocks
         self._config = blocks.config
         self._latency = LatencyStats()
-        self._holds: OrderedDict[str, list[int]] = OrderedDict()  # see stream_slots
-        self._ended: OrderedDict[str, None] = OrderedDict()
+        # By stream id: the leases a `stream_slots` stream holds, None once it ended.
+        self._streams: OrderedDict[str, list[int] | None] = OrderedDict()
 
     async def get_layer(
         self, keys: Sequence[bytes], layer: int, timeout_s: float | None = None
@@ -60,14 +60,15 @@ class LayerStreams:
     ) -> AsyncIterator[tuple[list[int], int]]:
         """`stream_layers` for a reader that maps the shared arena: each item is the unit's
         slots and a lease holding them, until `end_stream(stream_id)` (or `lease_ttl_s`)."""
-        holds = self._holds.setdefault(stream_id, [])
-        while len(self._holds) > MAX_OPEN_STREAMS:
-            self.end_stream(next(iter(self._holds)))
+        if stream_id in self._streams and self._streams[stream_id] is None:
+            return  # its reader ended it before it began
+        holds = self._streams.setdefault(stream_id, [])
+        self._forget_oldest()
         for keys in units:
             for layer in range(num_layers):
                 start = time.perf_counter()
                 async with self._layer_ready(keys, layer, timeout_s):
-                    if stream_id in self._ended:
+                    if self._streams.get(stream_id) is not holds:
                         return  # its reader gave up while this layer was awaited
                     slots, lease_id = self._blocks.lease_layer(keys)
                     holds.append(lease_id)
@@ -77,10 +78,18 @@ class LayerStreams:
     def end_stream(self, stream_id: str) -> None:
         """Release every lease a `stream_slots` stream granted, items sent ahead included; it
         grants no more."""
-        self._ended[stream_id] = None
-        while len(self._ended) > MAX_OPEN_STREAMS:
-            self._ended.popitem(last=False)
-        for lease_id in self._holds.pop(stream_id, []):
+        holds = self._streams.pop(stream_id, None)
+        self._streams[stream_id] = None
+        self._release(holds)
+        self._forget_oldest()
+
+    def _forget_oldest(self) -> None:
+        while len(self._streams) > MAX_STREAMS:
+            _, holds = self._streams.popitem(last=False)
+            self._release(holds)
+
+    def _release(self, leases: list[int] | None) -> None:
+        for lease_id in leases or ():
             self._blocks.release(lease_id)
 
     def latency(self) -> LatencyStats:

@@ -12,26 +12,35 @@ import threading
 
 from halfmoon.engine.llm_engine import LLMEngine
 from halfmoon.kvstore.transfer.channel import KvPeer, NoticeSender
-from halfmoon.kvstore.transfer.notice_format import PagesNotice, ReleaseNotice, TokenNotice
+from halfmoon.kvstore.transfer.notice_format import (
+    LayerNotice,
+    PagesNotice,
+    ReleaseNotice,
+    TokenNotice,
+)
 from halfmoon.prefill_worker.job import Job, LayerOut, Lend, TokenOut
+from halfmoon.prefill_worker.jobs import Jobs
 
 log = logging.getLogger(__name__)
 # Pages lent to a decode worker that has not answered this long after they were all sent go
 # back with a warning (it answers within milliseconds; its connection ending frees them too).
 LEND_TIMEOUT_S = 300.0
+Notice = LayerNotice | PagesNotice | TokenNotice
 
 
 class Lender:
     """Notices to decode workers on this node, and this worker's pages lent to them."""
 
-    def __init__(self, engine: LLMEngine, actor_name: str | None, share_kv: bool) -> None:
+    def __init__(
+        self, engine: LLMEngine, actor_name: str | None, share_kv: bool, jobs: Jobs
+    ) -> None:
         self.engine = engine
         self.kv_cache = engine.kv_cache
         # Lend pages only where a decode worker can open them: a named actor (it looks us up),
         # a cache allocated to be shared. Made now, before the step thread runs.
         self.export = self.kv_cache.export() if share_kv and actor_name else None
-        self.lent: dict[tuple[str, str], Job] = {}  # by (decode worker's socket, receive key)
-        self.lock = threading.Lock()
+        self.jobs = jobs  # where a decode worker's answer finds the job it names
+        self.lock = threading.Lock()  # over each job's `Lend`
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         # Used by the publisher and lender threads; the answers are read in the event loop.
         self.notices = NoticeSender(actor_name if self.export else None, self._on_answer)
@@ -52,12 +61,11 @@ class Lender:
 
     def start(self, job: Job, lend: bool) -> None:
         """Lend `job`'s pages to its decode worker when it is on this node and both can."""
-        if job.peer is None or self.export is None or not lend:
+        peer = job.peer.get()
+        if peer is None or self.export is None or not lend:
             return
-        job.lend = Lend((job.peer.path, job.key))
+        job.lend = Lend(peer.path)
         self.notices.loop = asyncio.get_running_loop()
-        with self.lock:
-            self.lent[job.lend.key] = job
 
     def offer(self, job: Job, unit: int, layer: int, pages: list[int]) -> LayerOut:
         """Step thread: hold a unit's pages from its first layer and queue the layer's page
@@ -71,18 +79,18 @@ class Lender:
         self.queue.put(item)
         return item
 
-    def queue_token(self, item) -> None:
+    def queue_token(self, item: TokenOut) -> None:
         """Publisher: the first token goes to the decode worker after the layers queued."""
         self.queue.put(item)
 
-    def try_notify_now(self, job: Job, notice) -> bool:
+    def try_notify_now(self, job: Job, notice: TokenNotice) -> bool:
         """Step thread: send `notice` now if that never blocks; False to queue it instead."""
-        peer = job.peer  # read once: another thread drops it when the socket fails
+        peer = job.peer.get()  # read once: another thread drops it when the socket fails
         return peer is not None and self.notices.try_send(peer, notice)
 
-    def notify(self, job: Job, notice) -> bool:
+    def notify(self, job: Job, notice: Notice) -> bool:
         """Tell the decode worker; False (logged once per request) when it cannot be reached."""
-        peer = job.peer  # read once: another thread drops it when the socket fails
+        peer = job.peer.get()  # read once: another thread drops it when the socket fails
         if peer is None:
             return False
         try:
@@ -90,9 +98,9 @@ class Lender:
             return True
         except OSError as error:
             self.num_failed_notices += 1
-            log.warning("cannot notify the decode worker of %s: %s", job.key, error)
-            job.peer = None  # the rest goes through the store alone
-            if job.lend is not None:
+            log.warning("cannot notify the decode worker of %s: %s", job.request_id, error)
+            # The rest goes through the store alone.
+            if job.peer.drop() and job.lend is not None:
                 self.done(job, decode=True)  # nobody there reads our pages any more
             return False
 
@@ -108,12 +116,13 @@ class Lender:
                     continue
                 if item.ready is not None:
                     item.ready.synchronize()  # the layer is in the pages before anyone reads them
-                if job.peer is not None and job.lend.offering and not job.lend.decode_done:
+                live = job.peer.get() is not None and job.lend.offering
+                if live and not job.lend.decode_done:
                     notice = PagesNotice(job.key, item.unit, item.layer, tuple(item.pages))
                     if self.notify(job, notice):
                         self.num_page_notices += 1
             except Exception:  # noqa: BLE001 - the thread must live; the arena's copy stays
-                log.exception("offering lent pages of %s failed", job.key)
+                log.exception("offering lent pages of %s failed", job.request_id)
                 # Nothing more is offered (the decode worker takes the arena's copies); what
                 # was offered stays held until it answers.
                 job.lend.offering = False
@@ -124,11 +133,11 @@ class Lender:
     def _on_answer(self, peer: KvPeer, answer: ReleaseNotice | None) -> None:
         """In the event loop: a decode worker needs none of a receive's lent pages any more,
         or (None) its connection ended and it needs none at all."""
-        with self.lock:
-            if answer is None:
-                jobs = [job for (path, _), job in self.lent.items() if path == peer.path]
-            else:
-                jobs = [job] if (job := self.lent.get((peer.path, answer.key))) else []
+        if answer is None:
+            jobs = self.jobs.lent_to(peer.path)
+        else:
+            job = self.jobs.find(answer.key)
+            jobs = [job] if job and job.lend and job.lend.path == peer.path else []
         for job in jobs:
             self.done(job, decode=True)
 
@@ -142,7 +151,6 @@ class Lender:
             pages = []
             if lend.decode_done and lend.publisher_done:
                 pages, lend.held = lend.held, []
-                self.lent.pop(lend.key, None)
         if pages:
             self.engine.unhold_pages_later(pages)
         if publisher and not lend.decode_done and self.notices.loop is not None:
@@ -158,7 +166,7 @@ class Lender:
         log.warning(
             "took back %d pages lent for %s: no answer %g s after the last was sent",
             len(job.lend.held),
-            job.key,
+            job.request_id,
             LEND_TIMEOUT_S,
         )
         self.done(job, decode=True)

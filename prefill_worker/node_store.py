@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import ray
 
 from halfmoon.kvstore.locate import local_store, local_store_name
-from halfmoon.kvstore.shared_arena import MappedArena, map_arena
+from halfmoon.kvstore.shared_arena import ArenaInfo, MappedArena, map_arena
 
 log = logging.getLogger(__name__)
 
@@ -39,13 +40,22 @@ class NodeStore:
             self._handle = local_store()
         return self._handle
 
-    def arena(self) -> MappedArena | None:
-        if not self._checked:  # the step thread and the publisher may both map it once
-            info = ray.get(self.handle.arena_info.remote(), timeout=self.timeout_s)
-            self._arena = map_arena(info, ray.get_runtime_context().get_node_id())
-            self._checked = True  # after `_arena`: a thread seeing it sees the arena too
-            log.info(
-                "KV layers go to the store %s",
-                "through shared memory" if self._arena else "as Ray objects",
-            )
+    async def open(self) -> MappedArena | None:
+        """Event loop: the arena, asked for without blocking the loop the first time."""
+        if not self._checked:
+            self._map(await asyncio.wait_for(self.handle.arena_info.remote(), self.timeout_s))
         return self._arena
+
+    def arena(self) -> MappedArena | None:
+        """Publisher thread: the arena (asked for, waiting, if `open` has not been yet)."""
+        if not self._checked:
+            self._map(ray.get(self.handle.arena_info.remote(), timeout=self.timeout_s))
+        return self._arena
+
+    def _map(self, info: ArenaInfo | None) -> None:
+        self._arena = map_arena(info, ray.get_runtime_context().get_node_id())
+        self._checked = True  # after `_arena`: a thread seeing it sees the arena too
+        log.info(
+            "KV layers go to the store %s",
+            "through shared memory" if self._arena else "as Ray objects",
+        )

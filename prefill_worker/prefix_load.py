@@ -16,7 +16,7 @@ from halfmoon.engine.async_engine import AsyncEngine
 from halfmoon.engine.llm_engine import LLMEngine
 from halfmoon.kvstore.layout import LayerKV
 from halfmoon.kvstore.transfer.engine import EngineArena, TransferEndpoint
-from halfmoon.prefill_worker.job import Job, PrefixLoad
+from halfmoon.prefill_worker.job import ArenaSlots, Job, PrefixLoad
 from halfmoon.prefill_worker.node_store import NodeStore
 from halfmoon.prefill_worker.remote_prefix import PrefixReader, RemotePrefix, RemoteSlots
 
@@ -58,36 +58,63 @@ class PrefixLoader:
 
     async def find(self, job: Job, fetch_from: str | None = None) -> None:
         """How many of the prompt's full blocks a store holds, leased there until `release`:
-        this node's (host tier, then Redis), or store node `fetch_from` on another node when
-        the router planned a fetch from there and it holds more."""
-        local = job.source = self.store.handle
+        this node's (host tier, then Redis: its arena slots when it maps here), or store node
+        `fetch_from` on another node when the router planned a fetch from there and it holds
+        more. Everything the step thread will need is asked for here, on the event loop."""
+        prefix = job.prefix
+        local = prefix.source = self.store.handle
         try:
             host, shared = await self._answer(local.prefix_depths.remote(job.block_keys))
         except (ray.exceptions.RayError, TimeoutError) as error:  # computed, never failed
             log.warning("looking a prefix up in this node's store failed: %s", error)
             return
-        job.store_blocks = host + shared
-        job.loaded_from = REDIS if shared else self.store.name
+        prefix.store_blocks = host + shared
+        prefix.loaded_from = REDIS if shared else self.store.name
         try:
-            if fetch_from is not None and fetch_from != self.store.name:
-                await self._find_remote(job, fetch_from)
-                if job.source is not local and await self._lease_remote_slots(job, fetch_from):
-                    return
-            if job.store_blocks:
-                lease = job.source.lease.remote(job.block_keys[: job.store_blocks])
-                job.lease_id = await self._answer(lease)
+            await self._lease(job, fetch_from)
         except (ray.exceptions.RayError, TimeoutError) as error:
             log.warning("leasing a stored prefix failed (it is computed instead): %s", error)
-            job.source, job.store_blocks, job.remote_slots = local, 0, None
+            prefix.source, prefix.store_blocks = local, 0
+            prefix.local_slots = prefix.remote_slots = None
+
+    async def _lease(self, job: Job, fetch_from: str | None) -> None:
+        """Lease the prefix where it is read from: another node's arena on the transfer
+        engine, this node's arena, else the blocks (then read as Ray objects)."""
+        prefix = job.prefix
+        if fetch_from is not None and fetch_from != self.store.name:
+            await self._find_remote(job, fetch_from)
+        if prefix.source is self.store.handle:
+            leased = await self._lease_local_slots(job)
+        else:
+            leased = await self._lease_remote_slots(job, fetch_from)
+        if not leased and prefix.store_blocks:
+            lease = prefix.source.lease.remote(job.block_keys[: prefix.store_blocks])
+            prefix.lease_id = await self._answer(lease)
+
+    async def _lease_local_slots(self, job: Job) -> bool:
+        """Lease the prefix's slots in this node's arena when it maps here and holds all of
+        it (each layer is then copied out of it, no Ray object per layer)."""
+        prefix = job.prefix
+        arena = await self.store.open()  # here, so the publisher never waits to map it
+        if arena is None or not (prefix.store_blocks and job.arena_loads):
+            return False
+        keys = job.block_keys[: prefix.store_blocks]
+        held = await self._answer(self.store.handle.lease_slots.remote(keys))
+        if held is None:
+            return False
+        prefix.local_slots = ArenaSlots(arena, *held)
+        prefix.lease_id = prefix.local_slots.lease_id
+        return True
 
     async def _lease_remote_slots(self, job: Job, name: str) -> bool:
         """Lease the prefix's arena slots on store node `name` when both ends have a transfer
         engine and its host tier holds all of it (then it is read on the engine)."""
-        keys = job.block_keys[: job.store_blocks]
-        job.remote_slots = await self._remote_slots(job.source, name, keys)
-        if job.remote_slots is None:
+        prefix = job.prefix
+        keys = job.block_keys[: prefix.store_blocks]
+        prefix.remote_slots = await self._remote_slots(prefix.source, name, keys)
+        if prefix.remote_slots is None:
             return False
-        job.lease_id = job.remote_slots.lease_id
+        prefix.lease_id = prefix.remote_slots.lease_id
         return True
 
     async def _find_remote(self, job: Job, name: str) -> None:
@@ -101,8 +128,9 @@ class PrefixLoader:
         except (ValueError, ray.exceptions.RayError, TimeoutError) as error:
             log.warning("fetching a prefix from store %s failed: %s", name, error)
             return
-        if held > job.store_blocks:
-            job.source, job.store_blocks, job.loaded_from = remote, held, name
+        prefix = job.prefix
+        if held > prefix.store_blocks:
+            prefix.source, prefix.store_blocks, prefix.loaded_from = remote, held, name
 
     def forget_store(self, name: str) -> None:
         """Store node `name` was replaced: ask the new one where its arena is."""
@@ -110,63 +138,58 @@ class PrefixLoader:
 
     def release(self, job: Job) -> None:
         """The job ended: the loaded prefix is in our pages by now (or never will be)."""
-        if job.lease_id is not None:
-            job.source.release.remote(job.lease_id)
+        if job.prefix.lease_id is not None:
+            job.prefix.source.release.remote(job.prefix.lease_id)
 
     def external_blocks(self, job: Job, first_block: int, max_blocks: int) -> int:
-        return min(max_blocks, max(0, job.store_blocks - first_block))
+        return min(max_blocks, max(0, job.prefix.store_blocks - first_block))
 
     def start(self, job: Job, first_block: int, pages: list[int]) -> None:
-        """Step thread: start loading blocks `first_block...` of the job into `pages`."""
-        keys = job.block_keys[first_block : first_block + len(pages)]
-        if (leased := job.remote_slots) is not None:  # another node's arena, on the engine
-            slots = leased.slots[first_block : first_block + len(pages)]
-            read = RemotePrefix(leased.arena, slots, self.layout)
+        """Step thread: start loading blocks `first_block...` of the job into `pages` (from
+        what `find` leased; the Ray object path only asks, its layers come as futures)."""
+        prefix = job.prefix
+        end = first_block + len(pages)
+        if (leased := prefix.remote_slots) is not None:  # another node's arena, on the engine
+            read = RemotePrefix(leased.arena, leased.slots[first_block:end], self.layout)
             self.reader.submit(read)
-            job.load = PrefixLoad(first_block, pages, remote=read)
-            return
-        held = None
-        local = job.source is self.store.handle
-        if local and job.arena_loads and self.store.arena() is not None:
-            try:  # one round trip, instead of a Ray object per layer
-                lease = self.store.handle.lease_slots.remote(keys)
-                held = ray.get(lease, timeout=self.get_timeout_s)
-            except (ray.exceptions.RayError, TimeoutError) as error:
-                log.warning("leasing a stored prefix's arena slots failed: %s", error)
-        if held is not None:
-            job.load = PrefixLoad(first_block, pages, slots=held[0], lease_id=held[1])
-            return
-        refs = [
-            job.source.get_layer.remote(keys, layer, self.get_timeout_s)
-            for layer in range(self.engine.facts.num_layers)
-        ]
-        job.load = PrefixLoad(first_block, pages, layers=refs)
+            prefix.load = PrefixLoad(first_block, pages, remote=read)
+        elif (local := prefix.local_slots) is not None:
+            slots = ArenaSlots(local.arena, local.slots[first_block:end], local.lease_id)
+            prefix.load = PrefixLoad(first_block, pages, arena=slots)
+        else:
+            keys = job.block_keys[first_block:end]
+            layers = [
+                prefix.source.get_layer.remote(keys, layer, self.get_timeout_s).future()
+                for layer in range(self.engine.facts.num_layers)
+            ]
+            prefix.load = PrefixLoad(first_block, pages, layers=layers)
 
     def before_layer(self, job: Job, layer: int) -> None:
         """Step thread: layer `layer` of the job's loading prefix lands in its pages now."""
-        if not job.started_at:
-            job.started_at = time.time()
-        load = job.load
+        prefix = job.prefix
+        if not prefix.started_at:
+            prefix.started_at = time.time()
+        load = prefix.load
         if load is None:
             return
-        if load.slots is not None:
-            cuda = self.kv_cache.device.type == "cuda"
-            kv = self.store.arena().read(load.slots, layer, pin=cuda)
-            self.num_arena_loads += 1
-        elif load.remote is not None:
-            kv = load.remote.layer(layer, self.get_timeout_s)
-        else:
-            # The store waits up to get_timeout_s for the layer; this, for a store that hangs.
-            kv: LayerKV = ray.get(load.layers[layer], timeout=2 * self.get_timeout_s)
-            self.num_object_loads += 1
-        self.kv_cache.write_layer(layer, load.pages, kv)
+        self.kv_cache.write_layer(layer, load.pages, self._layer(load, layer))
         if layer == self.engine.facts.num_layers - 1:
-            if load.slots is not None:  # copied out: the slots may go
-                self.store.handle.release.remote(load.lease_id)
             loaded = len(load.pages) * self.engine.facts.block_size
-            job.num_loaded_tokens += loaded
+            prefix.num_loaded_tokens += loaded
             self.num_loaded_tokens += loaded
-            job.load = None
+            prefix.load = None
+
+    def _layer(self, load: PrefixLoad, layer: int) -> LayerKV:
+        """Step thread: layer `layer` of the load, once it is here."""
+        if load.arena is not None:
+            cuda = self.kv_cache.device.type == "cuda"
+            self.num_arena_loads += 1
+            return load.arena.arena.read(load.arena.slots, layer, pin=cuda)
+        if load.remote is not None:
+            return load.remote.layer(layer, self.get_timeout_s)
+        self.num_object_loads += 1
+        # The store waits up to get_timeout_s for the layer; this, for a store that hangs.
+        return load.layers[layer].result(timeout=2 * self.get_timeout_s)
 
     async def warm(
         self, engine: AsyncEngine, block_keys: list[bytes], store, name: str | None = None

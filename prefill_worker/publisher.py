@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import queue
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 
 import ray
@@ -20,13 +20,12 @@ from halfmoon.engine.scheduler import ScheduledSeq
 from halfmoon.kvstore.layout import LayerKV
 from halfmoon.kvstore.shared_arena import MappedArena
 from halfmoon.kvstore.transfer.notice_format import LayerNotice, TokenNotice
-from halfmoon.prefill_worker.job import EndOut, FlushOut, Job, LayerOut, TokenOut
+from halfmoon.prefill_worker.job import Claim, EndOut, FlushOut, Job, LayerOut, TokenOut
 from halfmoon.prefill_worker.lender import Lender
 from halfmoon.prefill_worker.node_store import NodeStore
 from halfmoon.prefill_worker.remote_send import RemoteSender
 
 log = logging.getLogger(__name__)
-RECENT_REQUESTS = 1024
 # How long the publisher waits for the lender thread to offer a layer's pages before it sends
 # the layer's slots notice anyway (the decode worker then takes whichever came first).
 OFFER_WAIT_S = 1.0
@@ -51,10 +50,6 @@ class Publisher:
         self.remote = remote
         self.send_layer = send or self.send
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.published_at: OrderedDict[str, float] = OrderedDict()
-        # Puts still in flight after a prefill returned, by its ticket (or request id).
-        self.flushes: dict[str, asyncio.Task] = {}
-        self.failed_flushes: OrderedDict[str, str] = OrderedDict()  # recent ones, and why
         self.num_failed_flushes = 0
         self.num_shared_writes = 0
         self.num_store_reports = 0  # `layer_written` calls: one per unit with direct notices
@@ -62,7 +57,6 @@ class Publisher:
 
     def counters(self) -> dict:
         return {
-            "num_flushing": len(self.flushes),
             "num_shared_writes": self.num_shared_writes,
             "num_store_reports": self.num_store_reports,
             "num_failed_flushes": self.num_failed_flushes,
@@ -75,9 +69,10 @@ class Publisher:
         last_layer = layer == num_layers - 1
         seq = item.seq
         end = seq.num_computed_tokens + item.num_new_tokens
+        published = job.published
         if job.layerwise:
-            ready = [u for u in job.units[job.next_unit :] if u.end_token <= end]
-            for index in range(job.next_unit, job.next_unit + len(ready)):
+            ready = [u for u in job.units[published.next_unit :] if u.end_token <= end]
+            for index in range(published.next_unit, published.next_unit + len(ready)):
                 self._publish(job, seq.block_table, index, layer)
         elif last_layer and end == len(seq):
             ready = job.units
@@ -87,10 +82,9 @@ class Publisher:
         else:
             return
         if last_layer and ready:
-            job.next_unit += len(ready)
-            if job.next_unit == len(job.units):
-                job.last_layer_published_at = time.time()
-                self._remember(seq.request_id, job.last_layer_published_at)
+            published.next_unit += len(ready)
+            if published.next_unit == len(job.units):
+                published.published_at = time.time()
 
     def _publish(self, job: Job, block_table: list[int], index: int, layer: int) -> None:
         unit = job.units[index]
@@ -114,14 +108,6 @@ class Publisher:
         """The job's prefill call ended: its lent pages can go once read."""
         self.outbox.put(EndOut(job))
 
-    def published(self, request_id: str) -> float | None:
-        return self.published_at.get(request_id)
-
-    def _remember(self, request_id: str, published_at: float) -> None:
-        self.published_at[request_id] = published_at
-        while len(self.published_at) > RECENT_REQUESTS:
-            self.published_at.popitem(last=False)
-
     def _send_forever(self) -> None:
         """Publisher thread: hands snapshots to the store so the step loop never waits on it.
         One `put_layer` call per snapshot: batching the backlog into one call was measured
@@ -141,10 +127,10 @@ class Publisher:
         try:
             put = self.send_layer(item)
             if put is not None:
-                item.job.puts.append(put)
+                item.job.published.puts.append(put)
         except Exception as error:  # noqa: BLE001 - the thread must live; the flush fails
             log.exception("publishing a KV snapshot of %d blocks failed", len(item.keys))
-            item.job.puts.append(_failed(error))
+            item.job.published.puts.append(_failed(error))
 
     def send(self, item: LayerOut):
         """Send one layer of some blocks to the store; returns the store call's ObjectRef
@@ -177,66 +163,60 @@ class Publisher:
         returns None for the layers it is not told of yet."""
         job, keys, layer = item.job, item.keys, item.layer
         store = self.store.handle
-        claim = job.claims.get(keys[0])
-        if claim is None:
-            claimed = store.claim.remote(keys)
-            claim = job.claims[keys[0]] = ray.get(claimed, timeout=self.store.timeout_s)
-        slots, lease_id = claim
+        slots, lease_id = self._claim(job, keys)
         arena.write(slots, layer, kv)
         self.num_shared_writes += 1
         last = layer == self.engine.facts.num_layers - 1
         release = lease_id if last else None
         if item.offered is not None:  # its page notice first (the lender is rarely behind)
             item.offered.wait(OFFER_WAIT_S)
-        peer = job.peer  # read once: the lender drops it when the socket fails
+        peer = job.peer.get()  # read once: the lender drops it when the socket fails
         if peer is not None:
             notice = LayerNotice(job.key, item.unit, layer, lease_id if last else 0, tuple(slots))
             if self.lender.notify(job, notice):
                 release = None
             else:
                 unreachable = f"the decode worker's notice socket {peer} is unreachable"
-                job.puts.append(_failed(ConnectionError(unreachable)))
-        layers = job.unreported.setdefault(item.unit, [])
+                job.published.puts.append(_failed(ConnectionError(unreachable)))
+        layers = job.published.unreported.setdefault(item.unit, [])
         layers.append(layer)
-        if (job.peer is not None or job.remote_granted()) and not last:
+        if (job.peer.get() is not None or job.remote_granted()) and not last:
             return None  # nobody streams the unit out of the store before it is whole
-        del job.unreported[item.unit]
+        del job.published.unreported[item.unit]
         self.num_store_reports += 1
         return store.layer_written.remote(keys, layers, slots, release)
+
+    def _claim(self, job: Job, keys: list[bytes]) -> tuple[list[int], int]:
+        """The unit's arena slots and their lease, claimed in the store with its first layer
+        (the one store call this thread waits for: the slots are needed to write into)."""
+        claim = job.published.claims.get(keys[0])
+        if claim is None:
+            claimed = self.store.handle.claim.remote(keys)
+            slots, lease_id = ray.get(claimed, timeout=self.store.timeout_s)
+            claim = job.published.claims[keys[0]] = Claim(slots, lease_id)
+        return claim.slots, claim.lease_id
 
     async def _flush(self, job: Job) -> None:
         """Wait until every layer of `job` was sent and stored."""
         sent = concurrent.futures.Future()
         self.outbox.put(FlushOut(sent))
         await asyncio.wrap_future(sent)
-        await asyncio.wait_for(asyncio.gather(*job.puts), self.store.timeout_s)
+        await asyncio.wait_for(asyncio.gather(*job.published.puts), self.store.timeout_s)
 
-    def flush_later(self, name: str, job: Job) -> None:
-        """Finish `job`'s puts in the background (`name`: the prefill call's ticket or request
-        id); a failure is logged and kept for `stored`, which the router awaits and then
-        retries the request from its first token."""
+    def flush_later(self, job: Job) -> None:
+        """Finish `job`'s puts in the background; a failure is logged and kept on the job for
+        `stored`, which the router awaits and then retries the request from its first token."""
         flush = asyncio.get_running_loop().create_task(self._flush(job))
-        self.flushes[name] = flush
+        flush.add_done_callback(functools.partial(self._flushed, job))
+        job.published.flush = flush
 
-        def done(task: asyncio.Task) -> None:
-            if self.flushes.get(name) is task:
-                del self.flushes[name]
-            if task.cancelled() or task.exception() is None:
-                return
-            log.error("storing the KV of %s failed: %s", name, task.exception())
-            self.num_failed_flushes += 1
-            self.failed_flushes[name] = str(task.exception())
-            while len(self.failed_flushes) > RECENT_REQUESTS:
-                self.failed_flushes.popitem(last=False)
-
-        flush.add_done_callback(done)
-
-    async def stored(self, name: str) -> str | None:
-        """Wait for the puts of the prefill `name`; why storing them failed, or None."""
-        flush = self.flushes.get(name)
-        if flush is not None:
-            await asyncio.wait([flush])  # its outcome is read below, from the record
-        return self.failed_flushes.get(name)
+    def _flushed(self, job: Job, flush: asyncio.Task) -> None:
+        job.published.puts.clear()  # the store's answers are not needed any more
+        if flush.cancelled() or flush.exception() is None:
+            return
+        log.error("storing the KV of %s failed: %s", job.request_id, flush.exception())
+        self.num_failed_flushes += 1
+        job.published.failure = str(flush.exception())
 
 
 async def _failed(error: Exception) -> None:

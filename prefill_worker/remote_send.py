@@ -14,6 +14,7 @@ and the router retries the request."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -37,9 +38,10 @@ GRANT_WAIT_S = 60.0  # the decode worker answers at once, or once the reserve it
 
 @dataclass(slots=True)
 class RemoteSend:
-    """A job's receive on another node: the decode worker's answer, once read."""
+    """A job's receive on another node: the decode worker's answer (`asked`, resolved by Ray,
+    read by the publisher and token threads), once read."""
 
-    asked: ray.ObjectRef
+    asked: concurrent.futures.Future[Grant | None]
     grant: Grant | None = None
     answered: bool = False
 
@@ -66,13 +68,13 @@ class RemoteSender:
         actor = self.decode_workers.get(address.actor)
         if actor is None:
             actor = self.decode_workers[address.actor] = ray.get_actor(address.actor)
-        return RemoteSend(actor.kv_grant.remote(key, self.endpoint is not None))
+        return RemoteSend(actor.kv_grant.remote(key, self.endpoint is not None).future())
 
     def _grant(self, remote: RemoteSend) -> Grant | None:
         """The decode worker's answer (the publisher and token threads may both ask first:
-        each reads the same ObjectRef's value)."""
+        each reads the same future's value)."""
         if not remote.answered:
-            remote.grant = ray.get(remote.asked, timeout=GRANT_WAIT_S)
+            remote.grant = remote.asked.result(timeout=GRANT_WAIT_S)
             remote.answered = True
         return remote.grant
 

@@ -104,7 +104,7 @@ class Dispatcher:
         request.note("decode pages reserved")
         self._prefilled(request, await self.call(prefill, prefilled))
         attempt.stored = prefill.client.stored(rid, attempt.ticket)
-        return decode.client.generate(rid, _first_token_ids(request.first_tokens))
+        return decode.client.generate(attempt.ticket, _first_token_ids(request.first_tokens))
 
     def _prefilled(self, request: Request, result: PrefillResult) -> None:
         """Note where the prefill's time went; its first token goes out next. The cost model

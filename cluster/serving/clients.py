@@ -62,10 +62,10 @@ class DecodeClient(WorkerClient):
         """Reserve pages for the task's KV and start receiving it."""
         return self.handle.reserve.remote(task)
 
-    def generate(self, request_id: str, first_token_id: int | list[int]):
-        """The stream of a reserved request, from its first token on."""
+    def generate(self, ticket: str, first_token_id: int | list[int]):
+        """The stream of the reserved attempt `ticket`, from its first token on."""
         generate = self.handle.generate.options(num_returns="streaming")
-        return generate.remote(request_id, first_token_id)
+        return generate.remote(ticket, first_token_id)
 
     def generate_colocated(self, task: RequestTask):
         """The stream of a request this worker prefills and decodes itself."""

@@ -112,7 +112,7 @@ def test_layers_written_on_the_engine_land_and_the_first_token_notice_joins_earl
             write_layer(parts, ticket, grant, unit, index, layer)
     writer.notify(grant.session, grant.base, ticket, first_token_message(grant.token, 7))
     wait_until(lambda: counters(decode)["num_early_joins"] > before["num_early_joins"])
-    stream = decode.generate.options(num_returns="streaming").remote("engine-receive", 7)
+    stream = decode.generate.options(num_returns="streaming").remote(ticket, 7)
     outputs = [ray.get(ref) for ref in stream]
     # The first output repeats the first token; then the rest of max_tokens.
     assert not any(isinstance(out, WorkerError) for out in outputs)
@@ -121,7 +121,7 @@ def test_layers_written_on_the_engine_land_and_the_first_token_notice_joins_earl
     assert after["num_engine_receives"] == before["num_engine_receives"] + 1
     landed = after["num_landed_notices"] - before["num_landed_notices"]
     assert landed == len(units) * local.kv_cache.num_layers
-    timings = ray.get(decode.receive_timings.remote("engine-receive"))
+    timings = ray.get(decode.receive_timings.remote(ticket))
     assert timings.num_bytes == 4 * local.kv_cache.layout.block_bytes
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from halfmoon.decode_worker.notices import Notices
+from halfmoon.decode_worker.receives import Receives
 from halfmoon.kvstore.transfer.channel import NoticeConn
 
 
@@ -23,14 +24,15 @@ class FakeKv:
 def test_a_gone_lender_fails_its_receives_and_its_cache_is_closed_after_its_copies():
     async def scenario() -> tuple[list[str], object, bool]:
         order: list[str] = []
-        notices = Notices(FakeKv(order))
+        receives = Receives()
+        notices = Notices(FakeKv(order), receives)
         conn = NoticeConn(None)
         conn.lender, conn.cache = "prefill-0", "lent-cache"
-        reservation = notices.add("r1", "key-1", direct=False, first_token_id=None)
-        reservation.lenders.add(conn)
+        receive = receives.open("r1", "key-1", num_tokens=16, direct=False)
+        receive.lenders.add(conn)
         conn.closed = True
         notices._on_closed(conn)
-        lost = reservation.lender_lost  # at once, before the close runs
+        lost = receive.lender_lost  # at once, before the close runs
         order.append("callback returned")
         closing = asyncio.all_tasks() - {asyncio.current_task()}
         await asyncio.gather(*closing)  # the close, which waits in a worker thread

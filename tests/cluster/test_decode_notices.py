@@ -121,9 +121,9 @@ def leased(store) -> int:
     return ray.get(store.stats.remote()).host.leased_blocks
 
 
-def outputs(decode, request_id: str, first_token_id: int) -> list:
+def outputs(decode, ticket: str, first_token_id: int) -> list:
     async def collect():
-        stream = decode.generate.options(num_returns="streaming").remote(request_id, first_token_id)
+        stream = decode.generate.options(num_returns="streaming").remote(ticket, first_token_id)
         return [await ref async for ref in stream]
 
     return asyncio.run(collect())
@@ -146,8 +146,8 @@ def test_a_notified_request_joins_before_the_hand_off_and_returns_every_claim(pa
     assert after["num_direct_receives"] == before["num_direct_receives"] + 1
     assert after["num_shared_reads"] - before["num_shared_reads"] == 2 * prefill.layout.num_layers
     handed_over_at = time.time()
-    got = outputs(decode, "n1", 9)
-    timings = ray.get(decode.receive_timings.remote("n1"))
+    got = outputs(decode, "t1", 9)
+    timings = ray.get(decode.receive_timings.remote("t1"))
     assert timings.joined_at < handed_over_at  # decoding began before the hand-off
     tokens = [token for out in got for token in out.new_token_ids]
     assert tokens[0] == 9 and len(tokens) == 4 and got[-1].finished
@@ -164,7 +164,7 @@ def test_notices_that_overtake_the_reserve_wait_for_it(parts):
     prefill.first_token(11)
     wait_for(lambda: counters(decode)["num_notices"] >= heard + 3)
     ray.get(reserve(parts, "n2", "t2"))
-    got = outputs(decode, "n2", 11)
+    got = outputs(decode, "t2", 11)
     assert [t for out in got for t in out.new_token_ids][0] == 11 and got[-1].finished
 
 
@@ -178,7 +178,7 @@ def test_a_retry_with_its_first_token_known_joins_once_the_kv_is_in(parts):
     prefill.publish(1)
     prefill.first_token(99)  # the retry's own prefill sampled another token: ignored
     wait_for(lambda: counters(decode)["num_early_joins"] > joins)
-    got = outputs(decode, "n3", 13)
+    got = outputs(decode, "t3", 13)
     assert [t for out in got for t in out.new_token_ids][0] == 13
 
 
@@ -202,7 +202,7 @@ def test_a_notice_naming_the_wrong_slots_fails_the_receive_retryably(parts):
     ray.get(reserve(parts, "n5", "t5"))
     prefill = Prefill(parts, "t5", "n5")
     prefill.publish(0, slots_of=lambda slots: tuple(slots[:1]))  # one slot for two blocks
-    (error,) = outputs(decode, "n5", 1)
+    (error,) = outputs(decode, "t5", 1)
     assert isinstance(error, WorkerError) and error.code == "UNAVAILABLE" and error.retryable
     assert "names 1 slots" in error.message
     wait_for(lambda: leased(store) == 0)
