@@ -277,3 +277,17 @@ def mask_logits(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     xgr.apply_token_bitmask_inplace(
         logits, bitmask.to(logits.device, non_blocking=True), indices=rows
     )
+
+
+def warm_mask_kernel(device: torch.device, vocab_size: int, max_rows: int) -> None:
+    """Run xgrammar's mask (`mask_logits`' last call) now for every kind of count of masked
+    rows a step can meet: on CUDA it is a Triton kernel that Triton specialises by that count
+    (1, a multiple of 16, any other), so the first structured requests would otherwise wait
+    for a compiler in the middle of a step. The logits and bitmask are shaped as a step's."""
+    import xgrammar as xgr
+
+    counts = sorted({1, min(2, max_rows), min(16, max_rows)})
+    logits = torch.zeros(counts[-1], vocab_size, device=device)
+    bitmask = xgr.allocate_token_bitmask(counts[-1], vocab_size).to(device)
+    for count in counts:
+        xgr.apply_token_bitmask_inplace(logits, bitmask, indices=list(range(count)))

@@ -21,6 +21,7 @@ import random
 import time
 from collections.abc import Iterator
 
+from halfmoon.engine.grammar import warm_mask_kernel
 from halfmoon.engine.llm_engine import LLMEngine
 from halfmoon.engine.sampling_params import SamplingParams
 from halfmoon.kernels import ops, reference
@@ -43,10 +44,12 @@ SAMPLED = SamplingParams(
 
 
 def warm_up_cuda(engine: LLMEngine, graphs: bool) -> None:
-    """Compile every kernel specialisation now, then capture the decode graphs (decode
-    engines only, unless `enforce_eager`), so no request waits for a compiler; the step
-    loop's thread runs `warm_up_step_thread` when it starts."""
+    """Compile every kernel specialisation now (xgrammar's mask kernel too), then capture the
+    decode graphs (decode engines only, unless `enforce_eager`), so no request waits for a
+    compiler; the step loop's thread runs `warm_up_step_thread` when it starts."""
     warm_up(engine)
+    max_rows = engine.config.max_num_seqs
+    warm_mask_kernel(engine.device, engine.facts.vocab_size, max_rows)
     # The torch references sync with the host (`.tolist()`), which a graph cannot capture.
     if graphs and ops.backend_for(engine.kv_cache.layers[0][0]) is reference:
         log.info("HALFMOON_KERNELS=torch: decode steps run eagerly (no CUDA graphs)")

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
+import torch
 
 from halfmoon.engine import LLM, SamplingParams
 from halfmoon.engine.async_engine import AsyncEngine
+from halfmoon.engine.grammar import warm_mask_kernel
 from halfmoon.engine.outputs import StepTiming
+from halfmoon.engine.structured_output import StructuredOutput
 from halfmoon.engine.warmup import SAMPLED, _doubling, warm_up, warm_up_step_thread
 
 ENGINE_ARGS = dict(block_size=16, num_pages=80, max_num_batched_tokens=256, max_num_seqs=5)
@@ -19,6 +23,13 @@ def test_doubling_sizes_end_at_the_limit():
     assert _doubling(1, 5) == [1, 2, 4, 5]
     assert _doubling(256, 600) == [256, 512, 600]
     assert _doubling(256, 100) == []
+
+
+def test_the_mask_warm_up_runs_every_kind_of_row_count_on_this_device():
+    # On CUDA each count is another Triton specialisation (the GPU test below checks none is
+    # compiled later); here, the CPU path of the same call, for 1, 2 and 16 rows and fewer.
+    warm_mask_kernel(torch.device("cpu"), vocab_size=300, max_rows=5)
+    warm_mask_kernel(torch.device("cpu"), vocab_size=49_152, max_rows=256)
 
 
 def test_warm_up_leaves_the_engine_idle_with_counters_at_zero(checkpoints):
@@ -119,9 +130,14 @@ def test_the_step_threads_warm_up_runs_on_it_and_leaves_no_trace(checkpoints):
 
 @pytest.mark.gpu
 def test_no_kernel_compiles_after_a_cuda_engine_is_ready(checkpoints):
+    from xgrammar.kernels.apply_token_bitmask_inplace_triton import (
+        apply_token_bitmask_inplace_kernel,
+    )
+
     from halfmoon.kernels import triton_cache, triton_decode, triton_norm, triton_prefill
 
     kernels = [
+        apply_token_bitmask_inplace_kernel,  # xgrammar's mask, warmed too
         triton_cache._store_kv_kernel,
         triton_decode._decode_split_kernel,
         triton_decode._decode_reduce_kernel,
@@ -146,4 +162,7 @@ def test_no_kernel_compiles_after_a_cuda_engine_is_ready(checkpoints):
     prompts = [[10 + i % (vocab - 10) for i in range(n)] for n in (3, 40, 17, 300, 90)]
     llm.generate(prompts, PARAMS)
     llm.generate(prompts[:2], PARAMS)
+    structured = dataclasses.replace(PARAMS, structured_output=StructuredOutput("regex", "[ab]+"))
+    llm.generate(prompts[:1], structured)  # one masked row, then two
+    llm.generate(prompts[:2], structured)
     assert compiled() == before
