@@ -70,6 +70,9 @@ class Publisher:
         seq = item.seq
         end = seq.num_computed_tokens + item.num_new_tokens
         published = job.published
+        # Taken before the layer is queued: the publisher and lender threads may send it, and
+        # the decode worker receive it, before this thread runs again.
+        queued_at = time.time()
         if job.layerwise:
             ready = [u for u in job.units[published.next_unit :] if u.end_token <= end]
             for index in range(published.next_unit, published.next_unit + len(ready)):
@@ -84,7 +87,7 @@ class Publisher:
         if last_layer and ready:
             published.next_unit += len(ready)
             if published.next_unit == len(job.units):
-                published.published_at = time.time()
+                published.published_at = queued_at
 
     def _publish(self, job: Job, block_table: list[int], index: int, layer: int) -> None:
         unit = job.units[index]
