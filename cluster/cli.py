@@ -116,6 +116,8 @@ def _run_status(args) -> int:
 
 
 def _add_init_model(commands) -> None:
+    from halfmoon.engine.init_model import SHAPES  # no torch: the module imports it when writing
+
     cmd = commands.add_parser(
         "init-model",
         help="write the tiny default Llama checkpoint to DIR",
@@ -125,9 +127,10 @@ def _add_init_model(commands) -> None:
     cmd.add_argument("dir", help="new directory to write the checkpoint into")
     cmd.add_argument(
         "--shape",
-        choices=["tiny", "bench"],
+        choices=list(SHAPES),
         default="tiny",
-        help="tiny (~1M params, the serving default) or bench (~50M params)",
+        help="tiny (~1M params, the serving default), bench (~50M), launch (~4M in 32 layers: "
+        "launch-bound), gpu (~0.9B), wide-vocab (tiny at Qwen2's 151,936-row vocabulary)",
     )
     cmd.add_argument("--seed", type=int, default=0, help="weight seed (0)")
     cmd.set_defaults(run=_run_init_model)

@@ -47,18 +47,36 @@ def page_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * row * dtype.itemsize
 
 
-def activation_bytes(cfg: ModelConfig, max_batched_tokens: int, max_seqs: int) -> int:
-    """A generous bound on one step's activations: a few hidden-sized and MLP-sized buffers per
-    token, and fp32 logits for every sampled sequence."""
+# The sampler's transient [rows, vocab] buffers in one step, in fp32 copies (an int64 tensor
+# counts twice): the penalised and the masked copies of the logits, the temperature-scaled ones,
+# top-k/top-p's sorted values and indices (3) and their cumulative sum, the probabilities,
+# the min-p mask's and log_softmax's for logprobs. At N = 256 rows of a 152k vocabulary that is
+# ~1.6 GB, which the KV budget must leave free (issue 51's reading put it at 6-8 copies).
+SAMPLER_COPIES = 10
+
+
+def forward_bytes(cfg: ModelConfig, max_batched_tokens: int, max_seqs: int) -> int:
+    """A generous bound on one forward pass's activations: a few hidden-sized and MLP-sized
+    buffers per token, and the fp32 logits of every sampled sequence."""
     per_token = 8 * cfg.hidden_size + 3 * cfg.intermediate_size
     return 4 * (per_token * max_batched_tokens + 2 * max_seqs * cfg.vocab_size)
 
 
+def sampler_bytes(cfg: ModelConfig, max_seqs: int) -> int:
+    """The sampler's transient memory at `max_seqs` rows (`SAMPLER_COPIES` of the logits)."""
+    return 4 * SAMPLER_COPIES * max_seqs * cfg.vocab_size
+
+
+def activation_bytes(cfg: ModelConfig, max_batched_tokens: int, max_seqs: int) -> int:
+    """One eager step's activations: the forward pass and the sampler's copies of its logits."""
+    return forward_bytes(cfg, max_batched_tokens, max_seqs) + sampler_bytes(cfg, max_seqs)
+
+
 def unbudgeted_cuda_bytes(cfg: ModelConfig, max_seqs: int, graphs: bool) -> int:
     """What a CUDA engine takes besides weights, KV and an eager step: the runtime's allowance,
-    and with decode graphs their private pool (a decode step's activations at the largest
-    captured batch; the eager pool does not lend to it)."""
-    graph_pool = activation_bytes(cfg, max_seqs, max_seqs) if graphs else 0
+    and with decode graphs their private pool (a decode forward's activations at the largest
+    captured batch; the eager pool, where the sampler runs, does not lend to it)."""
+    graph_pool = forward_bytes(cfg, max_seqs, max_seqs) if graphs else 0
     return CUDA_RUNTIME_BYTES + graph_pool
 
 

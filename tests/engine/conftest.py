@@ -18,7 +18,7 @@ SHAPE = TinyModelShape(
     num_key_value_heads=2,
     max_position_embeddings=1024,
 )
-COMMON = dict(asdict(SHAPE), initializer_range=0.08)
+COMMON = {k: v for k, v in asdict(SHAPE).items() if k != "vocab_size"} | {"initializer_range": 0.08}
 
 
 def _configs(vocab_size: int, eos: int):

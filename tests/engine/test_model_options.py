@@ -14,12 +14,15 @@ from halfmoon.engine.errors import ModelLoadError
 from halfmoon.engine.kv_sizing import (
     CPU_KV_CACHE_BYTES,
     CUDA_RUNTIME_BYTES,
+    SAMPLER_COPIES,
     DeviceMemory,
     GiB,
     activation_bytes,
+    forward_bytes,
     kv_budget_bytes,
     page_bytes,
     plan_num_pages,
+    sampler_bytes,
     unbudgeted_cuda_bytes,
 )
 from halfmoon.engine.model_source import resolve_model
@@ -103,7 +106,16 @@ def test_a_cuda_budget_leaves_room_for_the_runtime_and_the_decode_graphs_pool():
     eager = unbudgeted_cuda_bytes(cfg, max_seqs=256, graphs=False)
     graphed = unbudgeted_cuda_bytes(cfg, max_seqs=256, graphs=True)
     assert eager == CUDA_RUNTIME_BYTES >= 5 * 50 * 10**6
-    assert graphed - eager == activation_bytes(cfg, 256, 256)
+    assert graphed - eager == forward_bytes(cfg, 256, 256)  # the sampler runs outside the graphs
+
+
+def test_the_eager_budget_leaves_room_for_the_samplers_copies_of_the_logits():
+    # Top-k/top-p, penalties and masks copy [N, vocab] fp32 logits several times over: at 256
+    # rows of Qwen2's 151,936 tokens that is over a GB the KV cache must not take.
+    cfg = SimpleNamespace(hidden_size=896, intermediate_size=4864, vocab_size=151_936)
+    extra = activation_bytes(cfg, 2048, 256) - forward_bytes(cfg, 2048, 256)
+    assert extra == sampler_bytes(cfg, 256) == 4 * SAMPLER_COPIES * 256 * 151_936
+    assert extra > 1.5e9
 
 
 def test_page_plan_caps_only_the_default_cpu_budget():
