@@ -1,11 +1,17 @@
 #!/usr/bin/env bash
 # Issue 12's serving benchmark and issue 17's live capacity check, on one GPU, in one run:
 # `halfmoon serve` with the ~0.9B bf16 bench model (SHAPES['gpu']), disaggregated 1P+1D and
-# then colocated with 2 workers (num_gpus 0.3 each); in each mode `bench serve` at 2 and 8 req/s
-# (48 requests, prompts 512-2048 tokens, 128 output tokens, Poisson) and `bench live-capacity`
-# at three rates (fractions of the simulated capacity). JSON and logs go to $OUT (default
-# bench-gpu/). Every step is bounded by `timeout` and by a budget of $SERVE_BENCH_BUDGET_S
-# (default 540 s) so the whole run stays inside the device's 10 minutes; about 6-7 minutes.
+# then colocated with 2 workers (num_gpus 0.3 each); in each mode `bench live-capacity` at three
+# rates (fractions of the simulated capacity; SERVE_BENCH_LIVE=0 skips it) and `bench serve` at
+# each of SERVE_BENCH_RATES (default 2 and 8 req/s; prompts 512-2048 tokens, 128 output tokens,
+# Poisson; 48 requests, or rate x SERVE_BENCH_WINDOW_S and at least 12 when that is set), each
+# judged against SERVE_BENCH_SLO (default TTFT <= 2 s and TPOT <= 100 ms for 90 % of requests).
+# SERVE_BENCH_SEARCH=N then runs up to N more rates, each halfway (geometric) between the
+# largest rate that met the SLOs and the smallest that missed (double or half past either end),
+# and the summary names the largest rate met. JSON and logs go to $OUT (default bench-gpu/), the
+# summary to $OUT/summary.txt too. Every run is bounded by `timeout` (SERVE_BENCH_RUN_LIMIT_S,
+# default 150) and by a budget of $SERVE_BENCH_BUDGET_S (default 540 s) so the whole run stays
+# inside the device's 10 minutes; about 6-7 minutes with the defaults.
 # Without a CUDA GPU it exits 0 and measures nothing, unless SERVE_BENCH_CPU=1: a rehearsal of
 # the same steps on CPU with the tiny default model and a small load (8 short requests).
 # Both workers of the disaggregated run share the one GPU: it measures the KV transfer path and
@@ -21,14 +27,16 @@ if [ -n "$HALFMOON_GPU" ]; then
   model=${SERVE_BENCH_MODEL:-/tmp/halfmoon-bench-0.9b}
   engine=$(grep -v '^#' deploy/gpu/serve-engine.yaml | sed 's/^/  /')  # bf16, 1024-token chunks
   num_gpus=0.3
-  workload=(--num-prompts 48 --random-input-len 1280 --random-range-ratio 0.6
-            --random-output-len 128 --random-output-range-ratio 0)
+  num_prompts=48
+  workload=(--random-input-len 1280 --random-range-ratio 0.6 --random-output-len 128
+            --random-output-range-ratio 0)
 elif [ -n "${SERVE_BENCH_CPU:-}" ]; then
   model=null  # the tiny default model
   engine="  num_pages: 1024"
   num_gpus=0
-  workload=(--num-prompts 8 --random-input-len 256 --random-range-ratio 0.5
-            --random-output-len 16 --random-output-range-ratio 0)
+  num_prompts=8
+  workload=(--random-input-len 256 --random-range-ratio 0.5 --random-output-len 16
+            --random-output-range-ratio 0)
   echo "serve-bench: no GPU; SERVE_BENCH_CPU=1: a CPU rehearsal with the tiny model" >&2
 else
   echo "serve-bench: no CUDA GPU here (and/or no .whl wheelhouse); nothing to measure" >&2
@@ -38,6 +46,11 @@ mkdir -p "$out"
 hm=("$HALFMOON_PY" -m halfmoon.cluster.cli)  # an array, not a function: `timeout` runs it
 started=$SECONDS
 budget=${SERVE_BENCH_BUDGET_S:-540}
+read -r -a rates <<<"${SERVE_BENCH_RATES:-2 8}"
+read -r -a slo <<<"${SERVE_BENCH_SLO:-ttft:2000 tpot:100}"
+target=${SERVE_BENCH_TARGET:-0.9}  # share of requests within the SLOs that counts as met
+run_limit=${SERVE_BENCH_RUN_LIMIT_S:-150}
+report=("$HALFMOON_PY" deploy/gpu/serve_report.py)
 
 # step ESTIMATE_S LIMIT_S NAME CMD...: run CMD under `timeout`, stdout to $out/NAME.json (or
 # .out), stderr to $out/NAME.log; skipped when the budget has no LIMIT_S left.
@@ -143,24 +156,41 @@ torch.set_default_dtype(torch.bfloat16)  # written in bf16: half the bytes to wr
 print(init_model('$model', SHAPES['gpu']))" || exit 1
 fi
 
-for mode in disaggregated colocated; do
+# serve_at MODE RATE: `bench serve` at RATE req/s into serve-MODE-RATErps.json, judged against
+# the SLOs. Seeds apart from the live check's (0-2) and each other's: no run finds its prompts
+# cached.
+serve_at() {
+  local mode=$1 rate=$2 count=$num_prompts
+  [ -z "${SERVE_BENCH_WINDOW_S:-}" ] || count=$(awk -v r="$rate" -v w="$SERVE_BENCH_WINDOW_S" \
+    'BEGIN { n = int(r * w + 0.5); print (n < 12 ? 12 : n) }')
+  step 40 "$run_limit" "serve-$mode-${rate}rps" "${hm[@]}" bench serve --server "$server" \
+    --num-prompts "$count" "${workload[@]}" --request-rate "$rate" \
+    --seed "$(awk -v r="$rate" 'BEGIN { print 100 + int(r * 10 + 0.5) }')" \
+    --goodput "${slo[@]}" --metric-percentiles 50,99 --disable-tqdm --json
+}
+
+modes=(disaggregated colocated)
+for i in "${!modes[@]}"; do
+  mode=${modes[$i]}
   start_server "$mode" "$(config "$mode")" || continue
   # The live check first, while the router's profile is still the one measured at start (the
   # runs refit it online; the check also simulates with the refit one). Rates: fractions of the
   # simulated capacity; when the simulator meets the SLOs always (or never) it fails before
   # sending any load, and three fixed rates run instead.
-  if ! step 90 200 "live-capacity-$mode" "${hm[@]}" bench live-capacity --server "$server" \
-      "${workload[@]}" --disable-tqdm --json; then
+  if [ "${SERVE_BENCH_LIVE:-1}" = 1 ] && ! step 90 200 "live-capacity-$mode" "${hm[@]}" \
+      bench live-capacity --server "$server" --num-prompts "$num_prompts" "${workload[@]}" \
+      --disable-tqdm --json; then
     mv "$out/live-capacity-$mode.log" "$out/live-capacity-$mode-default-rates.log"
     grep -q "tighten\|loosen" "$out/live-capacity-$mode-default-rates.log" &&
       step 90 200 "live-capacity-$mode" "${hm[@]}" bench live-capacity --server "$server" \
-        "${workload[@]}" --rates 2,5,8 --disable-tqdm --json
+        --num-prompts "$num_prompts" "${workload[@]}" --rates 2,5,8 --disable-tqdm --json
   fi
-  # Seeds apart from the check's (0-2) and each other's: no run finds its prompts cached.
-  for rate in 2 8; do
-    step 40 150 "serve-$mode-${rate}rps" "${hm[@]}" bench serve --server "$server" "${workload[@]}" \
-      --request-rate "$rate" --seed $((100 + rate)) --metric-percentiles 50,99 --disable-tqdm \
-      --json
+  for rate in "${rates[@]}"; do serve_at "$mode" "$rate"; done
+  for _ in $(seq "${SERVE_BENCH_SEARCH:-0}"); do
+    # the search of a mode ends within its share of the budget: the next mode's runs come first
+    (((SECONDS - started + run_limit) * ${#modes[@]} <= budget * (i + 1))) || break
+    rate=$("${report[@]}" next "$out" "$mode" "$target") && [ -n "$rate" ] || break
+    serve_at "$mode" "$rate" || break  # out of budget: the summary says what was met
   done
   "$HALFMOON_PY" -c "import urllib.request, sys; sys.stdout.write(urllib.request.urlopen(
 'http://127.0.0.1:$metrics_port/metrics', timeout=10).read().decode())" \
@@ -169,44 +199,7 @@ for mode in disaggregated colocated; do
   stop_server
 done
 
-# One line per run: what issues 12 and 17 ask for.
-"$HALFMOON_PY" - "$out" "$use_redis" "$HALFMOON_GPU" <<'PYTHON'
-import json, pathlib, sys
-out = pathlib.Path(sys.argv[1])
-if sys.argv[3]:
-    print("one GPU shared by every worker: disaggregated figures measure the KV transfer path "
-          "and the engine, not prefill/decode pool isolation (two processes time-slice one GPU)")
-if sys.argv[2] != "true":
-    print("served without the Redis tier: redis-server did not start")
-
-
-def load(name, label):
-    """The JSON result `name` in the output folder, or None after saying it is missing."""
-    try:
-        return json.loads((out / name).read_text())
-    except (OSError, ValueError):
-        print(f"{label}: no result ({out / name})")
-        return None
-
-
-for mode in ("disaggregated", "colocated"):
-    for rate in (2, 8):
-        r = load(f"serve-{mode}-{rate}rps.json", f"{mode:>13} {rate} req/s")
-        if r is None:
-            continue
-        print(
-            f"{mode:>13} {rate} req/s: TTFT p50 {r['median_ttft_ms']:.0f} / p99 "
-            f"{r['p99_ttft_ms']:.0f} ms, ITL mean {r['mean_itl_ms']:.1f} / p99 "
-            f"{r['p99_itl_ms']:.0f} ms, {r['output_throughput']:.0f} output tok/s, "
-            f"{r['failed']} failed"
-        )
-    r = load(f"live-capacity-{mode}.json", f"{mode:>13} live capacity")
-    if r is None:
-        continue
-    rows = ", ".join(
-        f"{x['rate_rps']:.2f} req/s live {x['live_attainment']:.2f} sim "
-        f"{x['simulated_attainment']:.2f}" for x in r["rates"]
-    )
-    print(f"{mode:>13} live vs simulated attainment (agree within 0.1: {r['all_agree']}): {rows}")
-PYTHON
+# One line per run (what issues 12 and 17 ask for) and the largest rate met, per mode.
+"${report[@]}" summary "$out" "$target" "${HALFMOON_GPU:-cpu}" "$use_redis" "${slo[@]}" |
+  tee "$out/summary.txt"
 echo "serve-bench: done in $((SECONDS - started)) s; results in $out" >&2
