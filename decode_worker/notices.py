@@ -70,8 +70,14 @@ class Notices:
 
     def adopt(self, receive: Receive) -> None:
         """A new receive: the notices that came for it before its reserve are its now."""
-        for notice, conn in self.receives.take_early(receive.key):
+        early, receive.early = receive.early, []
+        for notice, conn in early:
             self._on_notice(notice, conn)
+
+    def abort(self, request_id: str, ticket: str | None) -> None:
+        """Attempt `ticket` is aborted: its reserve, if it lands later, is refused, so the
+        notices that came before it are given back now."""
+        self._give_back(ticket, self.receives.abort(request_id, ticket))
 
     def undirect(self, receive: Receive) -> None:
         """Take no more of the notices' arena slots or lent pages for this receive (when it
@@ -139,7 +145,9 @@ class Notices:
 
     def _drop_early(self, key: str) -> None:
         """Notices whose reserve never came: give their claims and lent pages back."""
-        early = self.receives.take_early(key)
+        self._give_back(key, self.receives.drop_early(key))
+
+    def _give_back(self, key: str, early: list[tuple[Notice, NoticeConn]]) -> None:
         self.release([n.lease for n, _ in early if isinstance(n, LayerNotice)])
         for conn in {conn for n, conn in early if isinstance(n, PagesNotice)}:
             conn.reply(ReleaseNotice(key))

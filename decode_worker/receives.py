@@ -1,11 +1,11 @@
-"""One record per KV receive on the decode worker (`Receive`: an attempt, from its reserve to its
-end) and the worker's one registry of them (`Receives`), keyed by what names the attempt
-everywhere: its ticket (its request id when the reserve came without one).
+"""One record per KV receive on the decode worker (`Receive`: an attempt, from its first notice
+or its reserve to its end) and the worker's one registry of them (`Receives`), keyed by what
+names the attempt everywhere: its ticket (its request id when the reserve came without one).
 
-The registry keeps the live receives, the notices that came before their reserve, and the
-recently ended receives: a late notice for one is given back at once, a late `generate` learns
-why it finds none, and its timings stay readable. Everything here runs on the actor's event
-loop."""
+The registry's one map holds the live receives, the early ones (notices that came before their
+reserve) and the recently ended ones: a late notice for one is given back at once, a late
+`generate` learns why it finds none, a reserve that lands after its abort is refused, and its
+timings stay readable. Everything here runs on the actor's event loop."""
 
 from __future__ import annotations
 
@@ -19,16 +19,16 @@ from halfmoon.engine.errors import HalfmoonError
 from halfmoon.kvstore.transfer.channel import NoticeConn
 from halfmoon.kvstore.transfer.notice_format import LayerNotice, Notice, PagesNotice
 
-# Ended receives remembered, so their late notices are released at once and a late
-# `generate` or `receive_timings` still finds them.
+# Ended receives remembered, so their late notices are released at once, a late `generate` or
+# `receive_timings` still finds them and a reserve that lands after its abort is refused.
 RECENT_ENDS = 4096
 
 
 @dataclasses.dataclass(slots=True)
 class ReceiveTimings:
-    """When a request's KV arrived (wall-clock seconds since epoch)."""
+    """When a request's KV arrived (wall-clock seconds since epoch; 0: not yet)."""
 
-    reserved_at: float
+    reserved_at: float = 0.0
     first_layer_received_at: float = 0.0
     all_received_at: float = 0.0
     first_token_at: float = 0.0  # the first token became known here
@@ -40,11 +40,13 @@ class ReceiveTimings:
 class Receive:
     """One attempt's KV on its way into pages reserved for it, then joining the batch.
 
-    `phase`: "receiving" (reserved, the router has not handed it over), "handed_over"
-    (`generate` waits for the last layer), "ended". `first_token`: from the reserve of a
-    retry, the prefill worker's notice or `generate`, whichever comes first (a list, one per
-    sequence, when `n` > 1: no notice carries those). `copy_in`: the task copying the KV in
-    and joining the batch. `expired`: it ended freed unclaimed (no hand-off in time).
+    `phase`: "early" (notices came before its reserve: they wait in `early`), "receiving"
+    (reserved, the router has not handed it over), "handed_over" (`generate` waits for the last
+    layer), "ended". `first_token`: from the reserve of a retry, the prefill worker's notice or
+    `generate`, whichever comes first (a list, one per sequence, when `n` > 1: no notice
+    carries those). `copy_in`: the task copying the KV in and joining the batch. `expired`: it
+    ended freed unclaimed (no hand-off in time). `aborted`: its ticket was aborted (a reserve of
+    it that lands after is refused).
 
     When the prefill worker tells this worker directly (`direct`), its notices fill
     `layers` (arena slots this worker owes the store a release of) and `pages` (its own pages
@@ -54,21 +56,21 @@ class Receive:
     the store's stream) and `landed` the (unit, layer)s written. `arrived` wakes the copy-in
     on any of these."""
 
-    request_id: str
     key: str
     first_token: asyncio.Future
-    num_tokens: int
+    request_id: str = ""  # from its reserve (or its abort) on
+    num_tokens: int = 0
     direct: bool = False
-    phase: str = "receiving"
+    phase: str = "early"
+    early: list[tuple[Notice, NoticeConn]] = dataclasses.field(default_factory=list)
+    aborted: bool = False
     # On CUDA, an event after the last readers of the reserved pages (`PagedKvCache.mark`):
     # writes into them wait for it, not for every step queued since.
     fence: object | None = None
     copy_in: asyncio.Task | None = None
     expired: bool = False
     join_error: HalfmoonError | None = None
-    timings: ReceiveTimings = dataclasses.field(
-        default_factory=lambda: ReceiveTimings(reserved_at=time.time())
-    )
+    timings: ReceiveTimings = dataclasses.field(default_factory=ReceiveTimings)
     layers: dict[tuple[int, int], LayerNotice] = dataclasses.field(default_factory=dict)
     pages: dict[tuple[int, int], tuple[PagesNotice, NoticeConn]] = dataclasses.field(
         default_factory=dict
@@ -81,6 +83,11 @@ class Receive:
     engine: asyncio.Future | None = None
     landed: set[tuple[int, int]] = dataclasses.field(default_factory=set)
 
+    @property
+    def live(self) -> bool:
+        """Reserved and not ended."""
+        return self.phase in ("receiving", "handed_over")
+
     def give_first_token(self, token_id: int | list[int]) -> None:
         """The first token is known (the first to say it wins; later ones are the same)."""
         if not self.first_token.done():
@@ -88,49 +95,55 @@ class Receive:
 
 
 class Receives:
-    """The decode worker's receives by key: live, ended recently, and notices waiting for one."""
+    """The decode worker's receives by key, live, early and ended, in the order they were
+    reserved (or first noticed) or ended; the oldest ended go beyond RECENT_ENDS."""
 
     def __init__(self) -> None:
-        self._live: dict[str, Receive] = {}
-        self._ended: OrderedDict[str, Receive] = OrderedDict()
-        self._early: dict[str, list[tuple[Notice, NoticeConn]]] = {}
+        self._records: OrderedDict[str, Receive] = OrderedDict()
+        self._num_ended = 0
 
     def __len__(self) -> int:
-        return len(self._live)
+        return sum(1 for receive in self._records.values() if receive.live)
 
     def __iter__(self) -> Iterator[Receive]:
-        return iter(list(self._live.values()))
+        return iter([receive for receive in self._records.values() if receive.live])
 
     def open(
         self, request_id: str, key: str, num_tokens: int, direct: bool, first_token_id=None
     ) -> Receive:
-        """A new live receive `key` (the caller replays `take_early(key)` into it)."""
-        first_token = asyncio.get_running_loop().create_future()
-        receive = Receive(request_id, key, first_token, num_tokens, direct)
+        """The live receive `key`: its early record when notices came first (the caller
+        replays its `early` notices into it), else a new one."""
+        receive = self._records.get(key)
+        if receive is None or receive.phase != "early":
+            receive = self._new(key)
+        self._records.move_to_end(key)
+        receive.request_id, receive.num_tokens, receive.direct = request_id, num_tokens, direct
+        receive.phase, receive.timings.reserved_at = "receiving", time.time()
         if first_token_id is not None:
             receive.give_first_token(first_token_id)
-        receive.first_token.add_done_callback(
-            lambda token: (
-                token.cancelled() or setattr(receive.timings, "first_token_at", time.time())
-            )
-        )
-        self._live[key] = receive
         return receive
 
     def live(self, key: str) -> Receive | None:
-        return self._live.get(key)
+        receive = self._records.get(key)
+        return receive if receive is not None and receive.live else None
 
     def ended(self, key: str) -> Receive | None:
         """The receive `key` if it ended recently (the last RECENT_ENDS are kept)."""
-        return self._ended.get(key)
+        receive = self._records.get(key)
+        return receive if receive is not None and receive.phase == "ended" else None
 
     def find(self, name: str) -> Receive | None:
-        """The receive `name`, live or ended recently; else the latest of request id `name`."""
-        found = self._live.get(name) or self._ended.get(name)
-        if found is None:
-            everyone = (*reversed(self._live.values()), *reversed(self._ended.values()))
-            found = next((r for r in everyone if r.request_id == name), None)
-        return found
+        """The reserved receive `name`, live or ended recently; else the latest of request id
+        `name` (a live one before any that ended)."""
+        found = self._records.get(name)
+        if found is not None and found.timings.reserved_at:
+            return found
+        newest = [
+            receive
+            for receive in reversed(self._records.values())
+            if receive.request_id == name and receive.timings.reserved_at
+        ]
+        return next((receive for receive in newest if receive.live), next(iter(newest), None))
 
     def end(self, receive: Receive) -> bool:
         """`receive` ends (once: False when it had already); its first token will not come now."""
@@ -138,20 +151,68 @@ class Receives:
             return False
         receive.phase = "ended"
         receive.copy_in = None
-        if self._live.get(receive.key) is receive:
-            del self._live[receive.key]
-        self._ended[receive.key] = receive
-        while len(self._ended) > RECENT_ENDS:
-            self._ended.popitem(last=False)
+        if self._records.get(receive.key) is receive:
+            self._records.move_to_end(receive.key)
+            self._num_ended += 1
+            self._evict()
         receive.first_token.cancel()  # no-op once known
         return True
 
+    def abort(self, request_id: str, ticket: str | None) -> list[tuple[Notice, NoticeConn]]:
+        """Attempt `ticket` is aborted, so a reserve or colocated call of it that lands later
+        is refused: one not reserved yet (unknown, or only noticed) ends now, and the notices
+        that came for it are returned, to be given back. Without a ticket, nothing is kept."""
+        if ticket is None:
+            return []
+        receive = self._records.get(ticket) or self._new(ticket)
+        receive.aborted = True
+        if receive.phase != "early":
+            return []
+        receive.request_id = request_id
+        early, receive.early = receive.early, []
+        self.end(receive)
+        return early
+
+    def refused(self, ticket: str | None) -> bool:
+        """A call of attempt `ticket` lands after its abort."""
+        receive = None if ticket is None else self._records.get(ticket)
+        return receive is not None and receive.aborted
+
     def hold_early(self, key: str, notice: Notice, conn: NoticeConn) -> bool:
         """Keep a notice that overtook its reserve; True for the first one of `key`."""
-        first = key not in self._early
-        self._early.setdefault(key, []).append((notice, conn))
+        receive = self._records.get(key)
+        first = receive is None
+        if first:
+            receive = self._new(key)
+        receive.early.append((notice, conn))
         return first
 
-    def take_early(self, key: str) -> list[tuple[Notice, NoticeConn]]:
-        """The notices that came for `key` before its reserve (none are kept after)."""
-        return self._early.pop(key, [])
+    def drop_early(self, key: str) -> list[tuple[Notice, NoticeConn]]:
+        """The notices of `key` whose reserve never came (its early record goes); none when it
+        came, or its abort took them."""
+        receive = self._records.get(key)
+        if receive is None or receive.phase != "early":
+            return []
+        del self._records[key]
+        return receive.early
+
+    def _new(self, key: str) -> Receive:
+        """An early record of `key`, last (an ended one of that key goes)."""
+        first_token = asyncio.get_running_loop().create_future()
+        receive = Receive(key, first_token)
+        first_token.add_done_callback(
+            lambda token: (
+                token.cancelled() or setattr(receive.timings, "first_token_at", time.time())
+            )
+        )
+        if (earlier := self._records.pop(key, None)) is not None and earlier.phase == "ended":
+            self._num_ended -= 1
+        self._records[key] = receive
+        return receive
+
+    def _evict(self) -> None:
+        """The oldest ended receives beyond RECENT_ENDS go (live and early ones stay)."""
+        while self._num_ended > RECENT_ENDS:
+            oldest = next(key for key, kept in self._records.items() if kept.phase == "ended")
+            del self._records[oldest]
+            self._num_ended -= 1

@@ -99,7 +99,7 @@ class DecodeWorker(EngineWorker):
         say. `task.first_token_id`: the request's first token, when already known (a retry):
         the request joins the batch as soon as its KV is in, as it does on the prefill
         worker's notice of the first token; otherwise on `generate`."""
-        if self._was_aborted(task.ticket):
+        if self.receives.refused(task.ticket):
             return aborted(task.request_id)
         key = task.ticket or task.request_id
         try:
@@ -145,7 +145,7 @@ class DecodeWorker(EngineWorker):
     ) -> AsyncIterator[RequestOutput | WorkerError]:
         """Prefill and decode here (colocated mode and short-prompt bypass)."""
         called_at = time.time()
-        if self._was_aborted(task.ticket):
+        if self.receives.refused(task.ticket):
             yield aborted(task.request_id)
             return
         outputs = self._engine().generate(
@@ -168,7 +168,7 @@ class DecodeWorker(EngineWorker):
     async def abort(self, request_id: str, ticket: str | None = None) -> bool:
         """End the attempt `ticket` (or `request_id`, when none) and free its pages; a reserve
         or colocated call with the same `ticket` that lands later is refused."""
-        self._remember_abort(ticket)
+        self.notices.abort(request_id, ticket)
         key = ticket or request_id
         freed = self.handoffs.abort(key)
         return self._engine().abort(key) if freed is None else freed

@@ -127,7 +127,8 @@ class Lend:
 class Job:
     """One prefill attempt, named by its `key` (the ticket, else the request id: what the
     engine and the decode worker's notices call it): its transfer plan and each concern's
-    part of it."""
+    part of it. `ended`: its call returned; `aborted`: its ticket was (a call of it that lands
+    after is refused). Both are the event loop's."""
 
     request_id: str  # what error messages and the result name
     key: str
@@ -141,6 +142,8 @@ class Job:
     lend: Lend | None = None  # set on the event loop before the engine sees the job
     # The decode worker on another node writes land in, on the transfer engine (remote_send.py).
     remote: RemoteSend | None = None
+    ended: bool = False
+    aborted: bool = False
 
     def result(
         self, task: PrefillTask, firsts: list[RequestOutput], arrived_at: float, computed_at: float

@@ -91,7 +91,7 @@ class PrefillWorker(EngineWorker):
         await self.parts.prefix.find(job, task.fetch_from)
         self.jobs.open(job)
         try:
-            if self._was_aborted(task.ticket):  # aborted while the prefix lookup was in flight
+            if job.aborted:  # while the prefix lookup was in flight, or before the call landed
                 return aborted(task.request_id)
             firsts = await self._first_outputs(task, job.key)
             if firsts[-1].finish_reason == "abort":
@@ -178,7 +178,7 @@ class PrefillWorker(EngineWorker):
         """End attempt `ticket` (or `request_id`) of the request; a `prefill` call with the
         same `ticket` that lands later is refused, and an earlier attempt's abort (another
         ticket) leaves a retry here alone."""
-        self._remember_abort(ticket)
+        self.jobs.abort(request_id, ticket)
         return self._engine().abort(ticket or request_id)
 
     def _send(self, item: LayerOut):

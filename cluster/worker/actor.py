@@ -8,7 +8,6 @@ import dataclasses
 import gc
 import math
 import sys
-from collections import OrderedDict
 
 import ray
 import torch
@@ -31,8 +30,6 @@ from halfmoon.kvstore.metrics_endpoint import serve_actor_metrics
 from halfmoon.kvstore.process_gc import freeze_startup_heap
 from halfmoon.kvstore.transfer.plan import TransferUnit, plan_transfer
 
-# Tickets of aborted calls kept so that a call arriving after its abort is refused at once.
-ABORTED_TICKETS = 4096
 # How long a thread of a worker holds the GIL while another waits for it (Python's default is
 # 5 ms). The step thread gives the GIL up around every torch op and waits to take it back;
 # while the event loop runs Python (streaming a step's tokens out, a receive, a poll), each
@@ -54,7 +51,6 @@ class EngineWorker:
         self.chunk_tokens = config.prefill_chunk_size or config.max_num_batched_tokens
         self.async_engine: AsyncEngine | None = None
         self.watchdog: LoopWatchdog | None = None  # with the AsyncEngine, on the actor's loop
-        self.aborted_tickets: OrderedDict[str, None] = OrderedDict()
         self.metrics = WorkerMetrics()
         self.metrics_address: str | None = None
         self.device_blocks: set[bytes] = set()  # what its page events say its pages hold
@@ -169,18 +165,6 @@ class EngineWorker:
         return plan_transfer(
             facts.root_key, block_keys, token_ids, facts.block_size, chunk, request_id
         )
-
-    def _remember_abort(self, ticket: str | None) -> None:
-        """An abort may overtake the call it ends (Ray does not order an async actor's calls):
-        its ticket is kept (the last ABORTED_TICKETS) so that call is refused when it lands."""
-        if ticket is None:
-            return
-        self.aborted_tickets[ticket] = None
-        while len(self.aborted_tickets) > ABORTED_TICKETS:
-            self.aborted_tickets.popitem(last=False)
-
-    def _was_aborted(self, ticket: str | None) -> bool:
-        return ticket is not None and ticket in self.aborted_tickets
 
 
 def _live_requests(engine: LLMEngine) -> list[str]:

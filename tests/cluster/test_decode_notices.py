@@ -210,6 +210,21 @@ def test_a_notice_naming_the_wrong_slots_fails_the_receive_retryably(parts):
 
 
 @pytest.mark.timeout(120)
+def test_an_abort_that_overtakes_the_reserve_refuses_it_and_gives_back_its_notices(parts):
+    _, _, store, decode, *_ = parts
+    prefill = Prefill(parts, "t7", "n7")
+    heard = counters(decode)["num_notices"]
+    prefill.publish(0)
+    wait_for(lambda: counters(decode)["num_notices"] >= heard + prefill.layout.num_layers)
+    assert not ray.get(decode.abort.remote("n7", "t7"))  # nothing reserved to free
+    prefill.publish(1)  # after the abort: given back as those of an ended receive
+    refused = ray.get(reserve(parts, "n7", "t7"))
+    assert isinstance(refused, WorkerError) and refused.code == "CANCELLED"
+    wait_for(lambda: leased(store) == 0)
+    assert counters(decode)["num_used_pages"] == 0
+
+
+@pytest.mark.timeout(120)
 def test_notices_whose_reserve_never_comes_give_their_claims_back(parts):
     store = parts[2]
     prefill = Prefill(parts, "t6", "n6")  # the reserve failed, or the router died
