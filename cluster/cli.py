@@ -116,21 +116,32 @@ def _run_status(args) -> int:
 
 
 def _add_init_model(commands) -> None:
-    from halfmoon.engine.init_model import SHAPES  # no torch: the module imports it when writing
+    # No torch: the module imports it when writing.
+    from halfmoon.engine.init_model import ARCHES, SHAPES
 
     cmd = commands.add_parser(
         "init-model",
-        help="write the tiny default Llama checkpoint to DIR",
-        description="Write a tiny Llama-architecture checkpoint (byte-level tokenizer, seeded "
-        "random weights, chat template) loadable by transformers and halfmoon.",
+        help="write the tiny default Llama checkpoint (or another architecture's) to DIR",
+        description="Write a tiny checkpoint (byte-level tokenizer, seeded random weights, chat "
+        "template) loadable by transformers and halfmoon: Llama by default, or a mixture of "
+        "experts (--arch).",
     )
     cmd.add_argument("dir", help="new directory to write the checkpoint into")
     cmd.add_argument(
+        "--arch",
+        choices=list(ARCHES),
+        default="llama",
+        help="llama (dense, the default); mixtral, qwen2-moe (with a shared expert), qwen3-moe: "
+        "mixtures of experts, as transformers' Mixtral/Qwen2Moe/Qwen3Moe classes write them",
+    )
+    cmd.add_argument(
         "--shape",
         choices=list(SHAPES),
-        default="tiny",
-        help="tiny (~1M params, the serving default), bench (~50M), launch (~4M in 32 layers: "
-        "launch-bound), gpu (~0.9B), wide-vocab (tiny at Qwen2's 151,936-row vocabulary)",
+        default=None,
+        help="tiny (~1M params, the dense default), bench (~50M), launch (~4M in 32 layers: "
+        "launch-bound), gpu (~0.9B), wide-vocab (tiny at Qwen2's 151,936-row vocabulary); "
+        "with experts: tiny-moe (~0.3M, the MoE default), moe (~52M total, 2 of 32 experts "
+        "per token)",
     )
     cmd.add_argument("--seed", type=int, default=0, help="weight seed (0)")
     cmd.set_defaults(run=_run_init_model)
@@ -173,10 +184,11 @@ def _add_generate(commands) -> None:
 
 
 def _run_init_model(args) -> int:
-    from halfmoon.engine.init_model import SHAPES, init_model
+    from halfmoon.engine.init_model import ARCHES, SHAPES, init_model
 
-    path = init_model(args.dir, SHAPES[args.shape], seed=args.seed)
-    print(f"wrote a {args.shape} Llama checkpoint to {path}")
+    shape = args.shape or ("tiny" if args.arch == "llama" else "tiny-moe")
+    path = init_model(args.dir, SHAPES[shape], seed=args.seed, arch=args.arch)
+    print(f"wrote a {shape} {ARCHES[args.arch]} checkpoint to {path}")
     return 0
 
 

@@ -1,11 +1,12 @@
-"""The default model: a tiny Llama-architecture checkpoint made deterministically on first use."""
+"""The default model: a tiny Llama-architecture checkpoint made deterministically on first use;
+and tiny checkpoints of the other architectures (`init-model --arch`), mixtures of experts too."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from halfmoon.engine.errors import ModelLoadError
@@ -31,6 +32,22 @@ class TinyModelShape:
     # token maps to, as real checkpoints do (Qwen2: 151,936 rows for 151,665 tokens), so the
     # sampler and the grammar masks run at a real vocabulary's width.
     vocab_size: int | None = None
+    # A mixture of experts (0: dense): per token `num_experts_per_tok` of `num_experts` MLPs of
+    # `moe_intermediate_size`; `intermediate_size` is then the Qwen2-MoE shared expert's.
+    num_experts: int = 0
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 0
+
+    def dense_sizes(self) -> dict:
+        """The sizes every architecture's transformers config takes, by its names."""
+        return {
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "max_position_embeddings": self.max_position_embeddings,
+        }
 
 
 # The checkpoints `init-model` and the benchmarks make, by name; columns: hidden, intermediate,
@@ -44,7 +61,58 @@ SHAPES = {
     "gpu": TinyModelShape(2048, 5632, 16, 32, 8),  # ~0.9B: the GPU issues' figures were measured at
     # The tiny model at Qwen2's vocabulary width (~40M parameters, nearly all embedding and head).
     "wide-vocab": TinyModelShape(128, 352, 4, 4, 2, vocab_size=151_936),
+    # Mixtures of experts (`--arch mixtral|qwen2-moe|qwen3-moe`): ~0.3M, the MoE default; and
+    # ~52M total (~6M active per token: 2 of 32 experts) for `bench engine`.
+    "tiny-moe": TinyModelShape(64, 128, 2, 4, 2, num_experts=4, moe_intermediate_size=32),
+    "moe": TinyModelShape(256, 512, 8, 8, 4, num_experts=32, moe_intermediate_size=256),
 }
+# `init-model --arch`: the transformers architecture each name writes.
+ARCHES = {
+    "llama": "LlamaForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2-moe": "Qwen2MoeForCausalLM",
+    "qwen3-moe": "Qwen3MoeForCausalLM",
+}
+
+
+def model_config(arch: str, shape: TinyModelShape, tokenizer):
+    """The transformers config of an `arch` checkpoint of `shape`, with `tokenizer`'s ids."""
+    from transformers import LlamaConfig, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+    if arch not in ARCHES:
+        raise ModelLoadError(f"unknown architecture {arch!r}; choose one of {', '.join(ARCHES)}")
+    if arch == "llama" and shape.num_experts:
+        raise ModelLoadError("--arch llama is dense: choose a shape without experts")
+    if arch != "llama" and not shape.num_experts:
+        moe_shapes = ", ".join(name for name, each in SHAPES.items() if each.num_experts)
+        raise ModelLoadError(f"--arch {arch} needs a shape with experts: {moe_shapes}")
+    common = dict(
+        shape.dense_sizes(),
+        vocab_size=shape.vocab_size or len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    if arch == "mixtral":  # its experts are `intermediate_size` wide, and always renormalised
+        common["intermediate_size"] = shape.moe_intermediate_size
+        return MixtralConfig(
+            **common,
+            num_local_experts=shape.num_experts,
+            num_experts_per_tok=shape.num_experts_per_tok,
+        )
+    if arch == "llama":
+        return LlamaConfig(**common)
+    moe = dict(
+        num_experts=shape.num_experts,
+        num_experts_per_tok=shape.num_experts_per_tok,
+        moe_intermediate_size=shape.moe_intermediate_size,
+    )
+    if arch == "qwen2-moe":  # with a shared expert `intermediate_size` wide
+        return Qwen2MoeConfig(
+            **common, **moe, shared_expert_intermediate_size=common["intermediate_size"]
+        )
+    return Qwen3MoeConfig(**common, **moe, norm_topk_prob=True)
 
 
 def cache_root() -> Path:
@@ -61,11 +129,14 @@ def default_model_dir() -> Path:
     return cache_root() / "tiny-llama"
 
 
-def ensure_model(model_dir: str | Path | None = None, shape: TinyModelShape | None = None) -> Path:
-    """Return `model_dir` (default: the cached tiny model), creating the checkpoint if absent."""
+def ensure_model(
+    model_dir: str | Path | None = None, shape: TinyModelShape | None = None, arch: str = "llama"
+) -> Path:
+    """Return `model_dir` (default: the cached tiny model), creating the checkpoint if absent
+    (an `arch` one of `shape`, as `init_model` writes it)."""
     path = Path(model_dir) if model_dir else default_model_dir()
     if not (path / "config.json").is_file():
-        init_model(path, shape or SHAPES["tiny"])
+        init_model(path, shape, arch=arch)
     return path
 
 
@@ -89,29 +160,28 @@ def build_tokenizer():
     return tokenizer
 
 
-def init_model(model_dir: str | Path, shape: TinyModelShape | None = None, seed: int = 0) -> Path:
-    """Write a Llama checkpoint with seeded random weights and the byte-level tokenizer."""
+def init_model(
+    model_dir: str | Path, shape: TinyModelShape | None = None, seed: int = 0, arch: str = "llama"
+) -> Path:
+    """Write an `arch` checkpoint (one of `ARCHES`) of `shape` (by default "tiny", or
+    "tiny-moe" for a mixture of experts) with seeded random weights and the byte-level
+    tokenizer."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     path = Path(model_dir)
     if path.exists() and any(path.iterdir()):
         raise ModelLoadError(f"{path} exists and is not empty; choose a new directory")
     tokenizer = build_tokenizer()
-    sizes = asdict(shape or SHAPES["tiny"])
-    vocab_size = sizes.pop("vocab_size") or len(tokenizer)
-    if vocab_size < len(tokenizer):
-        raise ModelLoadError(f"vocab_size {vocab_size} is below the tokenizer's {len(tokenizer)}")
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
-        **sizes,
+    config = model_config(
+        arch, shape or SHAPES["tiny" if arch == "llama" else "tiny-moe"], tokenizer
     )
+    if config.vocab_size < len(tokenizer):
+        raise ModelLoadError(
+            f"vocab_size {config.vocab_size} is below the tokenizer's {len(tokenizer)}"
+        )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = AutoModelForCausalLM.from_config(config)
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
     model.save_pretrained(staging)

@@ -58,8 +58,19 @@ SAMPLER_COPIES = 10
 def forward_bytes(cfg: ModelConfig, max_batched_tokens: int, max_seqs: int) -> int:
     """A generous bound on one forward pass's activations: a few hidden-sized and MLP-sized
     buffers per token, and the fp32 logits of every sampled sequence."""
-    per_token = 8 * cfg.hidden_size + 3 * cfg.intermediate_size
+    per_token = 8 * cfg.hidden_size + mlp_floats(cfg)
     return 4 * (per_token * max_batched_tokens + 2 * max_seqs * cfg.vocab_size)
+
+
+def mlp_floats(cfg: ModelConfig) -> int:
+    """A token's MLP buffers: gate, up and their product; with experts, those of each of its k
+    experts, their outputs before the sum, the router's scores and the shared expert's."""
+    dense = 3 * cfg.intermediate_size
+    if cfg.moe is None:
+        return dense
+    moe = cfg.moe
+    routed = moe.top_k * (3 * moe.expert_intermediate_size + cfg.hidden_size) + moe.num_experts
+    return max(dense, routed + 3 * moe.shared_expert_intermediate_size)
 
 
 def sampler_bytes(cfg: ModelConfig, max_seqs: int) -> int:

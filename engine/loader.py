@@ -11,6 +11,7 @@ from safetensors import safe_open
 
 from halfmoon.engine.errors import ModelLoadError
 from halfmoon.engine.model import CausalLM
+from halfmoon.engine.moe_weights import copy_moe_weight
 
 # HF name pattern -> (our parameter, index of the shard within a fused parameter, or None).
 _FUSED = {
@@ -47,8 +48,9 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
 
 def load_weights(model: CausalLM, model_dir: Path) -> None:
-    """Copy the checkpoint into `model`, fusing q/k/v and gate/up; at T > 1 only this rank's
-    slice of each tensor is read (see tensor_parallel.py)."""
+    """Copy the checkpoint into `model`, fusing q/k/v and gate/up and stacking experts
+    (moe_weights.py); at T > 1 only this rank's slice of each tensor is read (see
+    tensor_parallel.py)."""
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     for file in checkpoint_files(model_dir):
@@ -67,6 +69,10 @@ def load_weights(model: CausalLM, model_dir: Path) -> None:
 
 
 def _copy(model: CausalLM, params: dict, name: str, source) -> str | None:
+    if model.config.moe is not None:
+        target = copy_moe_weight(params, name, source, model.group.rank)
+        if target:
+            return target
     match = _LAYER.match(name)
     if match and match.group(3) in _FUSED:
         layer, block, proj, kind = match.groups()

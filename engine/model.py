@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a paged KV cache."""
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, and the mixtures of experts Mixtral,
+Qwen2-MoE, Qwen3-MoE) over a paged KV cache."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from halfmoon.engine.mlp import MLP
 from halfmoon.engine.model_config import ModelConfig
+from halfmoon.engine.moe_block import SparseMoeBlock
 from halfmoon.engine.tensor_parallel import SINGLE, TPGroup, VocabParallelEmbedding, vocab_rows
 from halfmoon.kernels import ops
 from halfmoon.kernels.attention import AttentionMetadata, paged_attention
@@ -54,28 +57,16 @@ class Attention(nn.Module):
         return self.group.all_reduce(self.o_proj(out.reshape(-1, q_size)))
 
 
-class MLP(nn.Module):
-    """This rank's slice of the intermediate size: `gate_up_proj` column-, `down_proj`
-    row-parallel."""
-
-    def __init__(self, cfg: ModelConfig, group: TPGroup) -> None:
-        super().__init__()
-        self.group = group
-        size = cfg.intermediate_size // group.size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * size, bias=False)
-        self.down_proj = nn.Linear(size, cfg.hidden_size, bias=False)
-
-    def forward(self, x):
-        return self.group.all_reduce(self.down_proj(ops.silu_and_mul(self.gate_up_proj(x))))
-
-
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, group: TPGroup) -> None:
+    def __init__(self, cfg: ModelConfig, group: TPGroup, index: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, group)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, group)
+        if cfg.moe is not None and index in cfg.moe.sparse_layers:
+            self.mlp = SparseMoeBlock(cfg, group)
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size // group.size, group)
 
     def forward(self, x, residual, positions, cos_sin, kv_cache, meta):
         x, residual = self.input_layernorm(x, residual)
@@ -98,7 +89,7 @@ class CausalLM(nn.Module):
             # `normal_` would import torch._dynamo: ~3 s of every worker's start.
             weight = torch.empty(cfg.vocab_size, cfg.hidden_size)
             self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=weight)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, group) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, group, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         vocab = vocab_rows(cfg.vocab_size, group.size)
         self.lm_head = nn.Linear(cfg.hidden_size, vocab, bias=False)

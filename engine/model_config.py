@@ -8,12 +8,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from halfmoon.engine.errors import ModelLoadError
+from halfmoon.engine.moe_config import MOE_ARCHITECTURES, MoeShape, moe_shape
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    *MOE_ARCHITECTURES,
 )
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -39,6 +41,7 @@ class ModelConfig:
     qk_norm: bool
     eos_token_ids: tuple[int, ...]
     max_model_len: int
+    moe: MoeShape | None = None  # the experts of a mixture-of-experts model (moe_config.py)
 
 
 # What transformers' config class of each architecture assumes for a key config.json leaves
@@ -68,6 +71,29 @@ _DEFAULTS: dict[str, dict] = {
         num_attention_heads=32, num_key_value_heads=32, head_dim=128,
         max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=False,
         attention_bias=False, eos_token_id=None, sliding_window=4096, use_sliding_window=False,
+    ),
+    "MixtralForCausalLM": dict(
+        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=None,
+        max_position_embeddings=4096 * 32, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        attention_bias=False, eos_token_id=2, sliding_window=None, rope_theta=1e6,
+        num_local_experts=8, num_experts_per_tok=2,
+    ),
+    "Qwen2MoeForCausalLM": dict(
+        vocab_size=151936, hidden_size=2048, intermediate_size=5632, num_hidden_layers=24,
+        num_attention_heads=16, num_key_value_heads=16, head_dim=None,
+        max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        qkv_bias=True, eos_token_id=None, sliding_window=4096, use_sliding_window=False,
+        decoder_sparse_step=1, moe_intermediate_size=1408, shared_expert_intermediate_size=5632,
+        num_experts_per_tok=4, num_experts=60, norm_topk_prob=False, mlp_only_layers=[],
+    ),
+    "Qwen3MoeForCausalLM": dict(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=None,
+        max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        attention_bias=False, eos_token_id=None, sliding_window=4096, use_sliding_window=False,
+        decoder_sparse_step=1, moe_intermediate_size=768, num_experts_per_tok=8,
+        num_experts=128, norm_topk_prob=False, mlp_only_layers=[],
     ),
 }  # fmt: skip
 DEFAULT_ROPE_THETA = 10000.0
@@ -135,11 +161,22 @@ def _model_config(architecture: str, hf: dict) -> ModelConfig:
         rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
         max_position_embeddings=max_positions,
         tie_word_embeddings=bool(hf["tie_word_embeddings"]),
-        qkv_bias=architecture == "Qwen2ForCausalLM" or bool(hf["attention_bias"]),
-        qk_norm=architecture == "Qwen3ForCausalLM",
+        qkv_bias=_qkv_bias(architecture, hf),
+        qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
         eos_token_ids=_eos_ids(hf["eos_token_id"]),
         max_model_len=min(max_positions, _sliding_window(hf) or math.inf),
+        moe=moe_shape(architecture, hf),
     )
+
+
+def _qkv_bias(architecture: str, hf: dict) -> bool:
+    """Qwen2 always has q/k/v biases, Qwen2-MoE by its `qkv_bias`, the others by
+    `attention_bias`."""
+    if architecture == "Qwen2ForCausalLM":
+        return True
+    if architecture == "Qwen2MoeForCausalLM":
+        return bool(hf["qkv_bias"])
+    return bool(hf.get("attention_bias", False))
 
 
 def _eos_ids(eos) -> tuple[int, ...]:

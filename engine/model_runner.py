@@ -19,6 +19,7 @@ from halfmoon.engine.kv_shards import whole_cache
 from halfmoon.engine.loader import load_weights
 from halfmoon.engine.model import CausalLM
 from halfmoon.engine.model_config import ModelConfig
+from halfmoon.engine.moe_block import pack_experts
 from halfmoon.engine.rope import cos_sin_cache
 from halfmoon.engine.scheduler import ScheduledSeq
 from halfmoon.engine.sequence import Sequence
@@ -55,6 +56,7 @@ class ModelRunner:
         self.weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         # A tied head shares the embedding's weight; a packed copy would double it.
         pack_linears(model, skip=(model.lm_head,) if cfg.tie_word_embeddings else ())
+        pack_experts(model)
         if device.type == "cpu":
             keep_freed_memory()
         self.cos_sin: torch.Tensor | None = None

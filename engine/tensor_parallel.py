@@ -5,6 +5,7 @@ slice of every layer, and a few collectives join the slices.
   and KV heads, or of its slice of the intermediate size; its output stays sliced.
 - Row-parallel (`o_proj`, `down_proj`): a rank holds the input columns of that slice, and an
   all-reduce sums the ranks' partial outputs.
+- Experts (engine/moe_block.py): each expert's MLP split as a dense one is; the router whole.
 - Vocabulary-parallel embedding and LM head: a rank holds `ceil(vocab / T)` rows; a lookup
   outside them gives zeros before the all-reduce, and the head's logits are gathered on rank 0.
 
@@ -133,6 +134,10 @@ def check_divisible(cfg: ModelConfig, size: int) -> None:
         "KV heads": cfg.num_kv_heads,
         "intermediate size": cfg.intermediate_size,
     }
+    if cfg.moe is not None:
+        counts["expert intermediate size"] = cfg.moe.expert_intermediate_size
+        if cfg.moe.shared_expert_intermediate_size:
+            counts["shared expert intermediate size"] = cfg.moe.shared_expert_intermediate_size
     uneven = [f"{name} ({count})" for name, count in counts.items() if count % size]
     if uneven:
         common = math.gcd(*counts.values())

@@ -12,6 +12,8 @@ dense MLP's `gate_up_proj.weight`) and `w_down` is `[E, H, I]`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from halfmoon.kernels import ops, reference
@@ -44,13 +46,30 @@ def fused_moe_reference(
     """`fused_moe` in torch: the (token, slot) pairs sorted by expert once, then per expert
     with tokens one gate_up GEMM, SwiGLU, one down GEMM, scaled and added into fp32 rows."""
     check_shapes(x, w_gate_up, w_down, topk_ids, topk_weights)
+
+    def expert(index: int, rows: torch.Tensor) -> torch.Tensor:
+        return expert_mlp(rows, w_gate_up[index], w_down[index])
+
+    return grouped_moe(x, topk_ids, topk_weights, w_gate_up.shape[0], expert)
+
+
+def grouped_moe(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    num_experts: int,
+    expert: Callable[[int, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """The routed sum with each expert's MLP given as `expert(index, rows)`, called once per
+    expert that has tokens, over all of them (the engine's CPU path passes its packed linear
+    layers, engine/moe_block.py)."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     weights = topk_weights.reshape(-1)
-    for expert, pairs in enumerate(pairs_by_expert(topk_ids, w_gate_up.shape[0])):
+    for index, pairs in enumerate(pairs_by_expert(topk_ids, num_experts)):
         if pairs.numel() == 0:
             continue
         tokens = pairs // topk_ids.shape[1]
-        rows = expert_mlp(x.index_select(0, tokens), w_gate_up[expert], w_down[expert])
+        rows = expert(index, x.index_select(0, tokens))
         out.index_add_(0, tokens, rows.float() * weights[pairs].float()[:, None])
     return out.to(x.dtype)
 
@@ -64,13 +83,26 @@ def moe_per_token_loop(
 ) -> torch.Tensor:
     """`fused_moe` as a loop over tokens and their slots: one expert MLP per (token, slot)."""
     check_shapes(x, w_gate_up, w_down, topk_ids, topk_weights)
+
+    def expert(index: int, rows: torch.Tensor) -> torch.Tensor:
+        return expert_mlp(rows, w_gate_up[index], w_down[index])
+
+    return per_token_moe(x, topk_ids, topk_weights, expert)
+
+
+def per_token_moe(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    expert: Callable[[int, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """`grouped_moe` without the grouping: `expert(index, row)` once per (token, slot)."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for token, (ids, weights) in enumerate(
         zip(topk_ids.tolist(), topk_weights.tolist(), strict=True)
     ):
-        for expert, weight in zip(ids, weights, strict=True):
-            row = expert_mlp(x[token : token + 1], w_gate_up[expert], w_down[expert])
-            out[token] += weight * row[0].float()
+        for index, weight in zip(ids, weights, strict=True):
+            out[token] += weight * expert(index, x[token : token + 1])[0].float()
     return out.to(x.dtype)
 
 

@@ -13,7 +13,7 @@ THE_MODEL = "the model"
 # The forward pass: the model, its runner, the layers and tensors it builds, and the kernels.
 MODEL_PREFIXES = ("kernels/",)
 MODEL_STEP = (
-    ("model", "model_runner", "rope", "cpu_linear", "cpu_memory"),
+    ("model", "mlp", "moe_block", "model_runner", "rope", "cpu_linear", "cpu_memory"),
     ("step_inputs", "device_copy", "cuda_graphs", "cuda_events", "tensor_parallel"),
 )
 MODEL_FILES = frozenset(f"engine/{name}.py" for names in MODEL_STEP for name in names)

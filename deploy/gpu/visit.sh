@@ -16,7 +16,8 @@
 #            queue, prefill worker compute, engine compute and hand-off
 #   features the tests of what never ran on a GPU (FEATURE_TESTS below: structured outputs,
 #            penalties and logit_bias, n > 1, preemption, migration, prefix load, HTTP, a
-#            152k-row vocabulary's sampler memory; and the two-engines KV-sizing mend)
+#            152k-row vocabulary's sampler memory, MoE models on the Triton fused-MoE kernel;
+#            and the two-engines KV-sizing mend)
 #   tests    the Triton kernel tests compiled (background, xdist) beside every `gpu` test
 #            (xdist by file): correctness first; timings of these are not figures
 #   kernel-tests  only the Triton kernel tests, compiled (xdist)
@@ -57,6 +58,7 @@ FEATURE_TESTS=(
   tests/engine/test_warmup.py::test_no_kernel_compiles_after_a_cuda_engine_is_ready
   tests/engine/test_cuda_paths.py::test_two_engines_on_one_gpu_size_their_kv_within_their_share
   tests/engine/test_wide_vocab.py
+  tests/engine/test_exactness.py::test_greedy_tokens_on_cuda_in_fp32_match_transformers_on_cuda
   tests/cluster/test_request_lifecycle.py
   tests/cluster/test_bench_prefix_load.py
   tests/cluster/test_openai_api.py

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,11 +18,22 @@ SHAPE = TinyModelShape(
     num_key_value_heads=2,
     max_position_embeddings=1024,
 )
-COMMON = {k: v for k, v in asdict(SHAPE).items() if k != "vocab_size"} | {"initializer_range": 0.08}
+COMMON = dict(SHAPE.dense_sizes(), initializer_range=0.08)
+# Four experts of width 32, two per token; Qwen2-MoE's first layer dense (`mlp_only_layers`) and
+# its shared expert 48 wide; Qwen3-MoE renormalising the top two as its checkpoints do.
+EXPERTS = dict(num_experts_per_tok=2, moe_intermediate_size=32)
 
 
 def _configs(vocab_size: int, eos: int):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import (
+        LlamaConfig,
+        MistralConfig,
+        MixtralConfig,
+        Qwen2Config,
+        Qwen2MoeConfig,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     ids = dict(vocab_size=vocab_size, eos_token_id=eos, bos_token_id=0, pad_token_id=2)
     return {
@@ -42,6 +53,20 @@ def _configs(vocab_size: int, eos: int):
         "mistral": MistralConfig(**COMMON, **ids, head_dim=16),
         "qwen2": Qwen2Config(**COMMON, **ids, tie_word_embeddings=True),
         "qwen3": Qwen3Config(**COMMON, **ids, head_dim=16, tie_word_embeddings=False),
+        "mixtral": MixtralConfig(
+            **{**COMMON, "intermediate_size": 32}, **ids, num_local_experts=4, num_experts_per_tok=2
+        ),
+        "qwen2-moe": Qwen2MoeConfig(
+            **COMMON,
+            **ids,
+            **EXPERTS,
+            num_experts=4,
+            shared_expert_intermediate_size=48,
+            mlp_only_layers=[0],
+        ),
+        "qwen3-moe": Qwen3MoeConfig(
+            **COMMON, **ids, **EXPERTS, num_experts=4, head_dim=16, norm_topk_prob=True
+        ),
     }
 
 
@@ -60,12 +85,13 @@ def build_checkpoint(root: Path, name: str, shard: bool = False) -> Path:
 
 
 ARCHITECTURES = ["llama", "llama3-rope", "mistral", "qwen2", "qwen3"]
+MOE_ARCHITECTURES = ["mixtral", "qwen2-moe", "qwen3-moe"]
 
 
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("checkpoints")
-    built = {name: build_checkpoint(root, name) for name in ARCHITECTURES}
+    built = {name: build_checkpoint(root, name) for name in ARCHITECTURES + MOE_ARCHITECTURES}
     built["llama-sharded"] = build_checkpoint(root / "sharded", "llama", shard=True)
     return built
 

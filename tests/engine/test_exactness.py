@@ -50,7 +50,9 @@ def _capture_first_logits(monkeypatch) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    "arch", ["llama", "llama3-rope", "mistral", "qwen2", "qwen3", "llama-sharded"]
+    "arch",
+    ["llama", "llama3-rope", "mistral", "qwen2", "qwen3", "llama-sharded"]
+    + ["mixtral", "qwen2-moe", "qwen3-moe"],
 )
 def test_greedy_tokens_and_logits_match_transformers_with_chunking_and_preemption(
     checkpoints, arch, monkeypatch
@@ -94,7 +96,7 @@ def test_greedy_tokens_match_transformers_on_every_cpu_variant(checkpoints, isa,
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2-moe", "qwen3-moe"])
 def test_greedy_tokens_on_cuda_in_fp32_match_transformers_on_cuda(checkpoints, arch):
     model_dir = checkpoints[arch]
     llm = LLM(str(model_dir), device="cuda", dtype="float32", **ENGINE_ARGS)

@@ -10,12 +10,16 @@ import pytest
 
 from halfmoon.engine.errors import ModelLoadError
 from halfmoon.engine.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, load_model_config
+from halfmoon.engine.moe_config import MoeShape
 
 MODEL_TYPES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 
 
@@ -47,10 +51,44 @@ def through_transformers(model_dir) -> ModelConfig:
         rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
         max_position_embeddings=hf.max_position_embeddings,
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-        qkv_bias=architecture == "Qwen2ForCausalLM" or bool(getattr(hf, "attention_bias", False)),
-        qk_norm=architecture == "Qwen3ForCausalLM",
+        qkv_bias=_has_qkv_bias(hf),
+        qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
         eos_token_ids=() if eos is None else tuple(eos) if isinstance(eos, list) else (eos,),
         max_model_len=min(hf.max_position_embeddings, window or math.inf),
+        moe=_experts_as_built(hf),
+    )
+
+
+def _has_qkv_bias(hf) -> bool:
+    """Whether transformers' attention built from `hf` has a q_proj bias (on the meta device)."""
+    return _meta_model(hf).model.layers[0].self_attn.q_proj.bias is not None
+
+
+def _meta_model(hf):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(hf)
+
+
+def _experts_as_built(hf) -> MoeShape | None:
+    """The experts of the model transformers builds from `hf` (on the meta device)."""
+    layers = _meta_model(hf).model.layers
+    sparse = [i for i, layer in enumerate(layers) if hasattr(layer.mlp, "experts")]
+    if not sparse:
+        return None
+    block = layers[sparse[0]].mlp
+    shared = getattr(block, "shared_expert", None)
+    mixtral = hf.architectures[0] == "MixtralForCausalLM"
+    return MoeShape(
+        num_experts=block.experts.gate_up_proj.shape[0],
+        top_k=block.gate.top_k,
+        expert_intermediate_size=block.experts.down_proj.shape[2],
+        norm_topk_prob=True if mixtral else block.gate.norm_topk_prob,
+        shared_expert_intermediate_size=0 if shared is None else shared.down_proj.in_features,
+        sparse_layers=tuple(sparse),
+        round_weights=not mixtral,
     )
 
 
@@ -105,6 +143,26 @@ CASES = {
         "sliding_window": None,
         "head_dim": None,
         "max_position_embeddings": 32768,
+    },
+    # Qwen3-30B-A3B's spelling (`num_experts`, as on the hub) with some dense layers.
+    "qwen3-moe-hub-keys": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "num_hidden_layers": 6,
+        "num_experts": 16,
+        "num_experts_per_tok": 4,
+        "norm_topk_prob": True,
+        "head_dim": 128,
+        "decoder_sparse_step": 2,
+        "mlp_only_layers": [3],
+    },
+    "mixtral-window": {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "num_hidden_layers": 2,
+        "num_local_experts": 4,
+        "sliding_window": 4096,
+        "rope_theta": 1e6,
     },
     "qwen2-window-on": {
         "architectures": ["Qwen2ForCausalLM"],

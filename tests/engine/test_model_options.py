@@ -102,7 +102,7 @@ def test_gpu_budget_is_the_share_minus_weights_and_activations_within_free_memor
 
 def test_a_cuda_budget_leaves_room_for_the_runtime_and_the_decode_graphs_pool():
     # Found on the first GPU run: two engines at 0.27 of an H200 each held ~50 MB past it.
-    cfg = SimpleNamespace(hidden_size=2048, intermediate_size=5632, vocab_size=32000)
+    cfg = SimpleNamespace(hidden_size=2048, intermediate_size=5632, vocab_size=32000, moe=None)
     eager = unbudgeted_cuda_bytes(cfg, max_seqs=256, graphs=False)
     graphed = unbudgeted_cuda_bytes(cfg, max_seqs=256, graphs=True)
     assert eager == CUDA_RUNTIME_BYTES >= 5 * 50 * 10**6
@@ -112,7 +112,7 @@ def test_a_cuda_budget_leaves_room_for_the_runtime_and_the_decode_graphs_pool():
 def test_the_eager_budget_leaves_room_for_the_samplers_copies_of_the_logits():
     # Top-k/top-p, penalties and masks copy [N, vocab] fp32 logits several times over: at 256
     # rows of Qwen2's 151,936 tokens that is over a GB the KV cache must not take.
-    cfg = SimpleNamespace(hidden_size=896, intermediate_size=4864, vocab_size=151_936)
+    cfg = SimpleNamespace(hidden_size=896, intermediate_size=4864, vocab_size=151_936, moe=None)
     extra = activation_bytes(cfg, 2048, 256) - forward_bytes(cfg, 2048, 256)
     assert extra == sampler_bytes(cfg, 256) == 4 * SAMPLER_COPIES * 256 * 151_936
     assert extra > 1.5e9

@@ -60,7 +60,7 @@ def _generate(llm: LLM, monkeypatch) -> tuple[list[list[int]], list[torch.Tensor
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mixtral", "qwen2-moe", "qwen3-moe"])
 def test_two_ranks_generate_the_greedy_tokens_of_one(checkpoints, arch, monkeypatch):
     one = LLM(str(checkpoints[arch]), **ENGINE_ARGS)
     expected_tokens, expected_logits = _generate(one, monkeypatch)
