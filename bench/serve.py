@@ -336,13 +336,23 @@ def main(argv: list[str] | None = None) -> int:
 
         return serve_nodes.main([arg for arg in argv if arg != "--across-nodes"])
     args = build_parser().parse_args(argv)
+
+    def show(report: dict) -> None:
+        print_report(report, parse_percentiles(args.metric_percentiles))
+
+    return report_main("halfmoon bench serve", run, show, args)
+
+
+def report_main(command: str, measure, show, args: argparse.Namespace) -> int:
+    """`measure(args)` printed as JSON (--json) or by `show`; exit status 2 when a server cannot
+    be reached or the load is wrong."""
     try:
-        report = run(args)
+        report = measure(args)
     except (TargetUnreachableError, WorkloadError, ValueError, OSError) as error:
-        print(f"halfmoon bench serve: error: {error}", file=sys.stderr)
+        print(f"{command}: error: {error}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(report))
     else:
-        print_report(report, parse_percentiles(args.metric_percentiles))
+        show(report)
     return 0

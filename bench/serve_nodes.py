@@ -31,9 +31,14 @@ from ray.cluster_utils import Cluster as RayCluster
 
 from halfmoon.bench.metrics import parse_percentiles, ratios, summarize
 from halfmoon.bench.options import add_workload_options, bench_parser
-from halfmoon.bench.serve import bench_target, build_requests, load_vocabulary, run_config
-from halfmoon.bench.targets import BACKENDS, TargetUnreachableError, make_target
-from halfmoon.bench.workload import WorkloadError
+from halfmoon.bench.serve import (
+    bench_target,
+    build_requests,
+    load_vocabulary,
+    report_main,
+    run_config,
+)
+from halfmoon.bench.targets import BACKENDS, make_target
 
 GiB = 1 << 30
 HOST = "127.0.0.1"
@@ -327,16 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     percentiles = {*parse_percentiles(args.metric_percentiles), 50.0, 99.0}
     args.metric_percentiles = ",".join(f"{p:g}" for p in sorted(percentiles))
-    try:
-        report = measure(args)
-    except (TargetUnreachableError, WorkloadError, ValueError, OSError) as error:
-        print(f"halfmoon bench serve --across-nodes: error: {error}", file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps(report))
-    else:
-        print_report(report)
-    return 0
+    return report_main("halfmoon bench serve --across-nodes", measure, print_report, args)
 
 
 if __name__ == "__main__":

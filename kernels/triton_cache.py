@@ -134,14 +134,8 @@ def _check_rows_contiguous(cache: torch.Tensor) -> None:
         )
 
 
-def store_kv(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """Write rows `key[i]`, `value[i]` ([N, kv_heads, D]) to slot `slot_mapping[i]`; -1 skips."""
+def store_kv(key, value, k_cache, v_cache, slot_mapping):
+    """`reference.store_kv`'s contract, in Triton."""
     num_tokens, num_heads, head_dim = key.shape
     if num_tokens == 0:
         return

@@ -8,12 +8,11 @@ import triton.language as tl
 
 from halfmoon.kernels.decode_splits import BLOCK_N, SplitPlan, plan_splits
 from halfmoon.kernels.triton_paged import (
+    END_MASK,
     LOG2_E,
     attend_tiles,
-    check_cache,
-    dot_precision,
-    head_dim_block,
-    kernel_caches,
+    kernel_inputs,
+    softmax_start,
     strides,
 )
 
@@ -68,34 +67,13 @@ def _decode_split_kernel(
     )
     if KV_FORMAT == 0:  # else the query stays in its dtype, the rows dequantized into it
         q = q.to(k_cache_ptr.dtype.element_ty)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    row_max = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
-    row_sum = tl.zeros([BLOCK_G], dtype=tl.float32)
+    query = (q, None, dims, dim_mask, scale_log2)
+    table_row_ptr = block_tables_ptr + seq * stride_bt
+    strides = (stride_cp, stride_co, stride_ch)
+    pages = (k_cache_ptr, v_cache_ptr, table_row_ptr, kv_head, block_size, strides, head_dim)
+    state = softmax_start(BLOCK_G, BLOCK_D)
     acc, row_max, row_sum = attend_tiles(
-        q,
-        acc,
-        row_max,
-        row_sum,
-        start,
-        end,
-        None,
-        k_cache_ptr,
-        v_cache_ptr,
-        block_tables_ptr + seq * stride_bt,
-        dims,
-        dim_mask,
-        kv_head,
-        block_size,
-        stride_cp,
-        stride_co,
-        stride_ch,
-        scale_log2,
-        head_dim,
-        BLOCK_N,
-        APPLY_MASK=True,
-        CAUSAL=False,
-        DOT_PRECISION=DOT_PRECISION,
-        KV_FORMAT=KV_FORMAT,
+        query, state, start, end, pages, BLOCK_N, END_MASK, DOT_PRECISION, KV_FORMAT
     )
     # A split past the end of a short sequence saw no tokens; the reduction skips it.
     safe_sum = tl.where(row_sum > 0, row_sum, 1.0)
@@ -147,18 +125,9 @@ def _decode_reduce_kernel(
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=dim_mask)
 
 
-def paged_decode_attention(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """One query token per sequence ([S, q_heads, D]) over its first `seq_lens[s]` cached tokens."""
-    check_cache(k_cache, v_cache, query)
-    if query.stride(2) != 1:
-        query = query.contiguous()
+def paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale):
+    """`reference.paged_decode_attention`'s contract, in Triton."""
+    query, k_cache, v_cache, meta = kernel_inputs(query, k_cache, v_cache)
     num_seqs, num_q_heads, head_dim = query.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = num_q_heads // num_kv_heads
@@ -173,19 +142,19 @@ def paged_decode_attention(
     part_shape = (num_seqs, num_q_heads, plan.num_splits) if not single else (1,)
     part_lse = torch.empty(part_shape, dtype=torch.float32, device=query.device)
     part_out = torch.empty((*part_shape, head_dim), dtype=torch.float32, device=query.device)
-    block_d = head_dim_block(head_dim)
-    k_cache, v_cache, fmt, dot_dtype = kernel_caches(k_cache, v_cache, query)
     tensors = (query, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse)
     splits = (plan.tokens_per_split, plan.num_splits)
     sizes = (block_size, num_q_heads, group, head_dim, *splits)
-    meta = dict(BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=BLOCK_N)
-    meta |= dict(SINGLE_SPLIT=single, DOT_PRECISION=dot_precision(dot_dtype), KV_FORMAT=fmt)
+    meta |= dict(
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=BLOCK_N, SINGLE_SPLIT=single
+    )
     args = (*tensors, scale * LOG2_E, *strides(query, k_cache, block_tables), *sizes)
     _decode_split_kernel[(num_seqs, num_kv_heads, plan.num_splits)](*args, **meta)
     if not single:
         parts = (part_out, part_lse, seq_lens, out)
         block_splits = triton.next_power_of_2(plan.num_splits)
+        reduce_meta = dict(BLOCK_SPLITS=block_splits, BLOCK_D=meta["BLOCK_D"])
         _decode_reduce_kernel[(num_seqs, num_q_heads)](
-            *parts, num_q_heads, head_dim, *splits, BLOCK_SPLITS=block_splits, BLOCK_D=block_d
+            *parts, num_q_heads, head_dim, *splits, **reduce_meta
         )
     return out

@@ -37,13 +37,8 @@ def _rms_norm_kernel(
     )
 
 
-def rms_norm(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    residual: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm of `x + residual` (when given); returns (normed, the new residual)."""
+def rms_norm(x, weight, eps, residual=None):
+    """`reference.rms_norm`'s contract, in Triton."""
     hidden = x.shape[-1]
     rows = x.reshape(-1, hidden).contiguous()
     if residual is None:
@@ -128,16 +123,8 @@ def _rotary_kernel(
     )
 
 
-def rotary_embedding(
-    positions: torch.Tensor,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-) -> None:
-    """Rotate `query` [N, q_heads, D] and `key` [N, kv_heads, D] in place, half-split (NeoX) style.
-
-    `cos_sin_cache` is `[max_positions, D]`: cosines in the first half, sines in the second.
-    """
+def rotary_embedding(positions, query, key, cos_sin_cache):
+    """`reference.rotary_embedding`'s contract, in Triton."""
     num_tokens, num_q_heads, head_dim = query.shape
     if query.stride(2) != 1 or key.stride(2) != 1 or cos_sin_cache.stride(1) != 1:
         raise ValueError("rotary_embedding needs the head dimension of query, key and cache dense")

@@ -11,37 +11,43 @@ from halfmoon.kernels.kv_quant import FORMAT_CODES
 LOG2_E = 1.4426950408889634
 
 
+# What `attend_tiles` hides: nothing, the keys past the range's end, or also those after each
+# query row's own position.
+NO_MASK = tl.constexpr(0)
+END_MASK = tl.constexpr(1)
+CAUSAL_MASK = tl.constexpr(2)
+
+
+@triton.jit
+def softmax_start(ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The running (acc, row max, row sum) of `ROWS` query rows before any key."""
+    acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+    return acc, tl.full([ROWS], float("-inf"), dtype=tl.float32), tl.zeros([ROWS], dtype=tl.float32)
+
+
 @triton.jit
 def attend_tiles(
-    q,
-    acc,
-    row_max,
-    row_sum,
+    query,
+    state,
     start,
     end,
-    positions,
-    k_cache_ptr,
-    v_cache_ptr,
-    table_row_ptr,
-    dims,
-    dim_mask,
-    kv_head,
-    block_size,
-    stride_cp,
-    stride_co,
-    stride_ch,
-    scale_log2,
-    head_dim,
+    pages,
     BLOCK_N: tl.constexpr,
-    APPLY_MASK: tl.constexpr,
-    CAUSAL: tl.constexpr,
+    MASK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     KV_FORMAT: tl.constexpr,
 ):
     """Fold the keys in [start, end), found page by page via a block table row, into the running
-    softmax; `APPLY_MASK` hides keys past `end`, `CAUSAL` also those after each row's position.
-    `KV_FORMAT` (`kv_format`): 0 the caches hold values; else 8-bit rows with their scales, the
-    caches given as bytes (kv_quant.py), dequantized here into q's dtype."""
+    softmax `state` (`softmax_start`); `MASK` says which keys to hide (`NO_MASK`, ...).
+    `query`: (q, each row's position, its head lanes `dims`, their mask, the scale in base 2);
+    `pages`: (K cache, V cache, the block table row, KV head, block size, the strides of a
+    page's page, offset and head, head dim). `KV_FORMAT` (`kv_format`): 0 the caches hold
+    values; else 8-bit rows with their scales, the caches given as bytes (kv_quant.py),
+    dequantized here into q's dtype."""
+    q, positions, dims, dim_mask, scale_log2 = query
+    k_cache_ptr, v_cache_ptr, table_row_ptr, kv_head, block_size, strides, head_dim = pages
+    stride_cp, stride_co, stride_ch = strides
+    acc, row_max, row_sum = state
     for tile_start in range(start, end, BLOCK_N):
         tokens = tile_start + tl.arange(0, BLOCK_N)
         token_mask = tokens < end
@@ -53,10 +59,10 @@ def attend_tiles(
         if KV_FORMAT != 0:  # dequantized in fp32: into the query's dtype for tl.dot
             key, value = key.to(q.dtype), value.to(q.dtype)
         allowed = token_mask[None, :]
-        if CAUSAL:
+        if MASK == CAUSAL_MASK:
             allowed = allowed & (tokens[None, :] <= positions[:, None])
         acc, row_max, row_sum = online_softmax_step(
-            q, key, value, acc, row_max, row_sum, allowed, scale_log2, APPLY_MASK, DOT_PRECISION
+            q, key, value, acc, row_max, row_sum, allowed, scale_log2, MASK, DOT_PRECISION
         )
     return acc, row_max, row_sum
 
@@ -67,12 +73,17 @@ def load_tile(cache_ptr, rows, dims, token_mask, dim_mask, head_dim, KV_FORMAT: 
     dequantized into fp32, each by its fp16 scale (the 2 bytes after its values)."""
     mask = token_mask[:, None] & dim_mask[None, :]
     raw = tl.load(cache_ptr + rows[:, None] + dims[None, :], mask=mask, other=0)
+    # One return after a constexpr if/else: compiled Triton visits the statements after an
+    # early return too, and refuses the two paths' different return types (the cache's dtype,
+    # fp32).
     if KV_FORMAT == 0:
-        return raw
-    low = tl.load(cache_ptr + rows + head_dim, mask=token_mask, other=0).to(tl.uint16)
-    high = tl.load(cache_ptr + rows + head_dim + 1, mask=token_mask, other=0).to(tl.uint16)
-    scale = (low | (high << 8)).to(tl.float16, bitcast=True).to(tl.float32)
-    return dequantize(raw, KV_FORMAT) * scale[:, None]
+        tile = raw
+    else:
+        low = tl.load(cache_ptr + rows + head_dim, mask=token_mask, other=0).to(tl.uint16)
+        high = tl.load(cache_ptr + rows + head_dim + 1, mask=token_mask, other=0).to(tl.uint16)
+        scale = (low | (high << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+        tile = dequantize(raw, KV_FORMAT) * scale[:, None]
+    return tile
 
 
 @triton.jit
@@ -80,12 +91,14 @@ def dequantize(raw, KV_FORMAT: tl.constexpr):
     """8-bit codes (uint8) as fp32: int8 values, or an fp8 byte placed in an fp16's bits (e5m2
     is an fp16's top byte; e4m3's exponent and mantissa sit 7 bits up, reading 2^8 too small)."""
     if KV_FORMAT == 1:
-        return raw.to(tl.int8, bitcast=True).to(tl.float32)
-    wide = raw.to(tl.uint16)
-    if KV_FORMAT == 2:
+        values = raw.to(tl.int8, bitcast=True).to(tl.float32)
+    elif KV_FORMAT == 2:
+        wide = raw.to(tl.uint16)
         bits = ((wide & 0x80) << 8) | ((wide & 0x7F) << 7)
-        return bits.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
-    return (wide << 8).to(tl.float16, bitcast=True).to(tl.float32)
+        values = bits.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+    else:
+        values = (raw.to(tl.uint16) << 8).to(tl.float16, bitcast=True).to(tl.float32)
+    return values
 
 
 @triton.jit
@@ -98,12 +111,12 @@ def online_softmax_step(
     row_sum,
     allowed,
     scale_log2,
-    APPLY_MASK: tl.constexpr,
+    MASK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Fold one KV tile into the running (acc, row max, row sum) of flash attention, in base 2."""
     scores = tl.dot(q, tl.trans(key), input_precision=DOT_PRECISION) * scale_log2
-    if APPLY_MASK:
+    if MASK != NO_MASK:
         scores = tl.where(allowed, scores, float("-inf"))
     new_max = tl.maximum(row_max, tl.max(scores, 1))
     alpha = tl.exp2(row_max - new_max)
@@ -123,13 +136,18 @@ def kv_format(cache: torch.Tensor) -> int:
     return FORMAT_CODES.get(cache.dtype, 0)
 
 
-def kernel_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, query: torch.Tensor) -> tuple:
-    """(K, V as the kernels take them, KV_FORMAT, the dtype `tl.dot` multiplies in): a
-    quantized cache as bytes, its rows dequantized into the query's dtype."""
+def kernel_inputs(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple:
+    """(query, K, V as the paged kernels take them, and their BLOCK_D, DOT_PRECISION and
+    KV_FORMAT): a quantized cache as bytes, its rows dequantized into the query's dtype."""
+    check_cache(k_cache, v_cache, query)
+    if query.stride(2) != 1:
+        query = query.contiguous()
     fmt = kv_format(k_cache)
-    if fmt == 0:
-        return k_cache, v_cache, 0, k_cache.dtype
-    return k_cache.view(torch.uint8), v_cache.view(torch.uint8), fmt, query.dtype
+    dot_dtype = k_cache.dtype if fmt == 0 else query.dtype
+    if fmt != 0:
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+    meta = dict(BLOCK_D=head_dim_block(query.shape[2]), DOT_PRECISION=dot_precision(dot_dtype))
+    return query, k_cache, v_cache, meta | dict(KV_FORMAT=fmt)
 
 
 def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, query: torch.Tensor) -> None:

@@ -7,12 +7,12 @@ import triton
 import triton.language as tl
 
 from halfmoon.kernels.triton_paged import (
+    CAUSAL_MASK,
     LOG2_E,
+    NO_MASK,
     attend_tiles,
-    check_cache,
-    dot_precision,
-    head_dim_block,
-    kernel_caches,
+    kernel_inputs,
+    softmax_start,
     strides,
 )
 
@@ -78,85 +78,28 @@ def _prefill_kernel(
         q = tl.load(q_ptrs, mask=io_mask, other=0.0)
         if KV_FORMAT == 0:  # else the query stays in its dtype, the rows dequantized into it
             q = q.to(k_cache_ptr.dtype.element_ty)
-        positions = prefix + rows
         table_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
-        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+        query = (q, prefix + rows, dims, dim_mask, scale_log2)
+        strides = (stride_cp, stride_co, stride_ch)
+        pages = (k_cache_ptr, v_cache_ptr, table_row_ptr, kv_head, block_size, strides, head_dim)
         # Keys before this block's first query are visible to every row: no causal mask there.
         visible_end = (prefix + q_block * BLOCK_M) // BLOCK_N * BLOCK_N
         kv_end = prefix + tl.minimum((q_block + 1) * BLOCK_M, q_len)
-        acc, row_max, row_sum = attend_tiles(
-            q,
-            acc,
-            row_max,
-            row_sum,
-            0,
-            visible_end,
-            positions,
-            k_cache_ptr,
-            v_cache_ptr,
-            table_row_ptr,
-            dims,
-            dim_mask,
-            kv_head,
-            block_size,
-            stride_cp,
-            stride_co,
-            stride_ch,
-            scale_log2,
-            head_dim,
-            BLOCK_N,
-            APPLY_MASK=False,
-            CAUSAL=False,
-            DOT_PRECISION=DOT_PRECISION,
-            KV_FORMAT=KV_FORMAT,
+        state = softmax_start(BLOCK_M, BLOCK_D)
+        state = attend_tiles(
+            query, state, 0, visible_end, pages, BLOCK_N, NO_MASK, DOT_PRECISION, KV_FORMAT
         )
-        acc, row_max, row_sum = attend_tiles(
-            q,
-            acc,
-            row_max,
-            row_sum,
-            visible_end,
-            kv_end,
-            positions,
-            k_cache_ptr,
-            v_cache_ptr,
-            table_row_ptr,
-            dims,
-            dim_mask,
-            kv_head,
-            block_size,
-            stride_cp,
-            stride_co,
-            stride_ch,
-            scale_log2,
-            head_dim,
-            BLOCK_N,
-            APPLY_MASK=True,
-            CAUSAL=True,
-            DOT_PRECISION=DOT_PRECISION,
-            KV_FORMAT=KV_FORMAT,
+        acc, _, row_sum = attend_tiles(
+            query, state, visible_end, kv_end, pages, BLOCK_N, CAUSAL_MASK, DOT_PRECISION, KV_FORMAT
         )
         out = acc / row_sum[:, None]
         out_ptrs = out_ptr + tokens[:, None] * (num_q_heads * head_dim) + head * head_dim
         tl.store(out_ptrs + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
-def prefill_attention(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    block_tables: torch.Tensor,
-    prefix_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """Ragged runs of new tokens; run s attends fully to its `prefix_lens[s]` cached tokens and
-    causally to itself. The new tokens' K/V must already be in the pages (see `store_kv`)."""
-    check_cache(k_cache, v_cache, query)
-    if query.stride(2) != 1:
-        query = query.contiguous()
+def prefill_attention(query, k_cache, v_cache, cu_seqlens_q, block_tables, prefix_lens, scale):
+    """`reference.prefill_attention`'s contract, in Triton."""
+    query, k_cache, v_cache, meta = kernel_inputs(query, k_cache, v_cache)
     num_tokens, num_q_heads, head_dim = query.shape
     num_seqs = prefix_lens.shape[0]
     out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=query.dtype, device=query.device)
@@ -165,12 +108,9 @@ def prefill_attention(
     block_tables = block_tables.contiguous()
     # Runs are found on the device; this bounds the query blocks without a host sync.
     grid = (triton.cdiv(num_tokens, BLOCK_M) + num_seqs - 1, num_q_heads)
-    k_cache, v_cache, fmt, dot_dtype = kernel_caches(k_cache, v_cache, query)
     tensors = (query, k_cache, v_cache, cu_seqlens_q, block_tables, prefix_lens, out)
     sizes = (num_seqs, num_q_heads, k_cache.shape[1], num_q_heads // k_cache.shape[2], head_dim)
-    meta = dict(BLOCK_S=triton.next_power_of_2(num_seqs), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
-    meta |= dict(BLOCK_D=head_dim_block(head_dim), DOT_PRECISION=dot_precision(dot_dtype))
-    meta |= dict(KV_FORMAT=fmt)
+    meta |= dict(BLOCK_S=triton.next_power_of_2(num_seqs), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
     args = (*tensors, scale * LOG2_E, *strides(query, k_cache, block_tables), *sizes)
     _prefill_kernel[grid](*args, **meta)
     return out
