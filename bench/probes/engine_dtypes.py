@@ -6,13 +6,12 @@ run on idle CPUs."""
 from __future__ import annotations
 
 import statistics
-import sys
 from pathlib import Path
 
 import torch
 
 from halfmoon.bench.engine import Workload, our_llm, time_ours
-from halfmoon.bench.probes.engine_turns import after_quiet, rounded
+from halfmoon.bench.probes.engine_turns import rounded, timed_turns
 
 
 def compare_dtypes(model_dir: Path, work: Workload, dtype: torch.dtype, args) -> dict:
@@ -27,14 +26,9 @@ def compare_dtypes(model_dir: Path, work: Workload, dtype: torch.dtype, args) ->
         side: our_llm(model_dir, args.batch_size, args.device, d, kv_cache_dtype=kv)
         for side, (d, kv) in (("theirs", theirs), ("ours", ours))
     }
-    walls: dict[str, list[float]] = {side: [] for side in engines}
     for llm in engines.values():
         time_ours(llm, work)
-    for turn in range(args.repeats):
-        for side, llm in engines.items():
-            walls[side].append(after_quiet(time_ours, llm, work)[0])
-        ours_s, theirs_s = walls["ours"][-1], walls["theirs"][-1]
-        print(f"turn {turn}: ours {ours_s:.1f}s, {name} {theirs_s:.1f}s", file=sys.stderr)
+    walls = timed_turns(engines, work, args.repeats, {"ours": "ours", "theirs": name})
     ratios = [t / o for o, t in zip(walls["ours"], walls["theirs"], strict=True)]
     tokens = work.num_output_tokens
     figures = {

@@ -1,5 +1,6 @@
 """`halfmoon bench engine --peer vllm` and `--threads N N ...`: our engine, and vLLM's CPU build
-with `--peer`, at each thread count in alternating turns, each timed run on idle CPUs."""
+with `--peer`, at each thread count in alternating turns, each timed run on idle CPUs; and the
+turns of two engines in this process (`timed_turns`: --vs-dtype, --vs-expert-loop)."""
 
 from __future__ import annotations
 
@@ -38,12 +39,12 @@ def compare_in_turns(model_dir: Path, work: Workload, dtype: torch.dtype, args) 
             for threads in counts:
                 theirs = after_quiet(peers[threads].run) if peers else None
                 torch.set_num_threads(threads)
-                ours_s, ours_cpu_s, _ = after_quiet(time_ours, llm, work)
+                ours = after_quiet(time_ours, llm, work)
                 if theirs is not None:
                     assert theirs.output_tokens == work.num_output_tokens, theirs
-                runs[threads].append(TimedRun(ours_s, ours_cpu_s, theirs))
+                runs[threads].append(TimedRun(ours.wall_s, ours.cpu_s, theirs))
                 vllm = f", vllm {theirs.wall_s:.1f}s" if theirs else ""
-                print(f"turn {turn}, {threads} thread(s): ours {ours_s:.1f}s{vllm}", file=log)
+                print(f"turn {turn}, {threads} thread(s): ours {ours.wall_s:.1f}s{vllm}", file=log)
     finally:
         for peer in peers.values():
             peer.close()
@@ -61,6 +62,20 @@ def compare_in_turns(model_dir: Path, work: Workload, dtype: torch.dtype, args) 
         scalings = [a.peer.wall_s / b.peer.wall_s for a, b in zip(first, last, strict=True)]
         result |= {"vllm_scaling": statistics.median(scalings), "vllm_scalings": rounded(scalings)}
     return result
+
+
+def timed_turns(
+    engines: dict, work: Workload, repeats: int, labels: dict[str, str]
+) -> dict[str, list[float]]:
+    """Each of `engines`' wall seconds in `repeats` turns, every turn timing them in order, each
+    once the CPUs are idle; a line a turn with their walls by `labels` (in its order)."""
+    walls: dict[str, list[float]] = {side: [] for side in engines}
+    for turn in range(repeats):
+        for side, llm in engines.items():
+            walls[side].append(after_quiet(time_ours, llm, work).wall_s)
+        each = ", ".join(f"{label} {walls[side][-1]:.1f}s" for side, label in labels.items())
+        print(f"turn {turn}: {each}", file=sys.stderr)
+    return walls
 
 
 def after_quiet(run, *args, timeout_s: float = QUIET_TIMEOUT_S):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from halfmoon.bench import engine as bench_engine
-from halfmoon.bench.probes import engine_dtypes, engine_turns
+from halfmoon.bench.probes import engine_turns
 from halfmoon.bench.probes.engine_degrees import compare_degrees
 from halfmoon.bench.probes.engine_dtypes import compare_dtypes
 
@@ -25,7 +25,6 @@ def brief_quiet(monkeypatch):
     wait does is tested below, with its own timeout)."""
     brief = functools.partial(engine_turns.after_quiet, timeout_s=0.5)
     monkeypatch.setattr(engine_turns, "after_quiet", brief)
-    monkeypatch.setattr(engine_dtypes, "after_quiet", brief)
 
 
 @pytest.mark.timeout(120)
