@@ -62,15 +62,17 @@ def grouped_moe(
 ) -> torch.Tensor:
     """The routed sum with each expert's MLP given as `expert(index, rows)`, called once per
     expert that has tokens, over all of them (the engine's CPU path passes its packed linear
-    layers, engine/moe_block.py)."""
+    layers, engine/moe_block.py). The rows are gathered in expert order once, each expert
+    takes its run of them, and one weighted add sums the k slots of each token: an expert
+    costs its two GEMMs and SwiGLU, not a gather and a scatter of its own."""
+    order, counts = expert_order(topk_ids, num_experts)
+    tokens = order // topk_ids.shape[1]
+    runs = x.index_select(0, tokens).split(counts)
+    outputs = [expert(index, rows) for index, rows in enumerate(runs) if rows.shape[0]]
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    weights = topk_weights.reshape(-1)
-    for index, pairs in enumerate(pairs_by_expert(topk_ids, num_experts)):
-        if pairs.numel() == 0:
-            continue
-        tokens = pairs // topk_ids.shape[1]
-        rows = expert(index, x.index_select(0, tokens))
-        out.index_add_(0, tokens, rows.float() * weights[pairs].float()[:, None])
+    if outputs:
+        weights = topk_weights.reshape(-1)[order].float()[:, None]
+        out.index_add_(0, tokens, torch.cat(outputs).float() * weights)
     return out.to(x.dtype)
 
 
@@ -111,13 +113,14 @@ def expert_mlp(rows: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
     return ops.silu_and_mul(rows @ w_gate_up.t()) @ w_down.t()
 
 
-def pairs_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, ...]:
-    """Per expert, the flat indices `token * k + slot` of the pairs routed to it, ascending."""
+def expert_order(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, list[int]]:
+    """The flat pair indices `token * k + slot` sorted by expert (stably), and how many pairs
+    each expert has."""
     flat = topk_ids.reshape(-1).long()
     if flat.numel() and not 0 <= int(flat.min()) <= int(flat.max()) < num_experts:
         raise ValueError(f"topk_ids must lie in [0, {num_experts}): got {flat.unique().tolist()}")
     counts = torch.bincount(flat, minlength=num_experts)
-    return torch.argsort(flat, stable=True).split(counts.tolist())
+    return torch.argsort(flat, stable=True), counts.tolist()
 
 
 def check_shapes(x, w_gate_up, w_down, topk_ids, topk_weights) -> None:

@@ -7,9 +7,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from halfmoon.bench.chaos.killer import KINDS, Kill
+from halfmoon.kvstore.config import StoreConfig
 
 CUT_WITHIN_S = 15.0  # an attempt the router's death cut (or a store's failed) ends within this
-HELD_AFTER_S = 30.0  # and nothing is held for any request this long after the run
+# And nothing is held for any request this long after the run: the longest a store lease
+# outlives a holder that was killed (an arena claim whose release the killed decode worker
+# owed lasts its pending TTL, 60 s; a read's lease its 30 s), and a margin.
+HELD_AFTER_S = max(StoreConfig().pending_ttl_s, StoreConfig().lease_ttl_s) + 5.0
 
 
 @dataclass(frozen=True, slots=True)

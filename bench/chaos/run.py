@@ -176,7 +176,8 @@ def build_parser():
         "Prints completed, failed and equal outputs, each kind's kills and what they hit in "
         "flight, retries, migrations and what was held after. Exit status 1 unless every "
         "request completed with its undisturbed output, a kill of every kind hit requests in "
-        "flight, every cut failed within 15 s and nothing was held 30 s after.",
+        "flight, every cut failed within 15 s and nothing was held 65 s after (the longest a "
+        "store lease outlives a holder that was killed, and a margin).",
         json=False,
     )
     parser.add_argument(

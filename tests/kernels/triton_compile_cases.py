@@ -1,13 +1,15 @@
 """Every Triton kernel of halfmoon compiled for a CUDA GPU (sm_90, an H200's) on this machine,
 without one: Triton's own compiler and ptxas, down to a cubin. Run as a script (without
 TRITON_INTERPRET, under which `@triton.jit` gives functions that cannot compile) by
-test_triton_compiles.py; prints one JSON line per case: its name and its error, or null."""
+test_triton_compiles.py (arguments SHARD COUNT: every COUNT-th case); prints one JSON line
+per case: its name, its error or null, and its seconds."""
 
 from __future__ import annotations
 
 import json
 import os
 import sys
+import time
 
 import torch
 import triton
@@ -97,25 +99,35 @@ def fused_moe_gemms(dtype):
 
 
 def cases() -> dict:
-    """Name -> a call compiling one group of kernels."""
-    named = {f"attention-kv{f}-{TYPE[d]}": (attention_and_the_kv_write, f, d) for f, d in CASES}
-    named["reduction-scatter-norms-rotary"] = (reduction_scatter_norms_and_rotary,)
+    """Name -> a call compiling one group of kernels, ordered so that every other one makes two
+    halves of about equal time (fp32 attention, with full-precision dots, takes ~19 s here; each
+    bf16 KV format's 5-6 s; the rest ~3 s)."""
+    attention = {f"attention-kv{f}-{TYPE[d]}": (attention_and_the_kv_write, f, d) for f, d in CASES}
+    others = {"reduction-scatter-norms-rotary": (reduction_scatter_norms_and_rotary,)}
     for dtype in (torch.bfloat16, torch.float32):
-        named[f"fused-moe-{TYPE[dtype]}"] = (fused_moe_gemms, dtype)
-    return named
+        others[f"fused-moe-{TYPE[dtype]}"] = (fused_moe_gemms, dtype)
+    first = {"attention-kv0-fp32": attention.pop("attention-kv0-fp32")}
+    pairs = zip([*first, *others], attention, strict=False)
+    order = [name for pair in pairs for name in pair]
+    return {name: (first | attention | others)[name] for name in order}
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
+    """`SHARD COUNT`: every COUNT-th case from the SHARD-th (0 1: all), so that COUNT processes
+    can share the cases."""
     assert os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), "unset TRITON_INTERPRET"
-    for name, (run, *args) in cases().items():
+    shard, count = (int(a) for a in argv) if argv else (0, 1)
+    for name, (run, *args) in list(cases().items())[shard::count]:
+        began = time.perf_counter()
         try:
             run(*args)
             error = None
         except Exception as failure:  # noqa: BLE001 - reported, case by case
             error = f"{type(failure).__name__}: {str(failure)[-2000:]}"
-        print(json.dumps({"case": name, "error": error}), flush=True)
+        seconds = round(time.perf_counter() - began, 1)
+        print(json.dumps({"case": name, "error": error, "seconds": seconds}), flush=True)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))
